@@ -1,0 +1,361 @@
+"""``EngineClient``: the API process's handle on the engine.
+
+Lives in the API process's event loop (asyncio, no torch). It spawns worker
+rank 0 (``spawn`` start method; the worker module is imported only in the
+child), waits for its READY, forwards control messages over the RPC queue
+(``engine.transport``) and demultiplexes results into one async stream per
+session (``SessionHandle``).
+
+Liveness, both ways:
+- the client watches the worker's process sentinel in the event loop, so a
+  worker that dies (killed, crashed, OOM) is noticed at once: every open
+  session receives ``SessionFailed(code="worker_died")`` and later calls raise
+  ``EngineDeadError`` instead of hanging;
+- the worker holds the read end of a pipe whose write end only this process
+  has; when this process dies, however it dies, the worker sees EOF and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import itertools
+import logging
+import multiprocessing
+import shutil
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.messages import (
+    ControlMessage,
+    EngineDead,
+    Interaction,
+    Playback,
+    Probe,
+    ProbeReply,
+    ResultMessage,
+    SessionDone,
+    SessionFailed,
+    SessionGeometry,
+    SessionRejected,
+    SessionStarted,
+    Shutdown,
+    StartSession,
+    StopSession,
+    SubmitInteraction,
+    WorkerReady,
+    WorkerStartupFailed,
+)
+from engine.transport import Endpoints, decode_result, encode_control
+
+log = logging.getLogger(__name__)
+
+TERMINAL = (SessionDone, SessionFailed)
+
+
+class EngineError(Exception):
+    """Base of the client's errors."""
+
+
+class EngineStartupError(EngineError):
+    """The worker did not come up (it failed, died, or never said READY)."""
+
+
+class EngineDeadError(EngineError):
+    """The worker is gone; nothing more can be done with this client."""
+
+
+class SessionRejectedError(EngineError):
+    """The worker refused a start; ``code`` says why (e.g. ``server_full``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class UnknownSessionError(EngineError):
+    """No open session has this id on this client."""
+
+
+def _bootstrap(entry: str, *args: Any) -> None:
+    """Child-side trampoline: import the worker entry point by name and run it."""
+    module, _, function = entry.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
+
+
+class SessionHandle:
+    """One session's result stream; iterate it until ``SessionDone`` / ``SessionFailed``."""
+
+    def __init__(self, client: EngineClient, started: SessionStarted, queue: asyncio.Queue) -> None:
+        self._client = client
+        self._queue = queue
+        self.session_id = started.session_id
+        self.geometry: SessionGeometry = started.geometry
+        self.finished = False
+
+    def __aiter__(self) -> SessionHandle:
+        return self
+
+    async def __anext__(self) -> ResultMessage:
+        if self.finished:
+            raise StopAsyncIteration
+        message = await self._queue.get()
+        if isinstance(message, TERMINAL):
+            self.finished = True
+            self._client._forget(self.session_id)
+        return message
+
+    async def next(self, timeout: float | None = None) -> ResultMessage:
+        """The next result, or ``TimeoutError`` after ``timeout`` seconds."""
+        return await asyncio.wait_for(self.__anext__(), timeout)
+
+    async def interact(self, event_id: str, interaction: Interaction) -> None:
+        await self._client.interact(self.session_id, event_id, interaction)
+
+    async def stop(self, reason: str = "stopped") -> None:
+        await self._client.stop(self.session_id, reason)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.ready: WorkerReady | None = None
+        self._sessions: dict[str, asyncio.Queue] = {}
+        self._probes: dict[int, asyncio.Future] = {}
+        self._probe_ids = itertools.count(1)
+        self._dead_reason: str | None = None
+        self._closing = False
+        self._process: Any = None
+        self._exited = asyncio.Event()
+        self._pump_task: asyncio.Task | None = None
+        self._death_task: asyncio.Task | None = None
+        self._directory: str | None = None
+
+    # ------------------------------------------------------------------
+    # lifecycle
+    # ------------------------------------------------------------------
+
+    async def start(self) -> WorkerReady:
+        """Spawn the worker and wait for READY; ``EngineStartupError`` otherwise."""
+        endpoints, self._directory = Endpoints.fresh()
+        self._context = zmq.asyncio.Context()
+        self._control = self._context.socket(zmq.PUSH)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.setsockopt(zmq.SNDHWM, 100_000)
+        self._control.bind(endpoints.control)
+        self._results = self._context.socket(zmq.PULL)
+        self._results.setsockopt(zmq.LINGER, 0)
+        self._results.bind(endpoints.results)
+
+        spawn = multiprocessing.get_context("spawn")
+        parent_alive_reader, self._parent_alive = spawn.Pipe(duplex=False)
+        self._process = spawn.Process(
+            target=_bootstrap,
+            args=(self.config.worker_entry, self.config, endpoints, parent_alive_reader, 0),
+            name="rtvideo-worker-0",
+            daemon=True,
+        )
+        self._process.start()
+        parent_alive_reader.close()
+        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_worker_exit)
+
+        try:
+            self.ready = await self._handshake()
+        except BaseException:
+            await self._stop_process()
+            self._close_sockets()
+            raise
+        self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
+        return self.ready
+
+    async def _handshake(self) -> WorkerReady:
+        receive = asyncio.ensure_future(self._results.recv())
+        exited = asyncio.ensure_future(self._exited.wait())
+        timeout = self.config.startup_timeout_s
+        done, _ = await asyncio.wait({receive, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if receive not in done:
+            receive.cancel()
+            if self._exited.is_set():
+                raise EngineStartupError(f"worker exited with code {self._process.exitcode} before it was ready")
+            raise EngineStartupError(f"worker sent no READY within {timeout:g} s")
+        message = decode_result(receive.result())
+        if isinstance(message, WorkerStartupFailed):
+            raise EngineStartupError(f"worker could not start: {message.error}")
+        if not isinstance(message, WorkerReady):
+            raise EngineStartupError(f"worker sent {type(message).__name__} before READY")
+        return message
+
+    async def shutdown(self) -> None:
+        """End every session (``SessionDone(reason="shutdown")``) and stop the worker.
+        Idempotent; kills the worker if it does not exit in time."""
+        if self._closing or self._process is None:
+            return
+        self._closing = True
+        if self._dead_reason is None and self._process.is_alive():
+            with contextlib.suppress(EngineError, zmq.ZMQError):
+                await self._send(Shutdown())
+        await self._stop_process()
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump_task
+        await self._drain_results()
+        self._fail_all("engine_shutdown", "the engine shut down")
+        self._close_sockets()
+
+    async def _stop_process(self) -> None:
+        process = self._process
+        try:
+            await asyncio.wait_for(self._exited.wait(), self.config.shutdown_timeout_s)
+        except TimeoutError:
+            log.warning("worker %s did not exit in time; terminating it", process.pid)
+            process.terminate()
+            try:
+                await asyncio.wait_for(self._exited.wait(), 2.0)
+            except TimeoutError:
+                process.kill()
+                await asyncio.wait_for(self._exited.wait(), 5.0)
+        process.join(timeout=1.0)
+
+    def _close_sockets(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._control.close()
+        self._results.close()
+        self._context.term()
+        self._parent_alive.close()
+        if self._directory:
+            shutil.rmtree(self._directory, ignore_errors=True)
+
+    def _on_worker_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._exited.set()
+        if not self._closing and self.ready is not None:
+            self._death_task = asyncio.create_task(self._on_worker_death())
+
+    async def _on_worker_death(self) -> None:
+        code = self._process.exitcode
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump_task
+        await self._drain_results()  # what the worker sent before it died
+        reason = self._dead_reason or f"worker process {self._process.pid} died (exit code {code})"
+        self._dead_reason = reason
+        log.error("%s", reason)
+        self._fail_all("worker_died", reason)
+
+    # ------------------------------------------------------------------
+    # results
+    # ------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        while True:
+            self._route(decode_result(await self._results.recv()))
+
+    async def _drain_results(self) -> None:
+        while await self._results.poll(timeout=100):
+            self._route(decode_result(await self._results.recv()))
+
+    def _route(self, message: ResultMessage) -> None:
+        if isinstance(message, ProbeReply):
+            future = self._probes.pop(message.probe_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif isinstance(message, EngineDead):
+            self._dead_reason = f"engine dead: {message.reason}"
+        elif hasattr(message, "session_id"):
+            queue = self._sessions.get(message.session_id)
+            if queue is not None:
+                queue.put_nowait(message)
+
+    def _fail_all(self, code: str, reason: str) -> None:
+        for session_id, queue in self._sessions.items():
+            queue.put_nowait(SessionFailed(session_id=session_id, code=code, message=reason))
+        for future in self._probes.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._probes.clear()
+
+    def _forget(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    # ------------------------------------------------------------------
+    # control
+    # ------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self.ready is not None and self._dead_reason is None and not self._exited.is_set()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def worker_pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def open_sessions(self) -> tuple[str, ...]:
+        return tuple(self._sessions)
+
+    async def _send(self, message: ControlMessage) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self.ready is None or self._exited.is_set():
+            raise EngineDeadError("the engine is not running")
+        try:
+            await self._control.send(encode_control(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("the worker is not accepting control messages") from None
+
+    async def start_session(self, start: StartSession) -> SessionHandle:
+        """Open a session; ``SessionRejectedError`` if the worker refuses it."""
+        if start.session_id in self._sessions:
+            raise SessionRejectedError("duplicate_session", f"session {start.session_id!r} is already open")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._sessions[start.session_id] = queue
+        try:
+            await self._send(start)
+            first = await queue.get()
+        except BaseException:
+            self._forget(start.session_id)
+            raise
+        if isinstance(first, SessionStarted):
+            return SessionHandle(self, first, queue)
+        self._forget(start.session_id)
+        if isinstance(first, SessionRejected):
+            raise SessionRejectedError(first.code, first.message)
+        raise EngineDeadError(getattr(first, "message", "the session failed to start"))
+
+    async def interact(self, session_id: str, event_id: str, interaction: Interaction) -> None:
+        """Send an interaction; its acknowledgement arrives on the session's stream."""
+        if session_id not in self._sessions:
+            raise UnknownSessionError(f"no open session {session_id!r}")
+        await self._send(SubmitInteraction(session_id=session_id, event_id=event_id, interaction=interaction))
+
+    async def playback(self, session_id: str, position_seconds: float) -> None:
+        if session_id not in self._sessions:
+            raise UnknownSessionError(f"no open session {session_id!r}")
+        await self._send(Playback(session_id=session_id, position_seconds=position_seconds))
+
+    async def stop(self, session_id: str, reason: str = "stopped") -> None:
+        """End a session; idempotent, and a no-op for a session already gone."""
+        if session_id in self._sessions and self.alive:
+            await self._send(StopSession(session_id=session_id, reason=reason))
+
+    async def probe(self, timeout: float = 10.0) -> ProbeReply:
+        probe_id = next(self._probe_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._probes[probe_id] = future
+        try:
+            await self._send(Probe(probe_id=probe_id))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._probes.pop(probe_id, None)

@@ -1,0 +1,61 @@
+"""Engine configuration: one object, bounds checked at construction.
+
+Owned by the API process (``EngineClient``) and handed, pickled once at spawn,
+to the worker. Environment variables are not read here; the CLI reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Which pipeline a worker builds, by registry name, with its options.
+
+    ``options`` travel to the worker once, at spawn (they may hold
+    ``multiprocessing`` synchronisation objects made from the spawn context).
+    """
+
+    name: str = "stub"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine schedules and admits work."""
+
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    max_sessions: int = 4
+    """Sessions admitted at once per worker; a start beyond it is refused (server_full)."""
+    group_chunk_steps: bool = True
+    """Run all denoise steps of a chunk in one runner invocation when the pipeline
+    supports it. The chunk boundary is never grouped (see docs/ENGINE.md)."""
+    max_batch_rows: int = 1
+    """Session rows one plan may carry (capped by the pipeline's own limit)."""
+    max_transition_chunks: int = 64
+    """Largest ``transition_chunks`` an interaction may ask for."""
+    max_prompt_chars: int = 4000
+    """Longest prompt accepted, in characters."""
+    startup_timeout_s: float = 120.0
+    """How long the client waits for a worker's READY before giving up."""
+    shutdown_timeout_s: float = 10.0
+    """How long shutdown waits for a worker to exit before killing it."""
+    worker_entry: str = "workers.main:run_worker"
+    """Import path of the worker entry point; resolved in the child process only,
+    so the API process never imports ``workers``."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_sessions >= 1, "max_sessions", "must be >= 1")
+        _check(self.max_batch_rows >= 1, "max_batch_rows", "must be >= 1")
+        _check(self.max_transition_chunks >= 1, "max_transition_chunks", "must be >= 1")
+        _check(self.max_prompt_chars >= 1, "max_prompt_chars", "must be >= 1")
+        _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
+        _check(self.shutdown_timeout_s > 0, "shutdown_timeout_s", "must be > 0")
+        _check(":" in self.worker_entry, "worker_entry", "must look like 'module:function'")
+
+
+def _check(ok: bool, name: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{name} {rule}")

@@ -1,0 +1,231 @@
+"""The worker's control plane: admission, mailboxes, and the loop's inbox.
+
+Lives in worker rank 0 and is shared by two threads:
+
+- the control-receiver thread calls ``handle`` for every message off the RPC
+  queue, the moment it arrives, even while the loop thread is inside a
+  pipeline call. Starts are admitted (or refused) and interactions land in
+  their session's mailbox right here, and are acknowledged at once;
+- the loop thread calls ``drain`` / ``wait`` for the structural messages
+  (admitted starts, stops, probes, shutdown) and ``take_boundary`` at a
+  session's chunk boundary.
+
+One lock guards everything. Acknowledgements that depend on mailbox state are
+sent while holding it, so the client always sees ``queued`` before
+``applied``/``superseded`` of the same event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.mailbox import InteractionMailbox, OfferStatus, PendingInteraction, TakeResult
+from engine.messages import (
+    ControlMessage,
+    InteractionQueued,
+    InteractionRejected,
+    InteractionSuperseded,
+    Playback,
+    Probe,
+    ResultMessage,
+    SessionGeometry,
+    SessionRejected,
+    SessionStarted,
+    Shutdown,
+    StartSession,
+    StopSession,
+    SubmitInteraction,
+)
+from engine.validation import check_interaction, check_start
+
+
+@dataclass
+class SessionControl:
+    """What the control plane knows of one admitted session (guarded by the lock)."""
+
+    start: StartSession
+    geometry: SessionGeometry
+    mailbox: InteractionMailbox
+    next_boundary: int = 0  # the chunk whose boundary has not been taken yet
+    in_progress: int | None = None  # chunk being generated, None between chunks
+    stopping: bool = False
+    playback_s: float | None = None
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        config: EngineConfig,
+        describe: Callable[[StartSession], SessionGeometry],
+        send: Callable[[ResultMessage], None],
+    ) -> None:
+        self._config = config
+        self._describe = describe
+        self._send = send
+        self._lock = threading.Lock()
+        self._inbox_ready = threading.Condition(self._lock)
+        self._inbox: deque[ControlMessage] = deque()
+        self._sessions: dict[str, SessionControl] = {}
+        self._shutting_down = False
+        self._handlers: dict[type, Callable] = {
+            StartSession: self._on_start,
+            SubmitInteraction: self._on_interaction,
+            Playback: self._on_playback,
+            StopSession: self._on_stop,
+            Probe: self._to_inbox,
+            Shutdown: self._on_shutdown,
+        }
+
+    # ------------------------------------------------------------------
+    # Receiver thread
+    # ------------------------------------------------------------------
+
+    def handle(self, message: ControlMessage) -> None:
+        """Dispatch one control message by type (receiver thread)."""
+        with self._lock:
+            self._handlers[type(message)](message)
+
+    def _on_start(self, start: StartSession) -> None:
+        sid = start.session_id
+        if self._shutting_down:
+            return self._reject(sid, "shutting_down", "the server is shutting down")
+        if sid in self._sessions:
+            return self._reject(sid, "duplicate_session", f"session {sid!r} is already open")
+        if len(self._sessions) >= self._config.max_sessions:
+            limit = self._config.max_sessions
+            return self._reject(sid, "server_full", f"server full: max_sessions={limit} are open")
+        try:
+            check_start(start, self._config)
+            geometry = self._describe(start)
+        except ValueError as error:
+            return self._reject(sid, "invalid_request", str(error))
+        mailbox = InteractionMailbox(start.transition_chunks, start.scheduled, time.monotonic())
+        self._sessions[sid] = SessionControl(start, geometry, mailbox)
+        self._send(SessionStarted(session_id=sid, geometry=geometry))
+        self._to_inbox(start)
+
+    def _on_interaction(self, submit: SubmitInteraction) -> None:
+        sid, eid = submit.session_id, submit.event_id
+        control = self._sessions.get(sid)
+        if control is None:
+            return self._reject_interaction(sid, eid, "unknown_session", f"no open session {sid!r}")
+        if control.stopping:
+            return self._reject_interaction(sid, eid, "session_ended", "the session is stopping")
+        try:
+            check_interaction(submit.interaction, self._config)
+        except ValueError as error:
+            return self._reject_interaction(sid, eid, "invalid_interaction", str(error))
+        last = control.geometry.num_chunks
+        if last is not None and control.next_boundary >= last:
+            message = f"the last chunk ({last - 1}) has already begun"
+            return self._reject_interaction(sid, eid, "interaction_too_late", message)
+        offer = control.mailbox.offer(eid, submit.interaction, time.monotonic())
+        if offer.status is OfferStatus.CONFLICT:
+            message = f"event_id {eid!r} was already used with a different body"
+            return self._reject_interaction(sid, eid, "event_id_conflict", message)
+        if offer.superseded is not None:
+            old = offer.superseded.event_id
+            self._send(InteractionSuperseded(session_id=sid, event_id=old, by_event_id=eid))
+        self._send(
+            InteractionQueued(
+                session_id=sid,
+                event_id=eid,
+                in_progress_chunk_index=control.in_progress,
+                expected_chunk_index=control.next_boundary,
+                duplicate=offer.status is OfferStatus.DUPLICATE,
+            )
+        )
+
+    def _on_playback(self, playback: Playback) -> None:
+        control = self._sessions.get(playback.session_id)
+        if control is not None:
+            control.playback_s = playback.position_seconds
+            self._inbox_ready.notify()
+
+    def _on_stop(self, stop: StopSession) -> None:
+        control = self._sessions.get(stop.session_id)
+        if control is not None and not control.stopping:
+            control.stopping = True
+            self._to_inbox(stop)
+
+    def _on_shutdown(self, shutdown: Shutdown) -> None:
+        self._shutting_down = True
+        self._to_inbox(shutdown)
+
+    def _to_inbox(self, message: ControlMessage) -> None:
+        self._inbox.append(message)
+        self._inbox_ready.notify()
+
+    def _reject(self, sid: str, code: str, message: str) -> None:
+        self._send(SessionRejected(session_id=sid, code=code, message=message))
+
+    def _reject_interaction(self, sid: str, eid: str, code: str, message: str) -> None:
+        self._send(InteractionRejected(session_id=sid, event_id=eid, code=code, message=message))
+
+    # ------------------------------------------------------------------
+    # Loop thread
+    # ------------------------------------------------------------------
+
+    def drain(self) -> list[ControlMessage]:
+        """Every structural message received since the last drain, in order."""
+        with self._lock:
+            messages = list(self._inbox)
+            self._inbox.clear()
+        return messages
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the inbox has something (or ``timeout`` passes)."""
+        with self._lock:
+            if not self._inbox:
+                self._inbox_ready.wait(timeout)
+
+    def take_boundary(self, session_id: str, chunk_index: int) -> TakeResult:
+        """Take what applies at the boundary before ``chunk_index`` and mark that
+        chunk in progress, atomically: anything accepted after this call is
+        promised to the next chunk, anything before it is in this one."""
+        with self._lock:
+            control = self._sessions[session_id]
+            control.next_boundary = chunk_index + 1
+            control.in_progress = chunk_index
+            return control.mailbox.take(chunk_index)
+
+    def chunk_finished(self, session_id: str) -> None:
+        with self._lock:
+            control = self._sessions.get(session_id)
+            if control is not None:
+                control.in_progress = None
+
+    def is_stopping(self, session_id: str) -> bool:
+        """Whether a stop arrived for the session (read between denoise steps)."""
+        with self._lock:
+            control = self._sessions.get(session_id)
+            return control is None or control.stopping
+
+    def playback_seconds(self, session_id: str) -> float | None:
+        with self._lock:
+            control = self._sessions.get(session_id)
+            return None if control is None else control.playback_s
+
+    def unregister(self, session_id: str) -> list[PendingInteraction]:
+        """Forget a session (its admission slot frees); returns what never applied."""
+        with self._lock:
+            control = self._sessions.pop(session_id, None)
+            return [] if control is None else control.mailbox.drain()
+
+    def geometry(self, session_id: str) -> SessionGeometry:
+        with self._lock:
+            return self._sessions[session_id].geometry
+
+    def open_sessions(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._sessions)
+
+    @property
+    def shutting_down(self) -> bool:
+        with self._lock:
+            return self._shutting_down

@@ -1,0 +1,315 @@
+"""Wire types: the only values that cross a process boundary.
+
+Every struct here is a frozen, tagged ``msgspec.Struct``. Control messages go
+from the API process (``EngineClient``) to worker rank 0; result messages come
+back. They are encoded with msgpack by ``engine.transport``; media travels as
+``bytes`` payloads, never as pickled tensors. Nothing but wire types lives in
+this module.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every wire struct: frozen, keyword-only, tagged by ``type``."""
+
+
+# --------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------
+
+
+class Interaction(msgspec.Struct, frozen=True, kw_only=True):
+    """What a prompt interaction asks for.
+
+    ``transition_chunks`` None means "the session's default"; 0 or 1 is a hard
+    cut; N >= 2 blends the conditioning over N chunks, the j-th chunk after the
+    boundary (j = 0 .. N-1) weighing the new prompt by (j + 1) / N.
+    """
+
+    prompt: str
+    transition_chunks: int | None = None
+
+
+class ScheduledInteraction(msgspec.Struct, frozen=True, kw_only=True):
+    """An interaction fixed in advance to take effect at chunk ``at_chunk``.
+
+    Request mode and replay use these: a live session's applied log, turned
+    into scheduled interactions, regenerates the same frames.
+    """
+
+    at_chunk: int
+    event_id: str
+    interaction: Interaction
+
+
+class AppliedInteraction(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of a session's replay log: what took effect, and where."""
+
+    event_id: str
+    at_chunk: int
+    prompt: str
+    transition_chunks: int
+
+
+class SessionGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """The effective shape of a session, as the pipeline will produce it."""
+
+    width: int
+    height: int
+    fps: float
+    num_inference_steps: int
+    first_chunk_frames: int  # frames decoded from chunk 0
+    frames_per_chunk: int  # frames decoded from every later chunk
+    num_chunks: int | None  # None: runs until stopped
+    transition_chunks: int  # default for interactions that name none
+
+
+class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """Worker-side cost of one chunk, measured around the pipeline calls."""
+
+    boundary_ms: float  # apply interaction + prepare_next_chunk
+    denoise_ms: float  # every denoise_step + step_scheduler of the chunk
+    decode_ms: float  # post_decode (commit + decode)
+    steps: int  # denoise steps the chunk ran
+    runner_calls: tuple[int, ...]  # runner invocation number of each step, in order
+
+
+# --------------------------------------------------------------------------
+# Control: API process -> worker rank 0
+# --------------------------------------------------------------------------
+
+
+class StartSession(_Wire, tag="start_session"):
+    """Open a session. Answered by ``SessionStarted`` or ``SessionRejected``.
+
+    ``num_chunks`` None runs until ``StopSession``. Sizes and steps are checked
+    by the worker against what its pipeline supports.
+    """
+
+    session_id: str
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+    width: int | None = None  # None: the pipeline's default
+    height: int | None = None
+    fps: float | None = None
+    num_chunks: int | None = None
+    num_inference_steps: int | None = None
+    transition_chunks: int = 0
+    scheduled: tuple[ScheduledInteraction, ...] = ()
+
+
+class SubmitInteraction(_Wire, tag="submit_interaction"):
+    """Queue an interaction for the session's next chunk boundary.
+
+    ``event_id`` is an idempotency key: the same id with the same body is a
+    no-op; with another body it is rejected (``event_id_conflict``).
+    """
+
+    session_id: str
+    event_id: str
+    interaction: Interaction
+
+
+class Playback(_Wire, tag="playback"):
+    """The client's playhead, in seconds of session media."""
+
+    session_id: str
+    position_seconds: float
+
+
+class StopSession(_Wire, tag="stop_session"):
+    """End a session; idempotent. Answered by ``SessionDone(stopped=True)``."""
+
+    session_id: str
+    reason: str = "stopped"
+
+
+class Probe(_Wire, tag="probe"):
+    """Ask the worker for a ``ProbeReply`` (state held, loop counters)."""
+
+    probe_id: int
+
+
+class Shutdown(_Wire, tag="shutdown"):
+    """Finish: every open session ends with ``SessionDone(reason=...)``."""
+
+    reason: str = "shutdown"
+
+
+ControlMessage = StartSession | SubmitInteraction | Playback | StopSession | Probe | Shutdown
+
+
+# --------------------------------------------------------------------------
+# Results: worker rank 0 -> API process
+# --------------------------------------------------------------------------
+
+
+class WorkerReady(_Wire, tag="worker_ready"):
+    """The READY handshake: the pipeline is built and the loop is running."""
+
+    rank: int
+    pid: int
+    pipeline: str
+    supports_chunk_step_grouping: bool
+    grouping: bool  # whether this engine groups the steps of a chunk
+    max_sessions: int
+
+
+class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):
+    """The worker could not build its pipeline; it exits after sending this."""
+
+    rank: int
+    error: str
+
+
+class SessionStarted(_Wire, tag="session_started"):
+    """The session was admitted; ``geometry`` is its effective configuration."""
+
+    session_id: str
+    geometry: SessionGeometry
+
+
+class SessionRejected(_Wire, tag="session_rejected"):
+    """The start was refused. ``code``: server_full, invalid_request, duplicate_session, shutting_down."""
+
+    session_id: str
+    code: str
+    message: str
+
+
+class ChunkReady(_Wire, tag="chunk_ready"):
+    """One finished chunk: metadata plus its frames as uint8 RGB bytes.
+
+    ``payload`` holds ``num_frames * height * width * 3`` bytes, frame-major.
+    The three event-id lists say which interactions began with this chunk,
+    which were in effect during it (a transition in progress, or the cut that
+    began here), and which finished with it (including superseded ones).
+    """
+
+    session_id: str
+    generation_chunk_index: int
+    num_frames: int
+    first_frame_index: int
+    media_start_seconds: float
+    width: int
+    height: int
+    started_event_ids: tuple[str, ...]
+    active_event_ids: tuple[str, ...]
+    completed_event_ids: tuple[str, ...]
+    timing: ChunkTiming
+    payload: bytes
+
+
+class InteractionQueued(_Wire, tag="interaction_queued"):
+    """The worker's mailbox accepted the interaction.
+
+    ``in_progress_chunk_index`` is the chunk being generated at acceptance
+    (None between chunks). ``expected_chunk_index`` is the chunk it will take
+    effect at unless superseded. ``duplicate`` marks a repeat of a known
+    event_id with the same body (nothing changed).
+    """
+
+    session_id: str
+    event_id: str
+    in_progress_chunk_index: int | None
+    expected_chunk_index: int
+    duplicate: bool = False
+
+
+class InteractionApplied(_Wire, tag="interaction_applied"):
+    """The interaction took effect at the first frame of ``generation_chunk_index``."""
+
+    session_id: str
+    event_id: str
+    generation_chunk_index: int
+    first_frame_index: int
+    media_start_seconds: float
+    queued_to_applied_ms: float
+    transition_chunks: int
+
+
+class InteractionSuperseded(_Wire, tag="interaction_superseded"):
+    """A later interaction replaced this one before it reached a boundary."""
+
+    session_id: str
+    event_id: str
+    by_event_id: str
+
+
+class InteractionRejected(_Wire, tag="interaction_rejected"):
+    """The interaction was refused. ``code``: unknown_session, invalid_interaction,
+    event_id_conflict, interaction_too_late, session_ended."""
+
+    session_id: str
+    event_id: str
+    code: str
+    message: str
+
+
+class SessionDone(_Wire, tag="session_done"):
+    """The session ended and the worker holds nothing for it any more.
+
+    ``reason``: completed, stopped (or the reason given to StopSession),
+    shutdown. ``applied`` is the replay log.
+    """
+
+    session_id: str
+    chunks: int
+    frames: int
+    stopped: bool
+    reason: str
+    applied: tuple[AppliedInteraction, ...]
+
+
+class SessionFailed(_Wire, tag="session_failed"):
+    """The session ended on an error; the worker released it. ``code``:
+    pipeline_error, worker_died, engine_dead."""
+
+    session_id: str
+    code: str
+    message: str
+
+
+class EngineDead(_Wire, tag="engine_dead"):
+    """The engine cannot go on; every open session has failed."""
+
+    reason: str
+
+
+class ProbeReply(_Wire, tag="probe_reply"):
+    """Worker state, for health checks and for tests that prove a release.
+
+    ``runner_sessions`` and ``pipeline_sessions`` list every session for which
+    the runner, respectively the pipeline, still holds state.
+    """
+
+    probe_id: int
+    sessions: tuple[str, ...]  # admitted and not yet done
+    runner_sessions: tuple[str, ...]
+    pipeline_sessions: tuple[str, ...]
+    iterations: int  # loop iterations that executed a plan
+    busy_s: float  # time spent in those iterations
+    pipeline_s: float  # of which inside pipeline calls
+    steps: int  # denoise steps run
+    chunks: int  # chunks finished
+
+
+ResultMessage = (
+    WorkerReady
+    | WorkerStartupFailed
+    | SessionStarted
+    | SessionRejected
+    | ChunkReady
+    | InteractionQueued
+    | InteractionApplied
+    | InteractionSuperseded
+    | InteractionRejected
+    | SessionDone
+    | SessionFailed
+    | EngineDead
+    | ProbeReply
+)

@@ -1,0 +1,86 @@
+"""The control-receiver thread of worker rank 0.
+
+Reads the RPC queue as messages arrive, independent of the loop thread, and
+hands each to ``ControlPlane.handle``: interactions reach their mailbox (and
+are acknowledged) even while a chunk is being denoised, and a stop is seen
+between two denoise steps of a grouped invocation.
+
+It also watches the parent-liveness pipe: when the API process dies (however
+it dies), the pipe's read end hits EOF, the receiver asks the loop to shut
+down, and if the loop has not finished within ``orphan_grace_s`` the process
+exits anyway, so a worker never outlives its parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import msgspec
+import zmq
+
+from engine.control import ControlPlane
+from engine.messages import Shutdown
+from engine.transport import decode_control
+
+log = logging.getLogger(__name__)
+
+
+class ControlReceiver:
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        control: ControlPlane,
+        parent_alive_fd: int,
+        orphan_grace_s: float = 5.0,
+    ) -> None:
+        self._socket = context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._control = control
+        self._parent_fd = parent_alive_fd
+        self._orphan_grace_s = orphan_grace_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="control-receiver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._socket.close()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._parent_fd, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(timeout=200))
+            if self._socket in ready:
+                self._receive_all()
+            if self._parent_fd in ready:
+                self._orphaned()
+                return
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                data = self._socket.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                message = decode_control(data)
+            except msgspec.DecodeError as error:
+                log.error("dropping an undecodable control message: %s", error)
+                continue
+            self._control.handle(message)
+
+    def _orphaned(self) -> None:
+        log.warning("the API process is gone; shutting this worker down")
+        self._control.handle(Shutdown(reason="parent_exited"))
+        timer = threading.Timer(self._orphan_grace_s, os._exit, args=(3,))
+        timer.daemon = True
+        timer.start()

@@ -1,0 +1,96 @@
+"""Per-session engine state, owned by the loop thread of worker rank 0.
+
+One ``EngineSession`` per admitted session; nothing is global, so any number
+of sessions share a worker. The pipeline's tensors live in the runner, keyed
+by the same session id; this object only tracks where the session is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.messages import AppliedInteraction, SessionGeometry, StartSession
+
+
+class Phase(Enum):
+    NEW = "new"  # admitted; the runner has not encoded it yet
+    BOUNDARY = "boundary"  # between chunks: the next boundary may run
+    DENOISING = "denoising"  # chunk ``chunk_index`` is being denoised
+    FINISHING = "finishing"  # ending; the runner frees it in the next plan
+
+
+@dataclass(frozen=True)
+class ChunkEvents:
+    """Interaction ids attached to one chunk's metadata."""
+
+    started: tuple[str, ...] = ()
+    active: tuple[str, ...] = ()
+    completed: tuple[str, ...] = ()
+
+
+class EventTracker:
+    """Derives the started / active / completed event ids of each chunk.
+
+    An interaction starts at the chunk it applies to and stays active while
+    its transition runs (N chunks; one for a hard cut); it completes with the
+    transition's last chunk, or earlier when a newer interaction cuts in.
+    A superseded interaction completes, without starting, at the next chunk.
+    """
+
+    def __init__(self) -> None:
+        self._current: tuple[str, int] | None = None  # (event id, last chunk of its transition)
+
+    def begin_chunk(self, chunk: int, applied: tuple[str, int] | None, superseded: list[str]) -> ChunkEvents:
+        completed = list(superseded)
+        started: list[str] = []
+        if applied is not None:
+            event_id, transition_chunks = applied
+            if self._current is not None:
+                completed.append(self._current[0])  # interrupted mid-transition
+            self._current = (event_id, chunk + max(transition_chunks, 1) - 1)
+            started.append(event_id)
+        active: list[str] = []
+        if self._current is not None:
+            active.append(self._current[0])
+            if self._current[1] == chunk:
+                completed.append(self._current[0])
+                self._current = None
+        return ChunkEvents(tuple(started), tuple(active), tuple(completed))
+
+
+@dataclass
+class EngineSession:
+    session_id: str
+    geometry: SessionGeometry
+    start: StartSession | None = None  # the request, until the runner opened it
+    phase: Phase = Phase.NEW
+    chunk_index: int = 0  # the chunk in progress (DENOISING) or next to begin (BOUNDARY)
+    step_in_chunk: int = 0
+    chunks_done: int = 0
+    frames_done: int = 0
+    end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
+    events: EventTracker = field(default_factory=EventTracker)
+    chunk_events: ChunkEvents = field(default_factory=ChunkEvents)
+    applied: list[AppliedInteraction] = field(default_factory=list)
+    # Cost of the chunk in progress, accumulated over invocations.
+    boundary_ms: float = 0.0
+    denoise_ms: float = 0.0
+    step_calls: list[int] = field(default_factory=list)
+
+    @property
+    def steps_per_chunk(self) -> int:
+        return self.geometry.num_inference_steps
+
+    @property
+    def media_seconds_done(self) -> float:
+        return self.frames_done / self.geometry.fps
+
+    def is_last_chunk(self, chunk: int) -> bool:
+        total = self.geometry.num_chunks
+        return total is not None and chunk >= total - 1
+
+    def finish(self, reason: str) -> None:
+        if self.phase is not Phase.FINISHING:
+            self.phase = Phase.FINISHING
+            self.end_reason = reason

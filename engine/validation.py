@@ -1,0 +1,57 @@
+"""Model-independent checks of control messages, run by the worker's control plane.
+
+Each check raises ``ValueError`` whose text names the offending field, so the
+refusal the client receives says exactly what was wrong. Pipeline-specific
+limits (sizes, step counts) are checked by the pipeline's ``describe``.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.messages import Interaction, StartSession
+
+MAX_SEED = 2**63 - 1
+
+
+def check_prompt(prompt: str, field: str, config: EngineConfig) -> None:
+    if not prompt.strip():
+        raise ValueError(f"{field} must not be empty")
+    if len(prompt) > config.max_prompt_chars:
+        raise ValueError(f"{field} is longer than {config.max_prompt_chars} characters")
+
+
+def check_transition(value: int | None, field: str, config: EngineConfig) -> None:
+    if value is not None and not 0 <= value <= config.max_transition_chunks:
+        raise ValueError(f"{field} must be between 0 and {config.max_transition_chunks}, got {value}")
+
+
+def check_interaction(interaction: Interaction, config: EngineConfig) -> None:
+    check_prompt(interaction.prompt, "interaction.prompt", config)
+    check_transition(interaction.transition_chunks, "interaction.transition_chunks", config)
+
+
+def check_start(start: StartSession, config: EngineConfig) -> None:
+    if not start.session_id:
+        raise ValueError("session_id must not be empty")
+    check_prompt(start.prompt, "prompt", config)
+    if not 0 <= start.seed <= MAX_SEED:
+        raise ValueError(f"seed must be between 0 and {MAX_SEED}, got {start.seed}")
+    if start.num_chunks is not None and start.num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {start.num_chunks}")
+    check_transition(start.transition_chunks, "transition_chunks", config)
+    seen_chunks: set[int] = set()
+    seen_ids: set[str] = set()
+    for i, item in enumerate(start.scheduled):
+        where = f"scheduled[{i}]"
+        if item.at_chunk < 0:
+            raise ValueError(f"{where}.at_chunk must be >= 0, got {item.at_chunk}")
+        if start.num_chunks is not None and item.at_chunk >= start.num_chunks:
+            raise ValueError(f"{where}.at_chunk {item.at_chunk} is past the last chunk ({start.num_chunks - 1})")
+        if item.at_chunk in seen_chunks:
+            raise ValueError(f"{where}.at_chunk {item.at_chunk} is scheduled twice")
+        if not item.event_id or item.event_id in seen_ids:
+            raise ValueError(f"{where}.event_id must be present and unique")
+        seen_chunks.add(item.at_chunk)
+        seen_ids.add(item.event_id)
+        check_prompt(item.interaction.prompt, f"{where}.prompt", config)
+        check_transition(item.interaction.transition_chunks, f"{where}.transition_chunks", config)

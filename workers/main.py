@@ -1,0 +1,76 @@
+"""Entry point of a worker process (spawned by ``engine.client.EngineClient``).
+
+Rank 0 builds its pipeline, wires the control plane, the control-receiver
+thread and the engine loop together, says READY, and runs the loop until
+shutdown. On a pipeline that cannot be built it says so
+(``WorkerStartupFailed``) and exits 1; on an engine bug it says
+``EngineDead`` and exits 2. It ignores SIGINT: the parent decides when to stop,
+and if the parent dies the receiver notices through the liveness pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.control import ControlPlane
+from engine.loop import EngineLoop
+from engine.messages import EngineDead, WorkerReady, WorkerStartupFailed
+from engine.receiver import ControlReceiver
+from engine.transport import Endpoints, ResultSender
+from workers.pipelines import build_pipeline
+from workers.runner import ModelRunner
+
+log = logging.getLogger("rtvideo.worker")
+
+
+def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connection, rank: int = 0) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
+    context = zmq.Context()
+    sender = ResultSender(context, endpoints.results)
+    try:
+        pipeline = build_pipeline(config.pipeline)
+    except Exception as error:
+        log.exception("could not build pipeline %r", config.pipeline.name)
+        sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
+        sender.close()
+        context.term()
+        raise SystemExit(1) from None
+
+    runner = ModelRunner(pipeline)
+    grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
+    max_rows = min(config.max_batch_rows, pipeline.max_batch_rows)
+    control = ControlPlane(config, runner.describe, sender.send)
+    loop = EngineLoop(config, control, runner, sender.send, grouping=grouping, max_rows=max_rows)
+    receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
+    receiver.start()
+    sender.send(
+        WorkerReady(
+            rank=rank,
+            pid=os.getpid(),
+            pipeline=pipeline.name,
+            supports_chunk_step_grouping=pipeline.supports_chunk_step_grouping,
+            grouping=grouping,
+            max_sessions=config.max_sessions,
+        )
+    )
+    exit_code = 0
+    try:
+        loop.run()
+    except Exception as error:
+        log.exception("engine loop failed")
+        detail = "".join(traceback.format_exception_only(error)).strip()
+        sender.send(EngineDead(reason=f"engine loop failed: {detail}"))
+        exit_code = 2
+    finally:
+        receiver.stop()
+        sender.close()
+        context.term()
+    raise SystemExit(exit_code)
