@@ -55,6 +55,7 @@ from engine.transport import Endpoints, decode_result, encode_control
 log = logging.getLogger(__name__)
 
 TERMINAL = (SessionDone, SessionFailed)
+SEND_TIMEOUT_S = 5.0
 
 
 class EngineError(Exception):
@@ -240,6 +241,7 @@ class EngineClient:
             self._death_task = asyncio.create_task(self._on_worker_death())
 
     async def _on_worker_death(self) -> None:
+        self._process.join(timeout=1.0)  # the sentinel fired: it has exited; reap it
         code = self._process.exitcode
         if self._pump_task is not None:
             self._pump_task.cancel()
@@ -310,10 +312,10 @@ class EngineClient:
             raise EngineDeadError(self._dead_reason)
         if self.ready is None or self._exited.is_set():
             raise EngineDeadError("the engine is not running")
-        try:
-            await self._control.send(encode_control(message), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineDeadError("the worker is not accepting control messages") from None
+        try:  # blocks only until the worker's end of the pipe is connected
+            await asyncio.wait_for(self._control.send(encode_control(message)), SEND_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineDeadError(f"the worker accepted no control message within {SEND_TIMEOUT_S:g} s") from None
 
     async def start_session(self, start: StartSession) -> SessionHandle:
         """Open a session; ``SessionRejectedError`` if the worker refuses it."""

@@ -164,8 +164,7 @@ class EngineLoop:
     # ------------------------------------------------------------------
 
     def schedule(self) -> _Iteration:
-        self._invocation += 1
-        plan = StepPlan(invocation=self._invocation)
+        plan = StepPlan(invocation=self._invocation + 1)
         iteration = _Iteration(plan)
         plan.release = [sid for sid, s in self.sessions.items() if s.phase is Phase.FINISHING]
         for session in self.scheduler.select(self.sessions.values()):
@@ -183,6 +182,8 @@ class EngineLoop:
                     steps_per_chunk=session.steps_per_chunk,
                 )
             )
+        if not plan.is_empty():
+            self._invocation = plan.invocation
         return iteration
 
     def boundary_work(self, session: EngineSession, iteration: _Iteration) -> None:
@@ -204,7 +205,7 @@ class EngineLoop:
         session.chunk_events = session.events.begin_chunk(
             chunk,
             None if applied is None else (applied.event_id, applied.transition_chunks),
-            [old.event_id for old, _ in taken.superseded],
+            taken.retired,
         )
         session.phase = Phase.DENOISING
         session.step_in_chunk = 0

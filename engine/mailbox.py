@@ -47,11 +47,14 @@ class OfferResult:
 
 @dataclass(frozen=True)
 class TakeResult:
-    """What a boundary takes: at most one interaction to apply, and the ones it
-    replaced (each with the event id that replaced it)."""
+    """What a boundary takes: at most one interaction to apply; the ones this
+    take replaced (each with the event id that replaced it, to be reported);
+    and the ids of every interaction superseded since the previous take,
+    reported or not (they complete, without starting, at this boundary)."""
 
     applied: PendingInteraction | None
     superseded: list[tuple[PendingInteraction, str]] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
 
 
 class InteractionMailbox:
@@ -64,6 +67,7 @@ class InteractionMailbox:
         self._default_transition = default_transition_chunks
         self._seen: dict[str, Interaction] = {}
         self._pending: PendingInteraction | None = None
+        self._retired: list[str] = []  # superseded since the last take
         self._scheduled: dict[int, PendingInteraction] = {}
         for item in scheduled:
             self._seen[item.event_id] = item.interaction
@@ -77,16 +81,20 @@ class InteractionMailbox:
             return OfferResult(status)
         self._seen[event_id] = interaction
         superseded, self._pending = self._pending, self._resolve(event_id, interaction, now)
+        if superseded is not None:
+            self._retired.append(superseded.event_id)
         return OfferResult(OfferStatus.QUEUED, superseded)
 
     def take(self, chunk_index: int) -> TakeResult:
         """Remove what applies at the boundary before ``chunk_index``."""
         scheduled = self._scheduled.pop(chunk_index, None)
         pending, self._pending = self._pending, None
+        retired, self._retired = self._retired, []
         if pending is None:
-            return TakeResult(scheduled)
-        superseded = [(scheduled, pending.event_id)] if scheduled is not None else []
-        return TakeResult(pending, superseded)
+            return TakeResult(scheduled, [], retired)
+        if scheduled is None:
+            return TakeResult(pending, [], retired)
+        return TakeResult(pending, [(scheduled, pending.event_id)], [*retired, scheduled.event_id])
 
     def drain(self) -> list[PendingInteraction]:
         """Remove everything not yet applied (the session is ending)."""

@@ -3,8 +3,9 @@
 Runs on the loop thread of worker rank 0. Owns one ``PipelineState`` per open
 session (never shared, never global) and implements ``engine.plan.Runner``.
 Every pipeline call is timed, and guarded per session: an exception fails
-that session only, releases it at once, and the other rows go on. A batched
-forward that raises fails the rows it carried.
+that session only, releases it at once, and the other rows go on. When a
+batched forward raises, each of its rows is rerun alone, so only the row that
+fails on its own loses its session.
 """
 
 from __future__ import annotations
@@ -83,11 +84,21 @@ class ModelRunner:
     def _step(self, batch_rows: list[PlanRow], invocation: int, result: PlanResult, left: dict[str, int]) -> None:
         states = [self.states[row.session_id] for row in batch_rows]
         batch = StepBatch(tuple(BatchRow(s.session_id, s.chunk_index, s.step_in_chunk) for s in states))
-        ids = [row.session_id for row in batch_rows]
-        with self._guard(result, ids, "denoise_step") as forward:
-            predictions = self.pipeline.denoise_step(batch, states)
-        if forward.failed:
-            return
+        if len(batch_rows) > 1:
+            try:
+                with _timed(result) as forward:
+                    predictions = self.pipeline.denoise_step(batch, states)
+            except Exception:
+                # Find the culprit: rerun each row alone (denoise_step has no side
+                # effects on state), so one bad row fails only its own session.
+                for row in batch_rows:
+                    self._step([row], invocation, result, left)
+                return
+        else:
+            with self._guard(result, batch_rows[0].session_id, "denoise_step") as forward:
+                predictions = self.pipeline.denoise_step(batch, states)
+            if forward.failed:
+                return
         share = forward.ms / len(states)
         for row, state, prediction in zip(batch_rows, states, predictions, strict=True):
             sid = row.session_id
@@ -116,23 +127,30 @@ class ModelRunner:
             self.pipeline.release(state)
 
     @contextmanager
-    def _guard(self, result: PlanResult, session_ids: str | list[str], stage: str) -> Iterator[_Timer]:
-        """Time a pipeline call; on an exception, fail and release the sessions."""
-        timer = _Timer()
-        try:
-            yield timer
-        except Exception as error:  # a pipeline bug must not take the worker down
-            timer.failed = True
-            message = f"{stage} failed: {type(error).__name__}: {error}"
-            for sid in [session_ids] if isinstance(session_ids, str) else session_ids:
-                result.row(sid).error = message
+    def _guard(self, result: PlanResult, session_id: str, stage: str) -> Iterator[_Timer]:
+        """Time a pipeline call; on an exception, fail and release the session."""
+        with _timed(result) as timer:
+            try:
+                yield timer
+            except Exception as error:  # a pipeline bug must not take the worker down
+                timer.failed = True
+                row = result.row(session_id)
+                row.error = f"{stage} failed: {type(error).__name__}: {error}"
                 try:
-                    self._release(sid)
+                    self._release(session_id)
                 except Exception as release_error:
-                    result.row(sid).error += f" (release also failed: {release_error})"
-        finally:
-            timer.stop()
-            result.pipeline_s += timer.ms / 1000.0
+                    row.error += f" (release also failed: {release_error})"
+
+
+@contextmanager
+def _timed(result: PlanResult) -> Iterator[_Timer]:
+    """Time a pipeline call and add it to the plan's pipeline time."""
+    timer = _Timer()
+    try:
+        yield timer
+    finally:
+        timer.stop()
+        result.pipeline_s += timer.ms / 1000.0
 
 
 class _Timer:

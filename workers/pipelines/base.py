@@ -87,7 +87,9 @@ class ChunkPipeline(Protocol):
         ...
 
     def denoise_step(self, batch: StepBatch, states: Sequence[PipelineState]) -> Sequence[Any]:
-        """One forward over the rows of ``batch``; one prediction per row."""
+        """One forward over the rows of ``batch``; one prediction per row. Must not
+        change any state (the runner may rerun a row alone to isolate a failure);
+        the sampler update belongs to ``step_scheduler``."""
         ...
 
     def step_scheduler(self, state: PipelineState, noise_pred: Any) -> None:

@@ -1,0 +1,32 @@
+"""Fixtures shared by every tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.client import EngineClient
+from engine.config import EngineConfig, PipelineSpec
+
+ENGINE_KEYS = {"max_sessions", "group_chunk_steps", "max_batch_rows", "max_transition_chunks"}
+
+
+@pytest.fixture
+async def make_engine():
+    """Start real worker processes over the stub pipeline; shut them all down after.
+
+    Keyword arguments named in ``ENGINE_KEYS`` go to ``EngineConfig``, the rest
+    are the stub pipeline's options.
+    """
+    clients: list[EngineClient] = []
+
+    async def factory(**options) -> EngineClient:
+        engine = {key: options.pop(key) for key in list(options) if key in ENGINE_KEYS}
+        config = EngineConfig(pipeline=PipelineSpec("stub", options), startup_timeout_s=60, **engine)
+        client = EngineClient(config)
+        await client.start()
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        await client.shutdown()

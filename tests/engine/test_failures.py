@@ -1,0 +1,74 @@
+"""Failures stay where they belong: a pipeline error fails one session, a dead
+worker fails all of its sessions quickly, and nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engine.client import EngineClient, EngineDeadError, EngineStartupError, UnknownSessionError
+from engine.config import EngineConfig, PipelineSpec
+from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, StartSession
+from tests.support import Collected, collect, read_until
+
+
+async def test_pipeline_error_fails_only_that_session(make_engine):
+    engine = await make_engine(fail_prompt="doomed", fail_chunk=1, max_batch_rows=2)
+    doomed = await engine.start_session(StartSession(session_id="bad", prompt="doomed", num_chunks=4))
+    healthy = await engine.start_session(StartSession(session_id="good", prompt="fine", num_chunks=6))
+    bad, good = await asyncio.gather(collect(doomed), collect(healthy))
+
+    assert isinstance(bad.end, SessionFailed)
+    assert bad.end.code == "pipeline_error"
+    assert "denoise_step failed" in bad.end.message and "injected failure at chunk 1" in bad.end.message
+    assert len(bad.chunks) == 1
+    assert isinstance(good.end, SessionDone) and good.end.chunks == 6
+    probe = await engine.probe()
+    assert probe.sessions == probe.runner_sessions == probe.pipeline_sessions == ()
+
+
+async def test_killed_worker_fails_every_session_within_two_seconds(make_engine):
+    engine = await make_engine(step_time_s=0.005)
+    handles = [await engine.start_session(StartSession(session_id=f"s{i}", prompt="p")) for i in range(3)]
+    for handle in handles:  # all three are generating
+        await read_until(handle, ChunkReady, Collected())
+
+    killed_at = time.monotonic()
+    os.kill(engine.worker_pid, signal.SIGKILL)
+    ends = await asyncio.gather(*(collect(h, timeout=5.0) for h in handles))
+    elapsed = time.monotonic() - killed_at
+
+    assert elapsed < 2.0, f"sessions learned of the dead worker after {elapsed:.2f} s"
+    for result in ends:
+        assert isinstance(result.end, SessionFailed) and result.end.code == "worker_died"
+        assert "died" in result.end.message
+    assert not engine.alive and "exit code -9" in engine.dead_reason
+    with pytest.raises(EngineDeadError):
+        await engine.start_session(StartSession(session_id="late", prompt="p"))
+    with pytest.raises(EngineDeadError):
+        await engine.probe()
+
+
+async def test_unknown_pipeline_is_a_clear_startup_error():
+    client = EngineClient(EngineConfig(pipeline=PipelineSpec("no-such-model"), startup_timeout_s=60))
+    with pytest.raises(EngineStartupError, match="unknown pipeline 'no-such-model'"):
+        await client.start()
+
+
+async def test_bad_pipeline_options_are_a_clear_startup_error():
+    client = EngineClient(EngineConfig(pipeline=PipelineSpec("stub", {"no_such_option": 1}), startup_timeout_s=60))
+    with pytest.raises(EngineStartupError, match="no_such_option"):
+        await client.start()
+
+
+async def test_interactions_on_unknown_or_finished_sessions_raise(make_engine):
+    engine = await make_engine()
+    handle = await engine.start_session(StartSession(session_id="s", prompt="p", num_chunks=1))
+    await collect(handle)
+    with pytest.raises(UnknownSessionError):
+        await engine.interact("s", "e", Interaction(prompt="later"))
+    await engine.stop("s")  # idempotent: a finished session is a no-op

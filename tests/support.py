@@ -1,0 +1,82 @@
+"""Helpers shared by the test tiers: reading stub frames back, collecting a
+session's results, and gates that hold a stub pipeline mid-chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.client import SessionHandle
+from engine.messages import ChunkReady, ResultMessage, SessionDone, SessionFailed
+from workers.pipelines.stub import StubGate, blend, conditioning_row, embed
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def make_gate(chunk: int, step: int, prompt: str | None = None) -> StubGate:
+    """A gate whose events work across the spawned worker process."""
+    return StubGate(chunk=chunk, step=step, reached=SPAWN.Event(), release=SPAWN.Event(), prompt=prompt)
+
+
+async def wait_reached(gate: StubGate, timeout: float = 30.0) -> None:
+    if not await asyncio.to_thread(gate.reached.wait, timeout):
+        raise AssertionError(f"the worker never reached the gate at chunk {gate.chunk} step {gate.step}")
+
+
+def frames(chunk: ChunkReady) -> np.ndarray:
+    """The chunk's payload as (frames, height, width, 3) uint8."""
+    video = np.frombuffer(chunk.payload, dtype=np.uint8)
+    return video.reshape(chunk.num_frames, chunk.height, chunk.width, 3)
+
+
+def conditioning_of(chunk: ChunkReady) -> np.ndarray:
+    """Row 0 of the chunk's first frame: the stub's conditioning readout."""
+    return frames(chunk)[0, 0]
+
+
+def expected_row(prompt: str, width: int) -> np.ndarray:
+    return conditioning_row(embed(prompt), width)
+
+
+def expected_blend_row(old: str, new: str, weight: float, width: int) -> np.ndarray:
+    return conditioning_row(blend(embed(old), embed(new), weight), width)
+
+
+@dataclass
+class Collected:
+    messages: list[ResultMessage] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ChunkReady]:
+        return [m for m in self.messages if isinstance(m, ChunkReady)]
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.messages if isinstance(m, kind)]
+
+    @property
+    def end(self) -> ResultMessage:
+        return self.messages[-1]
+
+
+async def collect(handle: SessionHandle, into: Collected | None = None, timeout: float = 30.0) -> Collected:
+    """Read the session's stream to its end (``SessionDone`` / ``SessionFailed``)."""
+    collected = into or Collected()
+    while True:
+        message = await handle.next(timeout)
+        collected.messages.append(message)
+        if isinstance(message, (SessionDone, SessionFailed)):
+            return collected
+
+
+async def read_until(handle: SessionHandle, kind: type, into: Collected, timeout: float = 30.0):
+    """Read until a message of ``kind`` arrives; everything read is kept in ``into``."""
+    while True:
+        message = await handle.next(timeout)
+        into.messages.append(message)
+        if isinstance(message, kind):
+            return message
+        if isinstance(message, (SessionDone, SessionFailed)):
+            raise AssertionError(f"session ended before a {kind.__name__}: {message}")
