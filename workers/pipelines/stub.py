@@ -13,7 +13,8 @@ What a test can read back from each decoded frame:
   arithmetic (a step skipped, run twice, or run out of order) changes them.
 
 Knobs for tests and benchmarks (all keyword options of the constructor):
-``step_time_s`` / ``decode_time_s`` (simulated compute, slept), ``gates``
+``step_time_s`` / ``decode_time_s`` (simulated compute: slept, or spun with
+``spin=True`` the way a host thread spins on a GPU sync), ``gates``
 (``StubGate``: block at a chunk and step until released, to place a control
 message mid-chunk deterministically), ``fail_prompt`` / ``fail_chunk`` (raise
 in ``denoise_step`` for sessions started with that prompt).
@@ -54,6 +55,13 @@ def blend(old: np.ndarray, new: np.ndarray, weight: float) -> np.ndarray:
     return (1.0 - weight) * old + weight * new
 
 
+def _spin(seconds: float) -> None:
+    """Busy-wait: keeps the CPU hot, as a host thread spinning on a GPU sync does."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
 @dataclass
 class StubGate:
     """Block the first denoise step that computes step ``step`` of chunk ``chunk``
@@ -87,6 +95,7 @@ class StubPipeline:
         max_size: int = 512,
         step_time_s: float = 0.0,
         decode_time_s: float = 0.0,
+        spin: bool = False,
         gates: Sequence[StubGate] = (),
         fail_prompt: str | None = None,
         fail_chunk: int = 0,
@@ -98,6 +107,7 @@ class StubPipeline:
         self.max_size = max_size
         self.step_time_s = step_time_s
         self.decode_time_s = decode_time_s
+        self._wait = _spin if spin else time.sleep
         self.gates = list(gates)
         self.fail_prompt = fail_prompt
         self.fail_chunk = fail_chunk
@@ -169,7 +179,7 @@ class StubPipeline:
             if state.start.prompt == self.fail_prompt and row.chunk_index == self.fail_chunk:
                 raise RuntimeError(f"stub pipeline: injected failure at chunk {row.chunk_index}")
         if self.step_time_s:
-            time.sleep(self.step_time_s)  # one forward for the whole batch
+            self._wait(self.step_time_s)  # one forward for the whole batch
         predictions = []
         for state in states:
             extra = state.extra
@@ -191,7 +201,7 @@ class StubPipeline:
         final = extra["latent"]
         extra["context"] = 0.5 * extra["context"] + 0.5 * final  # commit to the history
         if self.decode_time_s:
-            time.sleep(self.decode_time_s)
+            self._wait(self.decode_time_s)
         geometry = state.geometry
         frames = self.first_chunk_frames if state.chunk_index == 0 else self.frames_per_chunk
         width, height = geometry.width, geometry.height

@@ -1,0 +1,236 @@
+"""``rtvideo bench engine``: the engine loop's own cost, and where interactions land.
+
+Runs real worker processes over the stub pipeline with a fixed simulated step
+time, so everything that is not the pipeline is overhead of ours.
+
+Overhead. For each mode (grouped, ungrouped) and each steps-per-chunk count S
+in 1..4, one session runs ``chunks`` chunks; the worker reports how long its
+loop was busy and how much of that was inside pipeline calls. Overhead per
+chunk is fitted as ``a + b * S``: ``b`` is the overhead each denoise step adds,
+``a`` what each chunk adds. Grouping should shrink ``b`` to the runner's inner
+loop; the figure "grouping removes" is ``1 - b_grouped / b_ungrouped``.
+
+Interactions. One endless session per mode; after each received chunk the
+client waits a random fraction of a chunk and sends a new prompt. Each
+interaction's lag is the chunk it was applied at minus the chunk the worker
+was generating when it accepted it (from the ``queued`` acknowledgement): the
+engine's guarantee is exactly 1.
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from engine.client import EngineClient
+from engine.config import EngineConfig, PipelineSpec
+from engine.messages import (
+    ChunkReady,
+    Interaction,
+    InteractionApplied,
+    InteractionQueued,
+    InteractionRejected,
+    InteractionSuperseded,
+    ProbeReply,
+    SessionDone,
+    SessionFailed,
+    StartSession,
+)
+
+STEP_COUNTS = (1, 2, 3, 4)
+ZERO_STEP_CHUNKS = 300
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    step_ms: float = 10.0
+    chunks: int = 20
+    interactions: int = 20
+    seed: int = 0
+    repeats: int = 3  # runs per configuration; the quietest one counts
+    spin: bool = True  # simulate steps by spinning (a hot CPU, as on a GPU sync) or sleeping
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"p50": pick(0.5), "p95": pick(0.95), "max": ordered[-1], "min": ordered[0]}
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns (a, b)."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - b * mean_x, b
+
+
+async def _engine(options: BenchOptions, grouped: bool, step_ms: float) -> EngineClient:
+    stub = {"step_time_s": step_ms / 1000.0, "spin": options.spin, "width": 16, "height": 16}
+    config = EngineConfig(pipeline=PipelineSpec("stub", stub), group_chunk_steps=grouped, max_sessions=1)
+    client = EngineClient(config)
+    await client.start()
+    return client
+
+
+def _delta(after: ProbeReply, before: ProbeReply) -> dict[str, float]:
+    return {
+        "busy_s": after.busy_s - before.busy_s,
+        "pipeline_s": after.pipeline_s - before.pipeline_s,
+        "steps": after.steps - before.steps,
+        "chunks": after.chunks - before.chunks,
+        "iterations": after.iterations - before.iterations,
+    }
+
+
+async def _overhead_once(client: EngineClient, chunks: int, steps: int, run: int) -> dict:
+    before = await client.probe()
+    started = time.perf_counter()
+    start = StartSession(session_id=f"overhead-{steps}-{run}", prompt="bench", num_chunks=chunks, num_inference_steps=steps)
+    async for message in await client.start_session(start):
+        if isinstance(message, SessionFailed):
+            raise RuntimeError(message.message)
+    wall = time.perf_counter() - started
+    d = _delta(await client.probe(), before)
+    overhead_s = d["busy_s"] - d["pipeline_s"]
+    return {
+        "steps_per_chunk": steps,
+        "iterations": d["iterations"],
+        "loop_overhead_per_chunk_ms": overhead_s / d["chunks"] * 1000.0,
+        "loop_overhead_per_step_ms": overhead_s / d["steps"] * 1000.0,
+        "end_to_end_over_pipeline": wall / d["pipeline_s"],
+    }
+
+
+async def _overhead(client: EngineClient, options: BenchOptions, step_ms: float) -> dict:
+    """Per steps-per-chunk count, the quietest of ``repeats`` runs (the least
+    disturbed by the rest of the machine), then the linear fit."""
+    chunks = options.chunks if step_ms > 0 else ZERO_STEP_CHUNKS  # free steps: afford many chunks
+    runs = []
+    for steps in STEP_COUNTS:
+        tries = [await _overhead_once(client, chunks, steps, i) for i in range(options.repeats)]
+        runs.append(min(tries, key=lambda r: r["loop_overhead_per_chunk_ms"]))
+    per_chunk_ms = [r["loop_overhead_per_chunk_ms"] for r in runs]
+    per_chunk, per_step = _fit([float(s) for s in STEP_COUNTS], per_chunk_ms)
+    figures = {"runs": runs, "fit_per_chunk_ms": per_chunk, "fit_per_step_ms": per_step}
+    if step_ms > 0:
+        figures["per_step_overhead_ratio"] = per_step / step_ms
+        figures["per_chunk_overhead_ratio"] = per_chunk_ms[-1] / (STEP_COUNTS[-1] * step_ms)
+    return figures
+
+
+async def _interactions(client: EngineClient, options: BenchOptions, rng: random.Random) -> dict:
+    """Send one interaction at a time, at a random point of a chunk, and see
+    where each lands; the next goes out once the previous one was applied."""
+    chunk_s = 4 * options.step_ms / 1000.0
+    handle = await client.start_session(StartSession(session_id="interactions", prompt="p0", num_inference_steps=4))
+    queued: dict[str, InteractionQueued] = {}
+    lags: list[int] = []
+    latencies: list[float] = []
+    at_boundary = 0
+    in_flight: asyncio.Task | None = None
+
+    async def send_later(event_id: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await handle.interact(event_id, Interaction(prompt=f"prompt {event_id}"))
+
+    async for message in handle:
+        if isinstance(message, ChunkReady) and in_flight is None and len(lags) < options.interactions:
+            event_id = f"e{len(lags) + 1}"
+            in_flight = asyncio.create_task(send_later(event_id, rng.uniform(0.0, chunk_s)))
+        elif isinstance(message, InteractionQueued):
+            queued[message.event_id] = message
+        elif isinstance(message, InteractionApplied):
+            q = queued[message.event_id]
+            if q.in_progress_chunk_index is None:
+                at_boundary += 1
+                reference = q.expected_chunk_index - 1  # accepted between chunks: the last one done
+            else:
+                reference = q.in_progress_chunk_index
+            lags.append(message.generation_chunk_index - reference)
+            latencies.append(message.queued_to_applied_ms)
+            in_flight = None
+            if len(lags) == options.interactions:
+                await handle.stop()
+        elif isinstance(message, InteractionRejected | InteractionSuperseded):
+            raise RuntimeError(f"interaction {message.event_id} did not apply: {message}")
+        elif isinstance(message, SessionDone | SessionFailed):
+            break
+    return {
+        "n": len(lags),
+        "accepted_between_chunks": at_boundary,
+        "queued_to_applied_ms": _percentiles(latencies),
+        "queued_to_applied_chunks": _percentiles([ms / (chunk_s * 1000.0) for ms in latencies]),
+        "lag_chunks": _percentiles([float(x) for x in lags]),
+        "lag_exactly_one_chunk": bool(lags) and all(x == 1 for x in lags),
+    }
+
+
+async def _mode(options: BenchOptions, grouped: bool, rng: random.Random) -> dict:
+    figures = {}
+    client = await _engine(options, grouped, options.step_ms)
+    try:
+        figures["overhead"] = await _overhead(client, options, options.step_ms)
+        figures["interactions"] = await _interactions(client, options, rng)
+    finally:
+        await client.shutdown()
+    client = await _engine(options, grouped, 0.0)
+    try:
+        figures["overhead_zero_step"] = await _overhead(client, options, 0.0)
+    finally:
+        await client.shutdown()
+    return figures
+
+
+def _removed(summary: dict, key: str) -> float | None:
+    grouped, ungrouped = summary["grouped"][key]["fit_per_step_ms"], summary["ungrouped"][key]["fit_per_step_ms"]
+    return 1.0 - grouped / ungrouped if ungrouped > 0 else None
+
+
+async def run(options: BenchOptions) -> dict:
+    rng = random.Random(options.seed)
+    summary: dict = {
+        "bench": "engine",
+        "step_ms": options.step_ms,
+        "step_wait": "spin" if options.spin else "sleep",
+        "chunks_per_run": options.chunks,
+        "repeats": options.repeats,
+    }
+    for mode, grouped in (("grouped", True), ("ungrouped", False)):
+        summary[mode] = await _mode(options, grouped, rng)
+    removed = _removed(summary, "overhead")
+    removed_zero = _removed(summary, "overhead_zero_step")
+    summary["grouping_removes_per_step_overhead"] = removed
+    summary["grouping_removes_per_step_overhead_zero_step"] = removed_zero
+    worst = max(summary[m]["overhead"]["per_step_overhead_ratio"] for m in ("grouped", "ungrouped"))
+    summary["targets"] = {
+        "overhead_le_2pct_of_step": worst <= 0.02,
+        "grouping_removes_ge_90pct": removed is not None and removed >= 0.9,
+        "grouping_removes_ge_90pct_zero_step": removed_zero is not None and removed_zero >= 0.9,
+        "lag_exactly_one_chunk": all(summary[m]["interactions"]["lag_exactly_one_chunk"] for m in ("grouped", "ungrouped")),
+    }
+    return summary
+
+
+def main(options: BenchOptions, as_json: bool) -> int:
+    summary = asyncio.run(run(options))
+    if not as_json:
+        for mode in ("grouped", "ungrouped"):
+            o, z, i = summary[mode]["overhead"], summary[mode]["overhead_zero_step"], summary[mode]["interactions"]
+            print(
+                f"{mode:>9}: per step {o['fit_per_step_ms'] * 1000:.1f} us ({o['per_step_overhead_ratio']:.2%} of a step), "
+                f"per chunk {o['fit_per_chunk_ms'] * 1000:.1f} us; with 0 ms steps {z['fit_per_step_ms'] * 1000:.1f} us "
+                f"per step; lag {i['lag_chunks']}, queued->applied p50 {i['queued_to_applied_ms'].get('p50', 0):.1f} ms"
+            )
+    print(json.dumps(summary))
+    return 0

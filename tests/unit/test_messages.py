@@ -1,0 +1,104 @@
+"""Wire types round-trip through the transport codec, stay frozen, and refuse garbage."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine import messages as m
+from engine.transport import decode_control, decode_result, encode_control, encode_result
+
+GEOMETRY = m.SessionGeometry(
+    width=64, height=48, fps=16.0, num_inference_steps=4, first_chunk_frames=9,
+    frames_per_chunk=12, num_chunks=None, transition_chunks=2,
+)
+TIMING = m.ChunkTiming(boundary_ms=0.5, denoise_ms=40.0, decode_ms=3.0, steps=4, runner_calls=(7, 7, 7, 7))
+
+CONTROL = [
+    m.StartSession(
+        session_id="s", prompt="a fox", negative_prompt="blur", seed=2**62, width=64, height=48, fps=16.0,
+        num_chunks=7, num_inference_steps=3, transition_chunks=2,
+        scheduled=(m.ScheduledInteraction(at_chunk=3, event_id="e", interaction=m.Interaction(prompt="x")),),
+    ),
+    m.StartSession(session_id="minimal", prompt="p"),
+    m.SubmitInteraction(session_id="s", event_id="e1", interaction=m.Interaction(prompt="ünïcødé ✓", transition_chunks=0)),
+    m.Playback(session_id="s", position_seconds=1.25),
+    m.StopSession(session_id="s", reason="client_disconnected"),
+    m.Probe(probe_id=3),
+    m.Shutdown(reason="sigterm"),
+]
+
+RESULTS = [
+    m.WorkerReady(rank=0, pid=123, pipeline="stub", supports_chunk_step_grouping=True, grouping=False, max_sessions=4),
+    m.WorkerStartupFailed(rank=0, error="ValueError: no"),
+    m.SessionStarted(session_id="s", geometry=GEOMETRY),
+    m.SessionRejected(session_id="s", code="server_full", message="full"),
+    m.ChunkReady(
+        session_id="s", generation_chunk_index=2, num_frames=12, first_frame_index=21, media_start_seconds=1.3125,
+        width=64, height=48, started_event_ids=("a",), active_event_ids=("a", "b"), completed_event_ids=(),
+        timing=TIMING, payload=bytes(range(256)) * 10,
+    ),
+    m.InteractionQueued(session_id="s", event_id="e", in_progress_chunk_index=None, expected_chunk_index=0),
+    m.InteractionApplied(
+        session_id="s", event_id="e", generation_chunk_index=3, first_frame_index=33, media_start_seconds=2.0625,
+        queued_to_applied_ms=12.5, transition_chunks=0,
+    ),
+    m.InteractionSuperseded(session_id="s", event_id="a", by_event_id="b"),
+    m.InteractionRejected(session_id="s", event_id="a", code="event_id_conflict", message="reused"),
+    m.SessionDone(
+        session_id="s", chunks=3, frames=33, stopped=True, reason="stopped",
+        applied=(m.AppliedInteraction(event_id="e", at_chunk=1, prompt="x", transition_chunks=0),),
+    ),
+    m.SessionFailed(session_id="s", code="pipeline_error", message="boom"),
+    m.EngineDead(reason="bug"),
+    m.ProbeReply(
+        probe_id=1, sessions=("s",), runner_sessions=("s",), pipeline_sessions=(), iterations=3,
+        busy_s=0.5, pipeline_s=0.4, steps=12, chunks=3,
+    ),
+]
+
+
+@pytest.mark.parametrize("message", CONTROL, ids=lambda x: type(x).__name__)
+def test_control_messages_round_trip(message):
+    assert decode_control(encode_control(message)) == message
+
+
+@pytest.mark.parametrize("message", RESULTS, ids=lambda x: type(x).__name__)
+def test_result_messages_round_trip(message):
+    decoded = decode_result(encode_result(message))
+    assert decoded == message and type(decoded) is type(message)
+
+
+def test_every_wire_type_is_covered_by_the_round_trip_tests():
+    covered = {type(x) for x in CONTROL + RESULTS}
+    wire = {t for t in vars(m).values() if isinstance(t, type) and issubclass(t, m._Wire) and t is not m._Wire}
+    assert wire == covered
+
+
+def test_tags_are_the_wire_type_field():
+    assert msgspec.msgpack.decode(encode_control(m.Probe(probe_id=1)))["type"] == "probe"
+
+
+def test_messages_are_frozen():
+    with pytest.raises(AttributeError):
+        m.Probe(probe_id=1).probe_id = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1",  # not msgpack
+        msgspec.msgpack.encode({"type": "no_such_type"}),
+        msgspec.msgpack.encode({"type": "start_session"}),  # missing fields
+        msgspec.msgpack.encode({"type": "probe", "probe_id": "one"}),  # wrong type
+        msgspec.msgpack.encode([1, 2, 3]),
+    ],
+)
+def test_bad_bytes_are_a_decode_error(data):
+    with pytest.raises(msgspec.DecodeError):
+        decode_control(data)
+
+
+def test_a_result_is_not_a_control_message():
+    with pytest.raises(msgspec.DecodeError):
+        decode_control(encode_result(m.EngineDead(reason="x")))
