@@ -33,7 +33,6 @@ from engine.messages import (
     AppliedInteraction,
     ChunkReady,
     ChunkTiming,
-    ControlMessage,
     InteractionApplied,
     InteractionRejected,
     InteractionSuperseded,

@@ -71,7 +71,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``y = a + b x``; returns (a, b)."""
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
     return mean_y - b * mean_x, b
 
 
@@ -96,7 +96,9 @@ def _delta(after: ProbeReply, before: ProbeReply) -> dict[str, float]:
 async def _overhead_once(client: EngineClient, chunks: int, steps: int, run: int) -> dict:
     before = await client.probe()
     started = time.perf_counter()
-    start = StartSession(session_id=f"overhead-{steps}-{run}", prompt="bench", num_chunks=chunks, num_inference_steps=steps)
+    start = StartSession(
+        session_id=f"overhead-{steps}-{run}", prompt="bench", num_chunks=chunks, num_inference_steps=steps
+    )
     async for message in await client.start_session(start):
         if isinstance(message, SessionFailed):
             raise RuntimeError(message.message)
@@ -217,7 +219,9 @@ async def run(options: BenchOptions) -> dict:
         "overhead_le_2pct_of_step": worst <= 0.02,
         "grouping_removes_ge_90pct": removed is not None and removed >= 0.9,
         "grouping_removes_ge_90pct_zero_step": removed_zero is not None and removed_zero >= 0.9,
-        "lag_exactly_one_chunk": all(summary[m]["interactions"]["lag_exactly_one_chunk"] for m in ("grouped", "ungrouped")),
+        "lag_exactly_one_chunk": all(
+            summary[m]["interactions"]["lag_exactly_one_chunk"] for m in ("grouped", "ungrouped")
+        ),
     }
     return summary
 
@@ -227,10 +231,13 @@ def main(options: BenchOptions, as_json: bool) -> int:
     if not as_json:
         for mode in ("grouped", "ungrouped"):
             o, z, i = summary[mode]["overhead"], summary[mode]["overhead_zero_step"], summary[mode]["interactions"]
+            step_us, chunk_us, free_us = (
+                1000 * x for x in (o["fit_per_step_ms"], o["fit_per_chunk_ms"], z["fit_per_step_ms"])
+            )
             print(
-                f"{mode:>9}: per step {o['fit_per_step_ms'] * 1000:.1f} us ({o['per_step_overhead_ratio']:.2%} of a step), "
-                f"per chunk {o['fit_per_chunk_ms'] * 1000:.1f} us; with 0 ms steps {z['fit_per_step_ms'] * 1000:.1f} us "
-                f"per step; lag {i['lag_chunks']}, queued->applied p50 {i['queued_to_applied_ms'].get('p50', 0):.1f} ms"
+                f"{mode:>9}: per step {step_us:.1f} us ({o['per_step_overhead_ratio']:.2%} of a step), "
+                f"per chunk {chunk_us:.1f} us; with 0 ms steps {free_us:.1f} us per step; "
+                f"lag {i['lag_chunks']}, queued->applied p50 {i['queued_to_applied_ms'].get('p50', 0):.1f} ms"
             )
     print(json.dumps(summary))
     return 0

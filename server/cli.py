@@ -18,6 +18,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
         chunks=args.chunks,
         interactions=args.interactions,
         seed=args.seed,
+        repeats=args.repeats,
         spin=not args.sleep,
     )
     return bench_engine.main(options, as_json=args.json)
@@ -48,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--interactions", type=int, default=20, help="interactions per mode (default 20)")
     engine.add_argument("--seed", type=int, default=0, help="seed for the interaction timings")
     engine.add_argument(
-        "--sleep", action="store_true", help="simulate steps by sleeping instead of spinning (a cold CPU after each step)"
+        "--repeats", type=int, default=3, help="runs per configuration; the quietest counts (default 3)"
+    )
+    engine.add_argument(
+        "--sleep",
+        action="store_true",
+        help="simulate steps by sleeping instead of spinning (a cold CPU after each step)",
     )
     engine.set_defaults(func=_bench_engine)
     return parser

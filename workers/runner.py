@@ -91,7 +91,9 @@ class ModelRunner:
         states = [self.states[row.session_id] for row in batch_rows]
         batch = StepBatch(tuple(BatchRow(s.session_id, s.chunk_index, s.step_in_chunk) for s in states))
         if len(states) == 1:
-            predictions = self._call(result, states[0].session_id, "denoise_step", self.pipeline.denoise_step, batch, states)
+            predictions = self._call(
+                result, states[0].session_id, "denoise_step", self.pipeline.denoise_step, batch, states
+            )
             if predictions is _FAILED:
                 return
         else:

@@ -223,13 +223,13 @@ async def test_sessions_sharing_a_worker_produce_what_each_produces_alone(make_e
 async def test_sessions_take_turns_round_robin(make_engine):
     gate = make_gate(chunk=0, step=0, prompt="p0")
     engine = await make_engine(max_sessions=3, gates=[gate])
-    handles = [await engine.start_session(StartSession(session_id=f"s{i}", prompt=f"p{i}", num_chunks=3)) for i in range(3)]
+    handles = [
+        await engine.start_session(StartSession(session_id=f"s{i}", prompt=f"p{i}", num_chunks=3)) for i in range(3)
+    ]
     await wait_reached(gate)  # all three are admitted before anything runs further
     gate.release.set()
     results = await asyncio.gather(*(collect(h) for h in handles))
-    calls = sorted(
-        (chunk.timing.runner_calls[0], index) for index, r in enumerate(results) for chunk in r.chunks
-    )
+    calls = sorted((chunk.timing.runner_calls[0], index) for index, r in enumerate(results) for chunk in r.chunks)
     order = [index for _, index in calls]
     assert order[:3] == [0, 1, 2]  # after the first plan, strict rotation
     assert order == [0, 1, 2] * 3

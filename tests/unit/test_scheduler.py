@@ -7,8 +7,14 @@ from engine.scheduler import ChunkScheduler
 from engine.session import EngineSession, Phase
 
 GEOMETRY = SessionGeometry(
-    width=8, height=8, fps=16.0, num_inference_steps=3, first_chunk_frames=4, frames_per_chunk=4,
-    num_chunks=None, transition_chunks=0,
+    width=8,
+    height=8,
+    fps=16.0,
+    num_inference_steps=3,
+    first_chunk_frames=4,
+    frames_per_chunk=4,
+    num_chunks=None,
+    transition_chunks=0,
 )
 
 

@@ -154,7 +154,9 @@ class StubPipeline:
         if transition_chunks <= 1:
             state.extra.update(target=new, transition=None)
         else:
-            state.extra.update(transition=(state.extra["conditioning"], new, transition_chunks, 0))
+            # Blend from what the last chunk was conditioned on (the start prompt before chunk 0).
+            current = state.extra.get("conditioning", state.extra["target"])
+            state.extra.update(transition=(current, new, transition_chunks, 0))
 
     def prepare_next_chunk(self, state: PipelineState) -> None:
         extra = state.extra
