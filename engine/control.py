@@ -201,10 +201,12 @@ class ControlPlane:
                 control.in_progress = None
 
     def is_stopping(self, session_id: str) -> bool:
-        """Whether a stop arrived for the session (read between denoise steps)."""
-        with self._lock:
-            control = self._sessions.get(session_id)
-            return control is None or control.stopping
+        """Whether a stop arrived for the session (read between denoise steps).
+
+        Lock-free on purpose, it runs once per denoise step: a dict lookup and
+        an attribute read are atomic, and a stop seen one step late is fine."""
+        control = self._sessions.get(session_id)
+        return control is None or control.stopping
 
     def playback_seconds(self, session_id: str) -> float | None:
         with self._lock:

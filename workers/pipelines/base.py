@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
@@ -42,16 +42,15 @@ class PipelineState:
     extra: dict[str, Any] = field(default_factory=dict)  # pipeline-owned (latents, caches, ...)
 
 
-@dataclass(frozen=True)
-class BatchRow:
+class BatchRow(NamedTuple):
     session_id: str
     chunk_index: int
     step: int  # the step_in_chunk this forward computes
 
 
-@dataclass(frozen=True)
-class StepBatch:
-    """The rows of one ``denoise_step`` forward, in the order of ``states``."""
+class StepBatch(NamedTuple):
+    """The rows of one ``denoise_step`` forward, in the order of ``states``.
+    (Named tuples: built once per denoise step, so cheap to make.)"""
 
     rows: tuple[BatchRow, ...]
 
