@@ -194,7 +194,7 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         """End every session (``SessionDone(reason="shutdown")``) and stop the worker.
-        Idempotent; kills the worker if it does not exit in time."""
+        Idempotent; kills the worker if it does not exit within ``shutdown_timeout_s``."""
         if self._closing or self._process is None:
             return
         self._closing = True
@@ -214,14 +214,10 @@ class EngineClient:
         process = self._process
         try:
             await asyncio.wait_for(self._exited.wait(), self.config.shutdown_timeout_s)
-        except TimeoutError:
-            log.warning("worker %s did not exit in time; terminating it", process.pid)
-            process.terminate()
-            try:
-                await asyncio.wait_for(self._exited.wait(), 2.0)
-            except TimeoutError:
-                process.kill()
-                await asyncio.wait_for(self._exited.wait(), 5.0)
+        except TimeoutError:  # workers ignore SIGTERM (they follow their parent): kill it
+            log.warning("worker %s did not exit in time; killing it", process.pid)
+            process.kill()
+            await asyncio.wait_for(self._exited.wait(), 5.0)
         process.join(timeout=1.0)
 
     def _close_sockets(self) -> None:

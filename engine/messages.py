@@ -157,6 +157,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     supports_chunk_step_grouping: bool
     grouping: bool  # whether this engine groups the steps of a chunk
     max_sessions: int
+    defaults: SessionGeometry  # what a start that sets nothing gets (num_chunks None)
 
 
 class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):

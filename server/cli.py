@@ -1,13 +1,21 @@
 """The ``rtvideo`` command line: ``serve`` and ``bench``.
 
-Every option of ``serve`` can also be set from the environment (``RTVIDEO_*``);
-this module is the one place that reads it.
+Every option of ``serve`` is a field of ``ServerSettings`` and can also be set
+from the environment as ``RTVIDEO_<FIELD>`` (flags win); this module is the
+one place that reads the environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from dataclasses import MISSING, fields
+
+from server.settings import ServerSettings
+
+ENV_PREFIX = "RTVIDEO_"
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -24,20 +32,75 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return bench_engine.main(options, as_json=args.json)
 
 
+def _parse_value(kind: type, text: str):
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {text!r}")
+    if kind is dict:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError("expected a JSON object")
+        return value
+    return kind(text)
+
+
+def _field_type(name: str) -> type:
+    annotation = {f.name: f.type for f in fields(ServerSettings)}[name]
+    for kind in (bool, int, float, dict, str):
+        if kind.__name__ in str(annotation):
+            return kind
+    return str
+
+
+def settings_from(args: argparse.Namespace, environ: dict[str, str]) -> ServerSettings:
+    """Flags first, then ``RTVIDEO_*`` variables, then the defaults."""
+    values = {}
+    for f in fields(ServerSettings):
+        flag = getattr(args, f.name, None)
+        text = flag if flag is not None else environ.get(ENV_PREFIX + f.name.upper())
+        if text is None:
+            continue
+        try:
+            values[f.name] = _parse_value(_field_type(f.name), text)
+        except ValueError as error:
+            raise SystemExit(f"rtvideo serve: --{f.name.replace('_', '-')}: {error}") from None
+    try:
+        return ServerSettings(**values)
+    except ValueError as error:
+        raise SystemExit(f"rtvideo serve: {error}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
-    print(
-        "rtvideo serve: the HTTP/WebSocket front end is not built yet; it lands with the front-end work.\n"
-        "Until then the engine runs under `rtvideo bench engine` and the test suite (`make test`).",
-        file=sys.stderr,
+    import uvicorn
+
+    from server.app import create_app
+
+    settings = settings_from(args, dict(os.environ))
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        ws_max_size=settings.max_message_bytes,
+        ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout
+        log_level=args.log_level,
+        timeout_graceful_shutdown=settings.max_session_seconds,
     )
-    return 2
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtvideo", description="Realtime video generation server.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the server")
+    serve = commands.add_parser("serve", help="run the server (each option also reads RTVIDEO_<NAME>)")
+    for f in fields(ServerSettings):
+        default = f.default if f.default is not MISSING else f.default_factory()
+        serve.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, help=f"default: {default!r}")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints a JSON summary as its last line")

@@ -4,8 +4,10 @@ Rank 0 builds its pipeline, wires the control plane, the control-receiver
 thread and the engine loop together, says READY, and runs the loop until
 shutdown. On a pipeline that cannot be built it says so
 (``WorkerStartupFailed``) and exits 1; on an engine bug it says
-``EngineDead`` and exits 2. It ignores SIGINT: the parent decides when to stop,
-and if the parent dies the receiver notices through the liveness pipe.
+``EngineDead`` and exits 2. It ignores SIGINT and SIGTERM, which a terminal or
+a process-group kill also delivers to it: the parent decides when to stop (and
+drains sessions first), and if the parent dies the receiver notices through
+the liveness pipe. Only SIGKILL ends a worker behind its parent's back.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
-from engine.messages import EngineDead, WorkerReady, WorkerStartupFailed
+from engine.messages import EngineDead, StartSession, WorkerReady, WorkerStartupFailed
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.pipelines import build_pipeline
@@ -32,6 +34,7 @@ log = logging.getLogger("rtvideo.worker")
 
 def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connection, rank: int = 0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     context = zmq.Context()
     sender = ResultSender(context, endpoints.results)
@@ -59,6 +62,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             supports_chunk_step_grouping=pipeline.supports_chunk_step_grouping,
             grouping=grouping,
             max_sessions=config.max_sessions,
+            defaults=pipeline.describe(StartSession(session_id="defaults", prompt="defaults")),
         )
     )
     exit_code = 0

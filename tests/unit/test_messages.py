@@ -45,7 +45,15 @@ CONTROL = [
 ]
 
 RESULTS = [
-    m.WorkerReady(rank=0, pid=123, pipeline="stub", supports_chunk_step_grouping=True, grouping=False, max_sessions=4),
+    m.WorkerReady(
+        rank=0,
+        pid=123,
+        pipeline="stub",
+        supports_chunk_step_grouping=True,
+        grouping=False,
+        max_sessions=4,
+        defaults=GEOMETRY,
+    ),
     m.WorkerStartupFailed(rank=0, error="ValueError: no"),
     m.SessionStarted(session_id="s", geometry=GEOMETRY),
     m.SessionRejected(session_id="s", code="server_full", message="full"),

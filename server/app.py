@@ -1,0 +1,201 @@
+"""The FastAPI application: routes, and a lifespan that owns the engine.
+
+API process, asyncio, no torch. ``create_app(settings)`` builds everything
+per app instance (no module globals): the ``EngineClient`` starts with the
+app and shuts down with it, the job manager lives in ``app.state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from engine.client import EngineClient, EngineDeadError
+from engine.config import EngineConfig, PipelineSpec
+from server.auth import is_authorized
+from server.jobs import JobManager
+from server.media import CONTENT_TYPES
+from server.realtime import RealtimeConnection
+from server.schemas import JobRequest, RequestError
+from server.settings import ServerSettings
+
+
+def engine_config(settings: ServerSettings) -> EngineConfig:
+    """The engine configuration a server with ``settings`` runs."""
+    return EngineConfig(
+        pipeline=PipelineSpec(settings.model, dict(settings.pipeline_options)),
+        max_sessions=settings.max_sessions,
+        group_chunk_steps=settings.group_chunk_steps,
+        startup_timeout_s=settings.worker_startup_timeout_s,
+    )
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = EngineClient(engine_config(settings))
+        await engine.start()
+        app.state.engine = engine
+        app.state.capacity = asyncio.Condition()
+        app.state.jobs = JobManager(engine, settings, engine.ready.pipeline, app.state.capacity)
+        try:
+            yield
+        finally:
+            for job in list(app.state.jobs.jobs.values()):
+                if job.task is not None:
+                    job.task.cancel()
+            await engine.shutdown()
+
+    app = FastAPI(
+        title="rtvideo",
+        version="0.1.0",
+        summary="Realtime video generation: prompts in, video chunks out, each new prompt at the next chunk.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in error.errors()]
+        return _error(422, "invalid_request", "; ".join(parts))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+        detail = error.detail if isinstance(error.detail, dict) else {"code": "error", "message": str(error.detail)}
+        return JSONResponse({"error": detail}, status_code=error.status_code, headers=error.headers)
+
+    def authorized(request: Request) -> None:
+        if not is_authorized(request, settings.api_key):
+            raise HTTPException(401, detail={"code": "unauthorized", "message": "a valid API key is required"})
+
+    def engine_of(request: Request) -> EngineClient:
+        return request.app.state.engine
+
+    @app.get("/health", tags=["operations"])
+    async def health(request: Request) -> JSONResponse:
+        """Liveness and readiness: 200 while the workers are up, 503 otherwise."""
+        engine = engine_of(request)
+        if not engine.alive:
+            return JSONResponse({"status": "unavailable", "reason": engine.dead_reason}, status_code=503)
+        try:
+            probe = await engine.probe(timeout=5.0)
+        except (EngineDeadError, TimeoutError) as error:
+            return JSONResponse({"status": "unavailable", "reason": str(error) or "probe timed out"}, status_code=503)
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": engine.ready.pipeline,
+                "workers": [{"rank": 0, "pid": engine.worker_pid, "alive": True}],
+                "sessions": len(probe.sessions),
+                "max_sessions": settings.max_sessions,
+                "runner_sessions": list(probe.runner_sessions),
+                "pipeline_sessions": list(probe.pipeline_sessions),
+            }
+        )
+
+    @app.get("/v1/models", tags=["models"], dependencies=[Depends(authorized)])
+    async def models(request: Request) -> dict:
+        ready = engine_of(request).ready
+        d = ready.defaults
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ready.pipeline,
+                    "object": "model",
+                    "owned_by": "rtvideo",
+                    "defaults": {
+                        "width": d.width,
+                        "height": d.height,
+                        "fps": d.fps,
+                        "num_inference_steps": d.num_inference_steps,
+                        "first_chunk_frames": d.first_chunk_frames,
+                        "frames_per_chunk": d.frames_per_chunk,
+                    },
+                }
+            ],
+        }
+
+    @app.websocket("/v1/realtime/video")
+    async def realtime(websocket: WebSocket) -> None:
+        engine = websocket.app.state.engine
+        connection = RealtimeConnection(websocket, engine, settings, engine.ready.pipeline)
+        try:
+            await connection.serve()
+        finally:
+            async with websocket.app.state.capacity:
+                websocket.app.state.capacity.notify_all()
+
+    @app.post("/v1/videos", status_code=202, tags=["videos"], dependencies=[Depends(authorized)])
+    async def create_video(body: JobRequest, request: Request) -> dict:
+        """Start a job; poll it, then fetch ``/content``."""
+        return (await _create(request, body)).public()
+
+    @app.post("/v1/videos/sync", tags=["videos"], dependencies=[Depends(authorized)])
+    async def create_video_sync(body: JobRequest, request: Request) -> Response:
+        """Run a job and answer with its content."""
+        job = await _create(request, body)
+        await job.finished.wait()
+        request.app.state.jobs.jobs.pop(job.id, None)
+        if job.status != "completed":
+            return _error(500, job.error["code"] if job.error else "failed", _job_error(job))
+        return _content(job)
+
+    @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)])
+    async def list_videos(request: Request) -> dict:
+        jobs = sorted(request.app.state.jobs.jobs.values(), key=lambda j: j.created_at, reverse=True)
+        return {"object": "list", "data": [job.public() for job in jobs]}
+
+    @app.get("/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)])
+    async def get_video(video_id: str, request: Request) -> dict:
+        return _job(request, video_id).public()
+
+    @app.get("/v1/videos/{video_id}/content", tags=["videos"], dependencies=[Depends(authorized)])
+    async def video_content(video_id: str, request: Request) -> Response:
+        job = _job(request, video_id)
+        if job.status != "completed":
+            return _error(409, "not_ready", f"video {video_id} is {job.status}, not completed")
+        return _content(job)
+
+    @app.delete("/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)])
+    async def delete_video(video_id: str, request: Request) -> dict:
+        _job(request, video_id)
+        job = await request.app.state.jobs.cancel(video_id)
+        return {"id": job.id, "object": "video", "deleted": True, "status": job.status}
+
+    return app
+
+
+async def _create(request: Request, body: JobRequest):
+    try:
+        return await request.app.state.jobs.create(body)
+    except RequestError as error:
+        raise HTTPException(422, detail={"code": "invalid_request", "message": str(error)}) from None
+
+
+def _job(request: Request, video_id: str):
+    job = request.app.state.jobs.jobs.get(video_id)
+    if job is None:
+        raise HTTPException(404, detail={"code": "not_found", "message": f"no video {video_id!r}"})
+    return job
+
+
+def _job_error(job) -> str:
+    return job.error["message"] if job.error else f"the job ended {job.status}"
+
+
+def _content(job) -> Response:
+    c = job.config
+    media_type = CONTENT_TYPES[c["format"]]
+    suffix = "mp4" if c["format"] == "fmp4" else "bin"
+    headers = {"Content-Disposition": f'attachment; filename="{job.id}.{suffix}"'}
+    return Response(job.content, media_type=media_type, headers=headers)
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)

@@ -1,0 +1,169 @@
+"""HTTP request mode: ``/v1/videos`` jobs over the same engine sessions.
+
+API process. A job is a finite session whose prompt changes are scheduled in
+advance; its chunks are encoded as they arrive and kept in memory until the
+job is deleted or pushed out by newer ones (``max_jobs_kept``). A job waits
+(``queued``) while the engine is full and starts when a session ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
+from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
+from server.output import SessionOutput
+from server.schemas import JobRequest, RequestError, resolve
+from server.settings import ServerSettings
+
+
+@dataclass
+class Job:
+    id: str
+    request: JobRequest
+    config: dict[str, Any]
+    created_at: float = field(default_factory=time.time)
+    status: str = "queued"  # queued / in_progress / completed / failed / cancelled
+    chunks_done: int = 0
+    completed_at: float | None = None
+    error: dict[str, str] | None = None
+    payloads: list[bytes] = field(default_factory=list)
+    compute_ms: float = 0.0
+    task: asyncio.Task | None = None
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def content(self) -> bytes:
+        return b"".join(self.payloads)
+
+    def public(self) -> dict[str, Any]:
+        total = self.config["num_chunks"]
+        progress = 100 if self.status == "completed" else int(100 * self.chunks_done / total)
+        return {
+            "id": self.id,
+            "object": "video",
+            "model": self.config["model"],
+            "status": self.status,
+            "progress": progress,
+            "created_at": int(self.created_at),
+            "completed_at": None if self.completed_at is None else int(self.completed_at),
+            "error": self.error,
+            "format": self.config["format"],
+            "num_frames": self.config["num_frames"],
+            "num_chunks": total,
+            "width": self.config["width"],
+            "height": self.config["height"],
+            "fps": self.config["fps"],
+            "seed": self.config["seed"],
+            "inference_time_s": self.compute_ms / 1000.0,
+        }
+
+
+class JobManager:
+    def __init__(self, engine: EngineClient, settings: ServerSettings, model: str, capacity: asyncio.Condition) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.model = model
+        self.capacity = capacity  # notified whenever a session ends anywhere
+        self.jobs: dict[str, Job] = {}
+
+    async def create(self, request: JobRequest) -> Job:
+        """Validate and start a job; ``RequestError`` names what is wrong. The
+        first start attempt happens here, so the worker's own checks (sizes,
+        steps) refuse a bad request at once; a full engine leaves it queued."""
+        if request.num_frames is None and request.num_chunks is None and request.seconds is None:
+            raise RequestError("num_frames: a job needs a length (num_frames, num_chunks or seconds)")
+        job_id = f"video_{uuid.uuid4().hex}"
+        start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model)
+        handle = None
+        try:
+            handle = await self.engine.start_session(start)
+        except SessionRejectedError as error:
+            if error.code != "server_full":
+                raise RequestError(error.message) from None
+        job = Job(job_id, request, config)
+        self.jobs[job_id] = job
+        self._evict()
+        job.task = asyncio.create_task(self._run(job, start, handle), name=f"job-{job_id}")
+        return job
+
+    async def cancel(self, job_id: str) -> Job:
+        job = self.jobs.pop(job_id)
+        if job.task is not None and not job.task.done():
+            with contextlib.suppress(EngineDeadError, UnknownSessionError):
+                await self.engine.stop(job_id, "cancelled")
+            job.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job.task
+        return job
+
+    async def _run(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:
+        try:
+            await self._generate(job, start, handle)
+        except asyncio.CancelledError:
+            job.status = "cancelled"
+            raise
+        except EngineDeadError as error:
+            self._fail(job, "engine_unavailable", str(error))
+        finally:
+            job.completed_at = job.completed_at or time.time()
+            job.finished.set()
+
+    async def _generate(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:
+        while handle is None:
+            async with self.capacity:  # wait for a session to end, then try again
+                await self.capacity.wait()
+            try:
+                handle = await self.engine.start_session(start)
+            except SessionRejectedError as error:
+                if error.code != "server_full":
+                    return self._fail(job, error.code, error.message)
+        job.status = "in_progress"
+        output = SessionOutput(job.id, job.config)
+        try:
+            async with asyncio.timeout(self.settings.max_session_seconds):
+                async for message in handle:
+                    if isinstance(message, ChunkReady):
+                        chunk = await output.chunk(message)
+                        if chunk is not None:
+                            job.payloads.append(chunk.payload)
+                            job.chunks_done += 1
+                            job.compute_ms = output.compute_ms
+                    elif isinstance(message, SessionDone):
+                        job.status = "completed" if message.reason == "completed" else "cancelled"
+                    elif isinstance(message, SessionFailed):
+                        self._fail(job, message.code, message.message)
+        except TimeoutError:
+            await self.engine.stop(job.id, "max_duration")
+            self._fail(job, "max_duration", f"the job ran longer than {self.settings.max_session_seconds:g} s")
+        finally:
+            if not handle.finished:
+                await _stop_and_drain(self.engine, handle)
+            async with self.capacity:
+                self.capacity.notify_all()
+        job.completed_at = time.time()
+
+    @staticmethod
+    def _fail(job: Job, code: str, message: str) -> None:
+        job.status = "failed"
+        job.error = {"code": code, "message": message}
+
+    def _evict(self) -> None:
+        finished = [j for j in self.jobs.values() if j.finished.is_set()]
+        for job in sorted(finished, key=lambda j: j.created_at)[: max(0, len(self.jobs) - self.settings.max_jobs_kept)]:
+            del self.jobs[job.id]
+
+
+async def _stop_and_drain(engine: EngineClient, handle: SessionHandle) -> None:
+    """Stop a session we stopped reading, and read it to its end so nothing lingers."""
+    with contextlib.suppress(EngineDeadError, UnknownSessionError):
+        await engine.stop(handle.session_id, "cancelled")
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(30.0):
+            async for _ in handle:
+                pass

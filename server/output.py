@@ -1,0 +1,154 @@
+"""From engine results to protocol events: one ``SessionOutput`` per session.
+
+API process, shared by the WebSocket endpoint and HTTP jobs. Chunks are
+encoded off the event loop (``asyncio.to_thread``), one at a time per session
+so fragments stay in order; frames past the requested ``num_frames`` are
+trimmed from the last chunk. The replay body of a finished session is built
+here from the engine's applied-interaction log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.messages import (
+    ChunkReady,
+    InteractionApplied,
+    InteractionQueued,
+    InteractionRejected,
+    InteractionSuperseded,
+    ResultMessage,
+    SessionDone,
+    SessionFailed,
+)
+from server.media import make_encoder
+
+
+@dataclass
+class MediaChunk:
+    metadata: dict[str, Any]  # the video.chunk_metadata event
+    payload: bytes
+
+
+class SessionOutput:
+    def __init__(self, request_id: str, config: dict[str, Any]) -> None:
+        self.request_id = request_id
+        self.config = config
+        self.encoder = make_encoder(config["format"], config["width"], config["height"], config["fps"])
+        self.transport_index = 0
+        self.frames_sent = 0
+        self.chunks_sent = 0
+        self.compute_ms = 0.0  # pipeline time of the chunks sent, from the worker
+
+    async def chunk(self, ready: ChunkReady) -> MediaChunk | None:
+        """Encode one chunk; None when every frame of it is past ``num_frames``."""
+        frames = np.frombuffer(ready.payload, dtype=np.uint8).reshape(ready.num_frames, ready.height, ready.width, 3)
+        limit = self.config["num_frames"]
+        if limit is not None:
+            frames = frames[: max(0, limit - ready.first_frame_index)]
+        if len(frames) == 0:
+            return None
+        payload = await asyncio.to_thread(self.encoder.encode, frames, ready.first_frame_index)
+        timing = ready.timing
+        self.compute_ms += timing.boundary_ms + timing.denoise_ms + timing.decode_ms
+        metadata = {
+            "type": "video.chunk_metadata",
+            "request_id": self.request_id,
+            "kind": "media",
+            "transport_chunk_index": self.transport_index,
+            "generation_chunk_index": ready.generation_chunk_index,
+            "num_frames": len(frames),
+            "first_frame_index": ready.first_frame_index,
+            "media_start_seconds": ready.media_start_seconds,
+            "byte_length": len(payload),
+            "started_event_ids": list(ready.started_event_ids),
+            "active_event_ids": list(ready.active_event_ids),
+            "completed_event_ids": list(ready.completed_event_ids),
+            "compute_ms": timing.boundary_ms + timing.denoise_ms + timing.decode_ms,
+        }
+        self.transport_index += 1
+        self.frames_sent += len(frames)
+        self.chunks_sent += 1
+        return MediaChunk(metadata, payload)
+
+    def event(self, message: ResultMessage) -> dict[str, Any] | None:
+        """The protocol event for a non-media engine result (None: nothing to say)."""
+        rid = self.request_id
+        if isinstance(message, InteractionQueued):
+            return {
+                "type": "session.interaction.queued",
+                "request_id": rid,
+                "event_id": message.event_id,
+                "in_progress_chunk_index": message.in_progress_chunk_index,
+                "expected_chunk_index": message.expected_chunk_index,
+                "duplicate": message.duplicate,
+            }
+        if isinstance(message, InteractionApplied):
+            return {
+                "type": "session.interaction.applied",
+                "request_id": rid,
+                "event_id": message.event_id,
+                "generation_chunk_index": message.generation_chunk_index,
+                "first_frame_index": message.first_frame_index,
+                "media_start_seconds": message.media_start_seconds,
+                "queued_to_applied_ms": message.queued_to_applied_ms,
+                "transition_chunks": message.transition_chunks,
+            }
+        if isinstance(message, InteractionSuperseded):
+            return {
+                "type": "session.interaction.superseded",
+                "request_id": rid,
+                "event_id": message.event_id,
+                "by_event_id": message.by_event_id,
+            }
+        if isinstance(message, InteractionRejected):
+            return error_event(message.code, message.message, request_id=rid, event_id=message.event_id)
+        if isinstance(message, SessionDone):
+            return {
+                "type": "session.done",
+                "request_id": rid,
+                "chunks": self.chunks_sent,
+                "frames": self.frames_sent,
+                "stopped": message.stopped,
+                "reason": message.reason,
+                "replay": self.replay(message),
+            }
+        if isinstance(message, SessionFailed):
+            return error_event(message.code, message.message, request_id=rid, fatal=True)
+        return None
+
+    def replay(self, done: SessionDone) -> dict[str, Any]:
+        """A ``POST /v1/videos`` body that regenerates exactly the frames sent."""
+        c = self.config
+        return {
+            "prompt": c["prompt"],
+            "negative_prompt": c["negative_prompt"],
+            "seed": c["seed"],
+            "width": c["width"],
+            "height": c["height"],
+            "fps": c["fps"],
+            "num_frames": self.frames_sent,
+            "num_inference_steps": c["num_inference_steps"],
+            "format": c["format"],
+            "transition_chunks": c["transition_chunks"],
+            "interactions": [
+                {"at_chunk": a.at_chunk, "prompt": a.prompt, "transition_chunks": a.transition_chunks}
+                for a in done.applied
+                if a.at_chunk < self.chunks_sent
+            ],
+        }
+
+
+def error_event(
+    code: str, message: str, *, request_id: str | None = None, event_id: str | None = None, fatal: bool = False
+) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "error", "code": code, "message": message, "fatal": fatal}
+    if request_id is not None:
+        event["request_id"] = request_id
+    if event_id is not None:
+        event["event_id"] = event_id
+    return event

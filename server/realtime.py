@@ -1,0 +1,291 @@
+"""``WS /v1/realtime/video``: one connection, one realtime session.
+
+API process, asyncio. Per connection three tasks cooperate:
+
+- the **reader** validates client events (``server.schemas``) and forwards
+  interactions, playback positions and stops to the engine; bad input gets an
+  ``error`` and, after the start, the session goes on;
+- the **pump** turns the session's engine results into protocol events,
+  encoding chunks off the event loop (``server.output``);
+- the **writer** is the only task that sends on the socket, so a
+  ``video.chunk_metadata`` and its binary frame are never split.
+
+Ending: ``session.stop``, a length reached, the stall or duration limit, or
+the client leaving all go through one path, ``EngineClient.stop``, and the
+connection waits for the engine's ``SessionDone`` so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
+from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, SessionStarted
+from server.auth import is_authorized, key_subprotocol
+from server.output import SessionOutput, error_event
+from server.schemas import (
+    CLIENT_EVENT_TYPES,
+    ClientEvent,
+    RequestError,
+    SessionInteractionEvent,
+    SessionPingEvent,
+    SessionPlaybackEvent,
+    SessionStartEvent,
+    SessionStopEvent,
+    describe_validation_error,
+    resolve,
+)
+from server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+CLIENT_EVENTS: TypeAdapter = TypeAdapter(ClientEvent)
+
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_ERROR, CLOSE_FULL = 1000, 1008, 1009, 1011, 1013
+
+
+class _Closed(Exception):
+    """The client is gone."""
+
+
+class RealtimeConnection:
+    def __init__(self, websocket: WebSocket, engine: EngineClient, settings: ServerSettings, model: str) -> None:
+        self.ws = websocket
+        self.engine = engine
+        self.settings = settings
+        self.model = model
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.handle: SessionHandle | None = None
+        self.output: SessionOutput | None = None
+
+    # ------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        if not is_authorized(self.ws, self.settings.api_key):
+            await self.ws.accept(subprotocol=key_subprotocol(self.ws))
+            await self.ws.close(CLOSE_POLICY, "unauthorized: a valid API key is required")
+            return
+        await self.ws.accept(subprotocol=key_subprotocol(self.ws))
+        writer = asyncio.create_task(self._writer(), name="ws-writer")
+        try:
+            await self._session()
+        except _Closed:
+            pass
+        except Exception:
+            log.exception("realtime connection failed")
+            self._send(error_event("internal_error", "the server failed this session", fatal=True))
+            self.outbox.put_nowait(("close", CLOSE_ERROR, "internal error"))
+        finally:
+            if self.handle is not None and not self.handle.finished:
+                await self._finish_session("server_error")
+            self.outbox.put_nowait(None)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer, 10.0)
+            writer.cancel()
+
+    async def _session(self) -> None:
+        start = await self._receive_start()
+        if start is None:
+            return
+        request_id = f"rtv-{uuid.uuid4().hex}"
+        defaults = self.engine.ready.defaults
+        try:
+            engine_start, config = resolve(start, request_id, defaults, self.settings, self.model)
+        except RequestError as error:
+            return await self._fatal("invalid_request", str(error), CLOSE_POLICY)
+        try:
+            self.handle = await self.engine.start_session(engine_start)
+        except SessionRejectedError as error:
+            code = CLOSE_FULL if error.code == "server_full" else CLOSE_POLICY
+            return await self._fatal(error.code, error.message, code)
+        except EngineDeadError as error:
+            return await self._fatal("engine_unavailable", str(error), CLOSE_ERROR)
+        self.output = SessionOutput(request_id, config)
+        self._send({"type": "video.start", "request_id": request_id, "format": config["format"], "config": config})
+        pump = asyncio.create_task(self._pump(), name="ws-pump")
+        reader = asyncio.create_task(self._reader(), name="ws-reader")
+        limit = asyncio.create_task(self._duration_limit(), name="ws-duration")
+        try:
+            done, _ = await asyncio.wait({pump, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if pump not in done:  # the client stopped, stalled or left: end the session, then drain it
+                with contextlib.suppress(EngineDeadError, UnknownSessionError):
+                    await self.engine.stop(self.handle.session_id, self._reader_end(reader))
+                await asyncio.wait_for(asyncio.shield(pump), 30.0)
+            elif pump.exception() is not None:
+                raise pump.exception()
+        finally:
+            for task in (pump, reader, limit):
+                task.cancel()
+
+    @staticmethod
+    def _reader_end(reader: asyncio.Task) -> str:
+        """Why the reader ended: its own answer, or the client leaving."""
+        if reader.cancelled() or reader.exception() is not None:
+            return "client_disconnected"
+        return reader.result() or "stopped"
+
+    async def _finish_session(self, reason: str) -> None:
+        """Fallback when the pump is gone: stop the engine session and wait for its end."""
+        handle = self.handle
+        with contextlib.suppress(EngineDeadError, UnknownSessionError):
+            await self.engine.stop(handle.session_id, reason)
+        while not handle.finished:
+            try:
+                message = await handle.next(30.0)
+            except TimeoutError:
+                log.error("session %s did not end within 30 s of its stop", handle.session_id)
+                return
+            if isinstance(message, SessionDone | SessionFailed):
+                self._send(self.output.event(message))
+
+    # ------------------------------------------------------------------
+    # reading
+    # ------------------------------------------------------------------
+
+    async def _receive(self, timeout: float) -> dict | list | str | int | float | None | bytes:
+        """The next client message: parsed JSON, or raw bytes for a binary frame.
+        ``TimeoutError`` after ``timeout``; ``_Closed`` when the client left;
+        ``ValueError`` for text that is not JSON."""
+        message = await asyncio.wait_for(self.ws.receive(), timeout)
+        if message["type"] == "websocket.disconnect":
+            raise _Closed()
+        if message.get("bytes") is not None:
+            return message["bytes"]
+        return json.loads(message.get("text") or "")
+
+    def _parse(self, data: Any) -> Any:
+        """A validated client event, or an ``error`` event dict explaining why not."""
+        if isinstance(data, bytes):
+            return error_event("binary_not_supported", "clients send JSON text frames only")
+        if not isinstance(data, dict):
+            return error_event("invalid_message", f"a message must be a JSON object, got {type(data).__name__}")
+        kind = data.get("type")
+        if kind not in CLIENT_EVENT_TYPES:
+            known = ", ".join(CLIENT_EVENT_TYPES)
+            return error_event("unknown_type", f"unknown message type {kind!r}; known: {known}")
+        try:
+            return CLIENT_EVENTS.validate_python(data)
+        except ValidationError as error:
+            code = "invalid_interaction" if kind == "session.interaction" else "invalid_event"
+            event_id = (data.get("interaction") or {}).get("event_id") if kind == "session.interaction" else None
+            event = error_event(code, f"{kind}: {describe_validation_error(error)}")
+            if isinstance(event_id, str):
+                event["event_id"] = event_id
+            return event
+
+    async def _receive_start(self) -> SessionStartEvent | None:
+        timeout = self.settings.start_timeout_s
+        try:
+            data = await self._receive(timeout)
+        except TimeoutError:
+            await self._fatal("start_timeout", f"no session.start within {timeout:g} s", CLOSE_POLICY)
+            return None
+        except ValueError as error:
+            await self._fatal("invalid_json", f"the first message is not JSON: {error}", CLOSE_POLICY)
+            return None
+        event = self._parse(data)
+        if isinstance(event, SessionStartEvent):
+            return event
+        if isinstance(event, dict):
+            await self._fatal(event["code"], event["message"], CLOSE_POLICY)
+        else:
+            await self._fatal(
+                "start_required", f"the first message must be session.start, not {event.type}", CLOSE_POLICY
+            )
+        return None
+
+    async def _reader(self) -> str | None:
+        """Client events until a stop (returns the reason) or the client leaves."""
+        rid = self.output.request_id
+        while True:
+            try:
+                data = await self._receive(self.settings.stall_timeout_s)
+            except TimeoutError:
+                limit = self.settings.stall_timeout_s
+                self._send(error_event("stall_timeout", f"no message for {limit:g} s", request_id=rid, fatal=True))
+                return "stall_timeout"
+            except ValueError as error:
+                self._send(error_event("invalid_json", f"not JSON: {error}", request_id=rid))
+                continue
+            event = self._parse(data)
+            if isinstance(event, dict):
+                self._send({**event, "request_id": rid})
+            elif isinstance(event, SessionStopEvent):
+                return "stopped"
+            else:
+                await self._on_event(event)
+
+    async def _on_event(self, event: Any) -> None:
+        rid, sid = self.output.request_id, self.handle.session_id
+        if isinstance(event, SessionPingEvent):
+            self._send({"type": "session.pong", "request_id": rid})
+        elif isinstance(event, SessionStartEvent):
+            self._send(error_event("session_already_started", "this connection already has a session", request_id=rid))
+        elif isinstance(event, SessionPlaybackEvent):
+            await self.engine.playback(sid, event.position_seconds)
+        elif isinstance(event, SessionInteractionEvent):
+            payload = event.interaction
+            event_id = payload.event_id or f"evt-{uuid.uuid4().hex}"
+            interaction = Interaction(prompt=payload.event.prompt, transition_chunks=payload.transition_chunks)
+            await self.engine.interact(sid, event_id, interaction)
+
+    async def _duration_limit(self) -> None:
+        await asyncio.sleep(self.settings.max_session_seconds)
+        with contextlib.suppress(EngineDeadError, UnknownSessionError):
+            await self.engine.stop(self.handle.session_id, "max_duration")
+
+    # ------------------------------------------------------------------
+    # results and writing
+    # ------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        """Engine results to client events, until the session ends."""
+        async for message in self.handle:
+            if isinstance(message, ChunkReady):
+                chunk = await self.output.chunk(message)
+                if chunk is not None:
+                    self.outbox.put_nowait((chunk.metadata, chunk.payload))
+                continue
+            if isinstance(message, SessionStarted):
+                continue
+            event = self.output.event(message)
+            if event is not None:
+                self._send(event)
+            if isinstance(message, SessionFailed):
+                self.outbox.put_nowait(("close", CLOSE_ERROR, "generation failed"))
+            elif isinstance(message, SessionDone):
+                self.outbox.put_nowait(("close", CLOSE_NORMAL, "session done"))
+
+    def _send(self, event: dict[str, Any]) -> None:
+        self.outbox.put_nowait(event)
+
+    async def _fatal(self, code: str, message: str, close_code: int) -> None:
+        self._send(error_event(code, message, fatal=True))
+        self.outbox.put_nowait(("close", close_code, message[:120]))
+
+    async def _writer(self) -> None:
+        """The socket's only sender: events, metadata + binary pairs, and the close."""
+        while True:
+            item = await self.outbox.get()
+            if item is None:
+                return
+            try:
+                if isinstance(item, dict):
+                    await self.ws.send_text(json.dumps(item))
+                elif item[0] == "close":
+                    if self.ws.client_state is WebSocketState.CONNECTED:
+                        await self.ws.close(item[1], item[2])
+                    return
+                else:
+                    metadata, payload = item
+                    await self.ws.send_text(json.dumps(metadata))
+                    await self.ws.send_bytes(payload)
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                return  # the client left; the reader ends the session

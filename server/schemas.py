@@ -1,0 +1,187 @@
+"""The public schema: pydantic models for every client event and request.
+
+API process. ``VideoRequest`` is shared by the WebSocket ``session.start`` and
+``POST /v1/videos`` (which adds scheduled ``interactions``). ``resolve``
+turns a request into the engine's ``StartSession`` plus the effective
+configuration echoed to the client, checking the server's limits; every
+error names the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.messages import Interaction, ScheduledInteraction, SessionGeometry, StartSession
+from server.settings import ServerSettings
+
+MAX_PROMPT = 4000
+FORMAT_ALIASES = {"m4s": "fmp4"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class VideoRequest(_Strict):
+    """What a client asks for. Lengths: at most one of ``num_frames``,
+    ``num_chunks``, ``seconds``; none means "until stopped" (realtime only)."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
+    model: str | None = None
+    negative_prompt: str = Field("", max_length=MAX_PROMPT)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    width: int | None = Field(None, ge=2)
+    height: int | None = Field(None, ge=2)
+    fps: float | None = Field(None, gt=0, le=120)
+    num_frames: int | None = Field(None, ge=1)
+    num_chunks: int | None = Field(None, ge=1)
+    seconds: float | None = Field(None, gt=0)
+    num_inference_steps: int | None = Field(None, ge=1, le=64)
+    format: Literal["fmp4", "m4s", "jpeg", "raw"] = "fmp4"
+    transition_chunks: int = Field(0, ge=0, le=64)
+    max_lead_seconds: float | None = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> VideoRequest:
+        given = [name for name in ("num_frames", "num_chunks", "seconds") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of num_frames, num_chunks, seconds (got {', '.join(given)})")
+        if not self.prompt.strip():
+            raise ValueError("prompt must not be blank")
+        return self
+
+
+class ScheduledPrompt(_Strict):
+    at_chunk: int = Field(ge=0)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
+    transition_chunks: int | None = Field(None, ge=0, le=64)
+
+
+class JobRequest(VideoRequest):
+    """``POST /v1/videos``: a finite request, with prompt changes fixed in advance."""
+
+    interactions: list[ScheduledPrompt] = Field(default_factory=list, max_length=1000)
+
+
+# -- WebSocket client events ---------------------------------------------------------
+
+
+class SessionStartEvent(VideoRequest):
+    type: Literal["session.start"]
+
+
+class InteractionBody(_Strict):
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
+
+
+class InteractionPayload(_Strict):
+    event_id: str | None = Field(None, min_length=1, max_length=200)
+    event: InteractionBody
+    transition_chunks: int | None = Field(None, ge=0, le=64)
+
+
+class SessionInteractionEvent(_Strict):
+    type: Literal["session.interaction"]
+    interaction: InteractionPayload
+
+
+class SessionPlaybackEvent(_Strict):
+    type: Literal["session.playback"]
+    position_seconds: float = Field(ge=0, allow_inf_nan=False)
+
+
+class SessionPingEvent(_Strict):
+    type: Literal["session.ping"]
+
+
+class SessionStopEvent(_Strict):
+    type: Literal["session.stop"]
+
+
+ClientEvent = Annotated[
+    SessionStartEvent | SessionInteractionEvent | SessionPlaybackEvent | SessionPingEvent | SessionStopEvent,
+    Field(discriminator="type"),
+]
+CLIENT_EVENT_TYPES = ("session.start", "session.interaction", "session.playback", "session.ping", "session.stop")
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line naming each bad field: ``width: Input should be ... ; prompt: Field required``."""
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"] if p not in CLIENT_EVENT_TYPES) or "body"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+# -- resolution ----------------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """A request the server refuses; the message names the field."""
+
+
+def resolve(
+    request: VideoRequest, session_id: str, defaults: SessionGeometry, settings: ServerSettings, model: str
+) -> tuple[StartSession, dict[str, Any]]:
+    """The engine start for ``request`` and the effective configuration to echo."""
+    if request.model is not None and request.model != model:
+        raise RequestError(f"model: this server serves {model!r}, not {request.model!r}")
+    width = request.width or defaults.width
+    height = request.height or defaults.height
+    fps = request.fps or defaults.fps
+    if width > settings.max_width:
+        raise RequestError(f"width: at most {settings.max_width}, got {width}")
+    if height > settings.max_height:
+        raise RequestError(f"height: at most {settings.max_height}, got {height}")
+    first, per = defaults.first_chunk_frames, defaults.frames_per_chunk
+    num_frames = request.num_frames
+    if request.seconds is not None:
+        num_frames = max(1, round(request.seconds * fps))
+    if request.num_chunks is not None:
+        num_frames = first + (request.num_chunks - 1) * per
+    if num_frames is not None and num_frames > settings.max_frames:
+        raise RequestError(f"num_frames: at most {settings.max_frames} frames, asked for {num_frames}")
+    num_chunks = None if num_frames is None else 1 + max(0, math.ceil((num_frames - first) / per))
+    scheduled = []
+    for i, item in enumerate(getattr(request, "interactions", [])):
+        if num_chunks is not None and item.at_chunk >= num_chunks:
+            raise RequestError(f"interactions.{i}.at_chunk: {item.at_chunk} is past the last chunk ({num_chunks - 1})")
+        interaction = Interaction(prompt=item.prompt, transition_chunks=item.transition_chunks)
+        scheduled.append(
+            ScheduledInteraction(at_chunk=item.at_chunk, event_id=f"scheduled-{i}", interaction=interaction)
+        )
+    start = StartSession(
+        session_id=session_id,
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        seed=request.seed,
+        width=width,
+        height=height,
+        fps=fps,
+        num_chunks=num_chunks,
+        num_inference_steps=request.num_inference_steps,
+        transition_chunks=request.transition_chunks,
+        scheduled=tuple(scheduled),
+    )
+    config = {
+        "model": model,
+        "prompt": request.prompt,
+        "negative_prompt": request.negative_prompt,
+        "seed": request.seed,
+        "width": width,
+        "height": height,
+        "fps": fps,
+        "num_frames": num_frames,
+        "num_chunks": num_chunks,
+        "first_chunk_frames": first,
+        "frames_per_chunk": per,
+        "num_inference_steps": request.num_inference_steps or defaults.num_inference_steps,
+        "format": FORMAT_ALIASES.get(request.format, request.format),
+        "transition_chunks": request.transition_chunks,
+        "max_lead_seconds": request.max_lead_seconds,
+    }
+    return start, config

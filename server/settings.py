@@ -1,0 +1,50 @@
+"""Server settings: one object, bounds checked at construction.
+
+Built by the CLI from flags and ``RTVIDEO_*`` environment variables (the CLI is
+the one place that reads the environment) and handed to ``create_app``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "stub"
+    """Pipeline to serve: a registry name (``stub``; ``tiny`` once the model lands) or a model directory."""
+    pipeline_options: dict = field(default_factory=dict)
+    """Options of the pipeline (tests use them to slow or gate the stub)."""
+    max_sessions: int = 4
+    """Realtime sessions and running jobs at once; beyond it: close 1013 / HTTP 503."""
+    group_chunk_steps: bool = True
+    api_key: str | None = None
+    """When set, every route but /health needs it (Bearer header, ``api_key`` query
+    parameter, or the WebSocket subprotocol ``rtvideo.key.<key>``)."""
+    max_message_bytes: int = 1 << 20
+    """Largest client WebSocket message; a larger one closes the socket with 1009."""
+    start_timeout_s: float = 10.0
+    """Time a new WebSocket has to send ``session.start``."""
+    stall_timeout_s: float = 60.0
+    """A realtime session whose client sends nothing (not even a ping) for this long is ended."""
+    max_session_seconds: float = 3600.0
+    """Wall-clock limit of one realtime session or job."""
+    max_frames: int = 100_000
+    """Largest ``num_frames`` (or equivalent) one request may ask for."""
+    max_width: int = 1280
+    max_height: int = 1280
+    max_jobs_kept: int = 64
+    """Finished jobs kept for download; the oldest finished ones go first."""
+    worker_startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and f.name != "port" and value <= 0:
+                raise ValueError(f"{f.name} must be > 0, got {value}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be between 0 and 65535, got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")

@@ -1,0 +1,82 @@
+"""The server as a subprocess (``python -m server.cli serve``), with real clients."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class RunningServer:
+    def __init__(self, process: subprocess.Popen, url: str, log: list[str]) -> None:
+        self.process = process
+        self.http = url
+        self.ws = url.replace("http://", "ws://") + "/v1/realtime/video"
+        self.log = log
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.http}/health", timeout=10).json()
+
+
+def start_server(*flags: str, pipeline: dict | None = None, timeout: float = 60.0) -> RunningServer:
+    command = [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--log-level", "info", *flags]
+    if pipeline:
+        command += ["--pipeline-options", json.dumps(pipeline)]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def drain() -> None:
+        for line in process.stderr:
+            log.append(line)
+            match = re.search(r"Uvicorn running on (http://\S+)", line)
+            if match and not found.is_set():
+                url.append(match.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not found.wait(timeout) or not url:
+        process.kill()
+        raise RuntimeError("the server did not start:\n" + "".join(log))
+    return RunningServer(process, url[0], log)
+
+
+def stop_server(server: RunningServer) -> int:
+    server.process.terminate()
+    try:
+        return server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        return server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A shared server: stub pipeline with 5 ms steps, room for 6 sessions."""
+    running = start_server("--max-sessions", "6", pipeline={"step_time_s": 0.005})
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture
+def make_server():
+    started: list[RunningServer] = []
+
+    def factory(*flags: str, pipeline: dict | None = None) -> RunningServer:
+        running = start_server(*flags, pipeline=pipeline)
+        started.append(running)
+        return running
+
+    yield factory
+    for running in started:
+        stop_server(running)

@@ -1,0 +1,127 @@
+"""Bad input gets its documented error, and a session streaming beside it is
+unharmed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.e2e.client import Realtime, interaction, open_realtime
+
+START = {"type": "session.start", "prompt": "a lantern", "format": "raw"}
+
+
+async def first_message_fails(url: str, message: str | bytes) -> tuple[dict, int]:
+    async with open_realtime(url) as ws:
+        client = Realtime(ws)
+        await client.send(message)
+        got = await client.rest(timeout=15)
+    [error] = got.of("error")
+    return error, got.close_code
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "names"),
+    [
+        ("not json at all", "invalid_json", "JSON"),
+        ("[1, 2, 3]", "invalid_message", "list"),
+        (json.dumps({"type": "session.dance"}), "unknown_type", "session.dance"),
+        (json.dumps({"type": "session.start"}), "invalid_event", "prompt"),
+        (json.dumps({**START, "width": "wide"}), "invalid_event", "width"),
+        (json.dumps({**START, "width": -32}), "invalid_event", "width"),
+        (json.dumps({**START, "height": 100_000}), "invalid_request", "height"),
+        (json.dumps({**START, "num_inference_steps": 0}), "invalid_event", "num_inference_steps"),
+        (json.dumps({**START, "format": "gif"}), "invalid_event", "format"),
+        (json.dumps({**START, "num_frames": 10**9}), "invalid_request", "num_frames"),
+        (json.dumps({**START, "num_frames": 4, "seconds": 2}), "invalid_event", "num_frames"),
+        (json.dumps({**START, "colour": "blue"}), "invalid_event", "colour"),
+        (
+            json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "x"}}}),
+            "start_required",
+            "session.interaction",
+        ),
+        (b"\x00\x01binary", "binary_not_supported", "JSON"),
+    ],
+)
+async def test_bad_first_messages_are_fatal_with_1008(server, message, code, names):
+    error, close_code = await first_message_fails(server.ws, message)
+    assert error["code"] == code and error["fatal"] is True
+    assert names in error["message"]
+    assert close_code == 1008
+
+
+async def test_bad_messages_during_a_session_are_not_fatal_and_harm_no_one(server):
+    async with open_realtime(server.ws) as bystander_ws, open_realtime(server.ws) as ws:
+        bystander = Realtime(bystander_ws)
+        await bystander.send({**START, "prompt": "bystander"})
+        await bystander.until("video.start")
+
+        client = Realtime(ws)
+        await client.send(START)
+        await client.until("video.start")
+        await client.send(interaction("ok", "e"))
+        await client.until("session.interaction.queued")
+        cases = [
+            ("not json", "invalid_json"),
+            ("[]", "invalid_message"),
+            (json.dumps({"type": "nope"}), "unknown_type"),
+            (json.dumps({"type": "session.interaction", "interaction": {"event": {}}}), "invalid_interaction"),
+            (
+                json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": ""}}}),
+                "invalid_interaction",
+            ),
+            (
+                json.dumps(
+                    {"type": "session.interaction", "interaction": {"event_id": "e", "event": {"prompt": "other"}}}
+                ),
+                "event_id_conflict",
+            ),
+            (json.dumps(START), "session_already_started"),
+            (b"\x00\x01", "binary_not_supported"),
+            (json.dumps({"type": "session.playback", "position_seconds": -1}), "invalid_event"),
+        ]
+        for raw, code in cases:
+            await client.send(raw)
+            error = await client.until("error")
+            assert error["code"] == code, (raw, error)
+            assert error["fatal"] is False
+        # The session still works: a valid interaction is queued and applied.
+        await client.send(
+            {"type": "session.interaction", "interaction": {"event_id": "f", "event": {"prompt": "fine"}}}
+        )
+        await client.until("session.interaction.applied")
+        await client.send({"type": "session.stop"})
+        got = await client.rest()
+        assert got.of("session.done")[0]["reason"] == "stopped"
+
+        before = len(bystander.received.chunks)
+        await bystander.next()
+        await bystander.next()
+        assert len(bystander.received.chunks) > before
+        await bystander.send({"type": "session.stop"})
+        assert (await bystander.rest()).of("session.done")
+
+
+async def test_a_huge_message_closes_with_1009(make_server):
+    server = make_server("--max-message-bytes", "4096")
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send(START)
+        await client.until("video.start")
+        await client.send(json.dumps({"type": "session.ping", "pad": "x" * 10_000}))
+        got = await client.rest()
+    assert got.close_code == 1009
+    for _ in range(100):  # the session behind it is freed
+        if server.health()["sessions"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert server.health()["sessions"] == 0
+
+
+async def test_no_start_in_time_is_an_error_then_1008(make_server):
+    server = make_server("--start-timeout-s", "0.3")
+    async with open_realtime(server.ws) as ws:
+        got = await Realtime(ws).rest()
+    assert got.of("error")[0]["code"] == "start_timeout" and got.close_code == 1008

@@ -1,0 +1,131 @@
+"""HTTP request mode, capacity, auth, and the service routes."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import av
+import httpx
+import pytest
+
+from tests.e2e.client import Realtime, open_realtime
+
+JOB = {"prompt": "a windmill", "seed": 1, "width": 32, "height": 32, "format": "raw"}
+
+
+def poll(server, job_id: str, status: str, within: float = 30.0) -> dict:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{server.http}/v1/videos/{job_id}").json()
+        if job["status"] == status:
+            return job
+        time.sleep(0.02)
+    raise AssertionError(f"job {job_id} never became {status}: {job}")
+
+
+def test_job_lifecycle_create_poll_content_list(server):
+    created = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 4, "format": "fmp4"})
+    assert created.status_code == 202
+    job = created.json()
+    assert job["object"] == "video" and job["status"] in ("queued", "in_progress", "completed")
+    done = poll(server, job["id"], "completed")
+    assert done["progress"] == 100 and done["completed_at"] >= done["created_at"] and done["error"] is None
+    content = httpx.get(f"{server.http}/v1/videos/{job['id']}/content")
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    with av.open(io.BytesIO(content.content)) as container:
+        assert len(list(container.decode(video=0))) == 16
+    listed = httpx.get(f"{server.http}/v1/videos").json()
+    assert job["id"] in [j["id"] for j in listed["data"]]
+    assert httpx.delete(f"{server.http}/v1/videos/{job['id']}").json()["deleted"] is True
+    assert httpx.get(f"{server.http}/v1/videos/{job['id']}").status_code == 404
+
+
+def test_delete_cancels_a_running_job(make_server):
+    server = make_server(pipeline={"step_time_s": 0.02})
+    job = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 500}).json()
+    poll(server, job["id"], "in_progress")
+    assert httpx.get(f"{server.http}/v1/videos/{job['id']}/content").status_code == 409
+    deleted = httpx.delete(f"{server.http}/v1/videos/{job['id']}", timeout=30).json()
+    assert deleted["deleted"] is True
+    assert httpx.get(f"{server.http}/v1/videos/{job['id']}").status_code == 404
+    health = server.health()
+    assert health["sessions"] == 0 and health["runner_sessions"] == []
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "x", "format": "raw"}, "num_frames"),  # a job needs a length
+        ({"num_chunks": 2}, "prompt"),
+        ({"prompt": "x", "num_chunks": 2, "width": 5000}, "width"),
+        ({"prompt": "x", "num_chunks": 2, "interactions": [{"at_chunk": 9, "prompt": "y"}]}, "at_chunk"),
+        ({"prompt": "x", "num_chunks": 2, "interactions": [{"at_chunk": 1}]}, "prompt"),
+        ({"prompt": "x", "num_chunks": 2, "num_inference_steps": 9}, "num_inference_steps"),
+    ],
+)
+def test_bad_job_requests_name_the_field(server, body, field):
+    response = httpx.post(f"{server.http}/v1/videos", json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and field in error["message"]
+
+
+async def test_a_full_server_answers_1013_and_queues_jobs(make_server):
+    server = make_server("--max-sessions", "1", pipeline={"step_time_s": 0.01})
+    async with open_realtime(server.ws) as ws:
+        holder = Realtime(ws)
+        await holder.send({"type": "session.start", "prompt": "first", "format": "raw"})
+        await holder.until("video.start")
+        async with open_realtime(server.ws) as ws2:
+            refused = Realtime(ws2)
+            await refused.send({"type": "session.start", "prompt": "second", "format": "raw"})
+            got = await refused.rest(timeout=10)
+        assert got.close_code == 1013 and got.of("error")[0]["code"] == "server_full"
+        job = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 2}).json()
+        await holder.next()  # the holder streams on; the job waits for capacity
+        assert httpx.get(f"{server.http}/v1/videos/{job['id']}").json()["status"] == "queued"
+        await holder.send({"type": "session.stop"})
+        await holder.rest()
+    poll(server, job["id"], "completed")
+
+
+async def test_auth_refuses_a_missing_or_wrong_key_before_any_engine_work(make_server):
+    server = make_server("--api-key", "s3cret")
+    assert httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1}).status_code == 401
+    wrong = httpx.get(f"{server.http}/v1/videos", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+    assert httpx.get(f"{server.http}/v1/videos", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert httpx.get(f"{server.http}/v1/models?api_key=s3cret").status_code == 200
+    assert httpx.get(f"{server.http}/health").status_code == 200  # probes need no key
+
+    for url, options in [
+        (server.ws, {}),
+        (server.ws + "?api_key=nope", {}),
+        (server.ws, {"subprotocols": ["rtvideo.key.nope"]}),
+    ]:
+        async with open_realtime(url, **options) as ws:
+            got = await Realtime(ws).rest(timeout=10)  # closed before anything is asked
+        assert got.close_code == 1008 and "unauthorized" in got.close_reason
+    assert server.health()["sessions"] == 0
+
+    async with open_realtime(server.ws, subprotocols=["rtvideo.key.s3cret"]) as ws:
+        assert ws.subprotocol == "rtvideo.key.s3cret"
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "p", "num_chunks": 1, "format": "raw"})
+        got = await client.rest()
+    assert got.of("session.done") and got.close_code == 1000
+    async with open_realtime(server.ws, additional_headers={"Authorization": "Bearer s3cret"}) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "p", "num_chunks": 1, "format": "raw"})
+        assert (await client.rest()).of("session.done")
+
+
+def test_service_routes(server):
+    health = server.health()
+    assert health["status"] == "ok" and health["workers"][0]["alive"] is True
+    models = httpx.get(f"{server.http}/v1/models").json()
+    assert models["data"][0]["id"] == "stub"
+    openapi = httpx.get(f"{server.http}/openapi.json").json()
+    assert "/v1/videos" in openapi["paths"] and "/health" in openapi["paths"]
+    assert httpx.get(f"{server.http}/docs").status_code == 200

@@ -1,0 +1,141 @@
+"""The realtime endpoint against the server as a subprocess: formats, metadata,
+interactions landing at the next chunk, and replay through HTTP request mode."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import av
+import httpx
+import numpy as np
+import pytest
+
+from server.media import split_jpeg_payload
+from tests.e2e.client import Realtime, interaction, open_realtime
+
+START = {"type": "session.start", "prompt": "a paper boat on a river", "seed": 3, "width": 32, "height": 24}
+
+
+async def run_session(url: str, start: dict) -> Realtime:
+    async with open_realtime(url) as ws:
+        client = Realtime(ws)
+        await client.send(start)
+        await client.rest()
+        return client
+
+
+@pytest.mark.parametrize("fmt", ["fmp4", "m4s", "jpeg", "raw"])
+async def test_happy_path_per_format(server, fmt):
+    client = await run_session(server.ws, {**START, "format": fmt, "num_frames": 10})
+    got = client.received
+    [start] = got.of("video.start")
+    config = start["config"]
+    assert start["format"] == config["format"] == ("fmp4" if fmt == "m4s" else fmt)
+    assert (config["width"], config["height"], config["num_frames"]) == (32, 24, 10)
+    assert config["num_chunks"] == 3 and config["frames_per_chunk"] == 4
+    metas = [c.metadata for c in got.chunks]
+    assert [m["transport_chunk_index"] for m in metas] == [0, 1, 2]
+    assert [m["generation_chunk_index"] for m in metas] == [0, 1, 2]
+    assert [m["num_frames"] for m in metas] == [4, 4, 2]  # trimmed to num_frames
+    assert [m["first_frame_index"] for m in metas] == [0, 4, 8]
+    assert [m["media_start_seconds"] for m in metas] == pytest.approx([0.0, 0.25, 0.5])
+    assert all(m["kind"] == "media" and m["request_id"] == start["request_id"] for m in metas)
+    [done] = got.of("session.done")
+    assert (done["chunks"], done["frames"], done["stopped"], done["reason"]) == (3, 10, False, "completed")
+    assert got.close_code == 1000
+    payloads = [c.payload for c in got.chunks]
+    if config["format"] == "raw":
+        assert [len(p) for p in payloads] == [4 * 24 * 32 * 3, 4 * 24 * 32 * 3, 2 * 24 * 32 * 3]
+    elif config["format"] == "jpeg":
+        images = [split_jpeg_payload(p) for p in payloads]
+        assert [len(i) for i in images] == [4, 4, 2]
+        frame = next(av.open(io.BytesIO(images[0][0]), format="mjpeg").decode(video=0))
+        assert (frame.width, frame.height) == (32, 24)
+    else:
+        with av.open(io.BytesIO(b"".join(payloads))) as container:  # init segment first, one fragment per chunk
+            frames = list(container.decode(video=0))
+        assert len(frames) == 10
+        assert [f.pts for f in frames] == sorted(f.pts for f in frames)
+        assert (frames[0].width, frames[0].height) == (32, 24)
+
+
+async def test_an_interaction_lands_at_the_next_chunk_and_matches_request_mode(server):
+    base = {**START, "format": "raw", "num_chunks": 6}
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send(base)
+        await client.until("video.start")
+        first = await client.next()  # chunk 0 arrived; the worker is on chunk 1 or later
+        assert first.metadata["generation_chunk_index"] == 0
+        await client.send(
+            {"type": "session.interaction", "interaction": {"event_id": "u1", "event": {"prompt": "a storm"}}}
+        )
+        queued = await client.until("session.interaction.queued")
+        applied = await client.until("session.interaction.applied")
+        live = await client.rest()
+
+    k = applied["generation_chunk_index"]
+    if queued["in_progress_chunk_index"] is not None:
+        assert k == queued["in_progress_chunk_index"] + 1
+    assert k == queued["expected_chunk_index"]
+    chunk_k = live.chunks[k].metadata
+    assert chunk_k["started_event_ids"] == ["u1"]
+    assert applied["first_frame_index"] == chunk_k["first_frame_index"]
+    assert applied["media_start_seconds"] == pytest.approx(chunk_k["media_start_seconds"])
+    assert applied["queued_to_applied_ms"] >= 0
+
+    plain = await run_session(server.ws, base)
+    assert [c.payload for c in live.chunks[:k]] == [c.payload for c in plain.received.chunks[:k]]
+    assert [c.payload for c in live.chunks[k:]] != [c.payload for c in plain.received.chunks[k:]]
+
+    job = {key: value for key, value in base.items() if key != "type"}
+    job["interactions"] = [{"at_chunk": k, "prompt": "a storm"}]
+    response = httpx.post(f"{server.http}/v1/videos/sync", json=job, timeout=60)
+    assert response.status_code == 200
+    assert response.content == b"".join(c.payload for c in live.chunks)
+
+    [done] = live.of("session.done")
+    replay = httpx.post(f"{server.http}/v1/videos/sync", json=done["replay"], timeout=60)
+    assert replay.content == b"".join(c.payload for c in live.chunks)
+
+
+async def test_a_stopped_endless_session_replays_bit_for_bit(server):
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({**START, "format": "raw", "transition_chunks": 2})
+        await client.next()
+        await client.next()
+        await client.send(interaction("sunrise"))
+        await client.until("session.interaction.applied")
+        await client.next()
+        await client.send({"type": "session.ping"})
+        await client.until("session.pong")
+        await client.send({"type": "session.stop"})
+        live = await client.rest()
+    [done] = live.of("session.done")
+    assert done["stopped"] and done["reason"] == "stopped" and live.close_code == 1000
+    assert done["frames"] == sum(c.metadata["num_frames"] for c in live.chunks)
+    assert done["replay"]["interactions"][0]["prompt"] == "sunrise"
+    replay = httpx.post(f"{server.http}/v1/videos/sync", json=done["replay"], timeout=60)
+    assert replay.status_code == 200
+    assert replay.content == b"".join(c.payload for c in live.chunks)
+    frames = np.frombuffer(replay.content, dtype=np.uint8)
+    assert frames.size == done["frames"] * 24 * 32 * 3
+
+
+async def test_client_disconnect_mid_chunk_frees_the_session(make_server):
+    server = make_server(pipeline={"step_time_s": 0.05})  # 200 ms chunks: leave inside one
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({**START, "format": "raw"})
+        await client.next()  # video.start
+        await client.next()  # chunk 0; chunk 1 is being denoised
+    # The socket is gone; the engine frees the session at its next loop iteration.
+    for _ in range(200):
+        health = server.health()
+        if health["sessions"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert health["sessions"] == 0
+    assert health["runner_sessions"] == [] and health["pipeline_sessions"] == []
