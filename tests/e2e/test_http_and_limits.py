@@ -129,3 +129,22 @@ def test_service_routes(server):
     openapi = httpx.get(f"{server.http}/openapi.json").json()
     assert "/v1/videos" in openapi["paths"] and "/health" in openapi["paths"]
     assert httpx.get(f"{server.http}/docs").status_code == 200
+
+
+async def test_stall_and_duration_limits_end_sessions_cleanly(make_server):
+    server = make_server("--stall-timeout-s", "0.5", "--max-session-seconds", "30", pipeline={"step_time_s": 0.01})
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "quiet client", "format": "raw"})
+        got = await client.rest(timeout=15)  # the client never speaks again
+    errors = got.of("error")
+    assert errors and errors[0]["code"] == "stall_timeout" and errors[0]["fatal"] is True
+    assert got.of("session.done")[0]["reason"] == "stall_timeout" and got.close_code == 1000
+
+    short = make_server("--max-session-seconds", "0.5", pipeline={"step_time_s": 0.01})
+    async with open_realtime(short.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "long", "format": "raw"})
+        got = await client.rest(timeout=15)
+    done = got.of("session.done")[0]
+    assert done["reason"] == "max_duration" and done["stopped"] is True and len(got.chunks) > 0

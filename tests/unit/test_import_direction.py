@@ -38,7 +38,7 @@ def test_no_module_imports_against_the_direction(package):
 
 def test_the_api_side_loads_without_torch_or_workers():
     code = (
-        "import sys, engine.client, engine.loop, server.cli;"
+        "import sys, engine.client, engine.loop, server.cli, server.app;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'workers')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )
