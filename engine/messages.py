@@ -99,6 +99,7 @@ class StartSession(_Wire, tag="start_session"):
     num_chunks: int | None = None
     num_inference_steps: int | None = None
     transition_chunks: int = 0
+    prompt_change: str = "soft"  # soft / recache / reset: what a prompt change does to the model's cache
     scheduled: tuple[ScheduledInteraction, ...] = ()
 
 

@@ -10,6 +10,8 @@ from workers.pipelines.base import ChunkPipeline
 
 REGISTRY: dict[str, str] = {
     "stub": "workers.pipelines.stub:StubPipeline",
+    "tiny": "workers.pipelines.causal_wan:build",
+    "causal_wan": "workers.pipelines.causal_wan:build",
 }
 
 

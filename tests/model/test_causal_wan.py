@@ -1,0 +1,217 @@
+"""The causal Wan pipeline on the tiny preset, in process (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.messages import StartSession
+from workers.pipelines.base import BatchRow, PipelineState, StepBatch
+from workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
+from workers.pipelines.presets import build_tiny, load_directory, save_directory
+from workers.pipelines.wan_attention import apply_rope
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> CausalWanPipeline:
+    return build("tiny", device="cpu")
+
+
+def open_session(pipeline, sid: str = "s", **start) -> PipelineState:
+    start = StartSession(session_id=sid, **{"prompt": "a red fox", **start})
+    state = PipelineState(sid, start, pipeline.describe(start))
+    pipeline.prepare_encode(state)
+    return state
+
+
+def run_chunk(pipeline, state: PipelineState, prompt: str | None = None, transition: int = 0):
+    if prompt is not None:
+        pipeline.apply_interaction_at_chunk_boundary(state, prompt, transition)
+    pipeline.prepare_next_chunk(state)
+    for step in range(state.geometry.num_inference_steps):
+        batch = StepBatch((BatchRow(state.session_id, state.chunk_index, step),))
+        [prediction] = pipeline.denoise_step(batch, [state])
+        pipeline.step_scheduler(state, prediction)
+    clean = state.extra["clean"].clone()
+    out = pipeline.post_decode(state)
+    state.chunk_index += 1
+    return out, clean
+
+
+def test_schedule_matches_self_forcing():
+    assert self_forcing_timesteps(4) == pytest.approx([1000.0, 937.5, 833.3333, 625.0], abs=1e-3)
+    assert len(self_forcing_timesteps(1)) == 1
+    with pytest.raises(ValueError, match="num_inference_steps"):
+        self_forcing_timesteps(5)
+
+
+def test_geometry_first_chunk_9_frames_then_12(pipeline):
+    state = open_session(pipeline, num_chunks=3)
+    frames = [run_chunk(pipeline, state)[0].num_frames for _ in range(3)]
+    assert frames == [9, 12, 12]
+    assert state.geometry.first_chunk_frames == 9 and state.geometry.frames_per_chunk == 12
+
+
+def test_cached_chunks_equal_one_block_causal_forward(pipeline):
+    """Chunk 0 committed at t=0, then chunk 1 at t through the cache, equals one
+    forward over both chunks with a block-causal mask and per-token timesteps."""
+    torch.manual_seed(0)
+    model = pipeline.transformer
+    state = open_session(pipeline)
+    state.extra["conditioning"] = state.extra["target"]
+    shape = state.extra["latent_shape"]
+    chunk0, chunk1 = torch.randn(shape), torch.randn(shape)
+    t = 937.5
+    with torch.no_grad():
+        out0 = pipeline._forward(state, chunk0, 0.0, commit=True)
+        out1 = pipeline._forward(state, chunk1, t, commit=False)
+
+        both = torch.cat([chunk0, chunk1], dim=2)
+        per_frame = shape[3] * shape[4] // 4  # tokens per latent frame after the 1x2x2 patch
+        tokens = 2 * shape[2] * per_frame
+        chunk_of = torch.arange(tokens) // (shape[2] * per_frame)
+        mask = chunk_of[None, :] <= chunk_of[:, None]
+        timesteps = torch.where(chunk_of == 0, 0.0, t)[None, :]
+        pipeline.context.mask = mask
+        try:
+            full = model(both, timesteps, encoder_hidden_states=state.extra["conditioning"], return_dict=False)[0]
+        finally:
+            pipeline.context.mask = None
+    assert torch.allclose(full[:, :, :3], out0, atol=1e-5, rtol=0)
+    assert (full[:, :, 3:] - out1).abs().max().item() <= 1e-5
+
+
+def test_streaming_decode_equals_one_shot_decode(pipeline):
+    torch.manual_seed(1)
+    latents = torch.randn(1, 16, 9, 8, 8)
+    cache = pipeline.decoder.new_cache()
+    parts = [pipeline.decoder.decode(latents[:, :, i : i + 3], cache, first=i == 0) for i in (0, 3, 6)]
+    assert [p.shape[2] for p in parts] == [9, 12, 12]
+    with torch.no_grad():
+        whole = pipeline.decoder.reference_decode(latents)
+    assert (torch.cat(parts, dim=2) - whole).abs().max().item() <= 1e-6
+
+
+def test_cache_memory_is_constant_and_positions_stay_on_the_rope_table(pipeline):
+    state = open_session(pipeline, width=16, height=16, num_inference_steps=1)
+    kv = state.extra["kv"]
+    allocated = kv.nbytes()
+    table = pipeline.rope.max_seq_len
+    chunks_past_table = table // pipeline.latent_frames + 10
+    held_at = {}
+    for chunk in range(chunks_past_table):
+        run_chunk(pipeline, state)
+        if chunk + 1 in (20, 200):
+            held_at[chunk + 1] = (kv.nbytes(), kv.frames, _tensor_bytes(state.extra))
+    assert kv.committed_frames > table  # absolute frame count is past the RoPE table
+    assert kv.nbytes() == allocated
+    assert held_at[20] == held_at[200]
+    assert kv.frames == pipeline.sink_frames + pipeline.window_frames
+
+
+def _tensor_bytes(extra: dict) -> int:
+    total = 0
+    for value in extra.values():
+        items = value if isinstance(value, list | tuple) else [value]
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                total += item.numel() * item.element_size()
+    return total
+
+
+def test_same_seed_same_frames_and_interleaved_sessions_equal_alone(pipeline):
+    alone_a = open_session(pipeline, "a", seed=11)
+    frames_a = [run_chunk(pipeline, alone_a)[0].payload for _ in range(3)]
+    alone_b = open_session(pipeline, "b", prompt="a blue whale", seed=12)
+    frames_b = [run_chunk(pipeline, alone_b)[0].payload for _ in range(3)]
+
+    a, b = open_session(pipeline, "a2", seed=11), open_session(pipeline, "b2", prompt="a blue whale", seed=12)
+    together_a, together_b = [], []
+    for _ in range(3):
+        together_a.append(run_chunk(pipeline, a)[0].payload)
+        together_b.append(run_chunk(pipeline, b)[0].payload)
+    assert together_a == frames_a and together_b == frames_b
+    assert frames_a != frames_b
+
+
+def test_release_frees_everything(pipeline):
+    state = open_session(pipeline, "gone")
+    run_chunk(pipeline, state)
+    assert "gone" in pipeline.held_sessions()
+    pipeline.release(state)
+    assert "gone" not in pipeline.held_sessions() and state.extra == {}
+
+
+def test_hard_reset_equals_a_fresh_session_with_the_new_prompt(pipeline):
+    k = 2
+    state = open_session(pipeline, "r", prompt_change="reset", seed=5)
+    for _ in range(k):
+        run_chunk(pipeline, state)
+    _, reset_clean = run_chunk(pipeline, state, prompt="a storm at sea")
+    fresh = open_session(pipeline, "f", prompt="a storm at sea", seed=5)
+    _, fresh_clean = run_chunk(pipeline, fresh)
+    assert torch.equal(reset_clean, fresh_clean)
+
+
+def test_soft_and_recache_keep_history_and_differ_from_each_other(pipeline):
+    results = {}
+    for mode in ("soft", "recache", "reset"):
+        state = open_session(pipeline, mode, prompt_change=mode, seed=9)
+        for _ in range(2):
+            run_chunk(pipeline, state)
+        frames_before = state.extra["kv"].frames
+        _, clean = run_chunk(pipeline, state, prompt="a storm at sea")
+        results[mode] = clean
+        expected_frames = frames_before + 3 if mode != "reset" else 3
+        assert state.extra["kv"].frames == expected_frames
+    assert not torch.equal(results["soft"], results["recache"])
+    assert not torch.equal(results["soft"], results["reset"])
+    assert not torch.equal(results["recache"], results["reset"])
+
+
+def test_transition_blends_the_text_embeddings(pipeline):
+    state = open_session(pipeline, "t")
+    run_chunk(pipeline, state)
+    old, new = pipeline.encode_prompt("a red fox"), pipeline.encode_prompt("a storm")
+    pipeline.apply_interaction_at_chunk_boundary(state, "a storm", 3)
+    for j in range(3):
+        pipeline.prepare_next_chunk(state)
+        weight = (j + 1) / 3
+        assert torch.allclose(state.extra["conditioning"], (1 - weight) * old + weight * new)
+        state.chunk_index += 1
+    pipeline.prepare_next_chunk(state)
+    assert torch.equal(state.extra["conditioning"], new)
+
+
+def test_prompt_encodings_are_cached(pipeline):
+    first = pipeline.encode_prompt("cache me")
+    assert pipeline.encode_prompt("cache me") is first
+
+
+def test_save_and_load_a_model_directory_offline_gives_the_same_frames(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    save_directory(build_tiny(), tmp_path / "model")
+    loaded = build(model_dir=str(tmp_path / "model"), device="cpu")
+    fresh = build("tiny", device="cpu")
+    a, b = open_session(loaded, seed=3), open_session(fresh, seed=3)
+    assert [run_chunk(loaded, a)[0].payload for _ in range(2)] == [run_chunk(fresh, b)[0].payload for _ in range(2)]
+
+
+@pytest.mark.parametrize("missing", ["transformer", "vae", "text_encoder", "tokenizer"])
+def test_a_broken_model_directory_names_what_is_missing(tmp_path, missing):
+    save_directory(build_tiny(), tmp_path / "model")
+    import shutil
+
+    shutil.rmtree(tmp_path / "model" / missing)
+    with pytest.raises(ValueError, match=f"{missing}/"):
+        load_directory(tmp_path / "model", torch.float32)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_directory(tmp_path / "nowhere", torch.float32)
+
+
+def test_rope_helper_matches_diffusers_rotation():
+    x = torch.randn(1, 4, 2, 12)
+    cos, sin = torch.randn(1, 4, 1, 12), torch.randn(1, 4, 1, 12)
+    out = apply_rope(x, cos, sin)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    assert torch.allclose(out[..., 0::2], x1 * cos[..., 0::2] - x2 * sin[..., 1::2])

@@ -1,0 +1,337 @@
+"""The causal Wan pipeline: Self-Forcing / CausVid-style chunk-autoregressive video.
+
+Worker process; the transformer, VAE and text encoder live on the worker's
+device (bf16 on GPU, fp32 on CPU). Implements ``ChunkPipeline``:
+
+- a chunk is ``latent_frames_per_chunk`` latent frames (3: 9 pixel frames for
+  the first chunk, 12 after), denoised in 1-4 steps of the Self-Forcing
+  schedule (``self_forcing_timesteps``): each step predicts the flow ``v``,
+  takes ``x0 = x_t - sigma * v`` and re-noises to the next step's level;
+- after the last step, ``post_decode`` runs the clean commit forward (x0 at
+  t = 0) that writes the chunk into the session's KV cache
+  (``SessionKVCache``: sinks + rolling window, cache-relative RoPE), then
+  decodes the chunk with the session's streaming VAE decoder;
+- prompt changes at a boundary, per session (``StartSession.prompt_change``):
+  ``soft`` swaps the conditioning and keeps the cache; ``recache`` rebuilds
+  the cache by re-committing the cached chunks' clean latents under the new
+  conditioning; ``reset`` empties the cache and restarts the noise sequence,
+  so the chunk equals the first chunk of a fresh session with the new prompt.
+  ``transition_chunks`` blends the text embeddings linearly. Encoded prompts
+  are cached by text.
+
+Every session's tensors (KV cache, VAE feature cache, latents, generator
+seeds) live in its ``PipelineState``; ``release`` drops them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from engine.messages import SessionGeometry, StartSession
+from engine.plan import ChunkOutput
+from workers.pipelines.base import PipelineState, StepBatch
+from workers.pipelines.kv_cache import SessionKVCache
+from workers.pipelines.presets import Components, build_tiny, load_directory
+from workers.pipelines.vae_stream import StreamingDecoder
+from workers.pipelines.wan_attention import make_causal
+
+PROMPT_CHANGE_MODES = ("soft", "recache", "reset")
+BASE_STEPS = (1000, 750, 500, 250)
+
+
+def self_forcing_timesteps(steps: int, shift: float = 5.0) -> list[float]:
+    """The few-step schedule: ``steps`` evenly spaced points of a 1000-step flow
+    table, warped by ``shift`` (4 steps: 1000, 937.5, 833.33, 625)."""
+    if not 1 <= steps <= 4:
+        raise ValueError(f"num_inference_steps must be between 1 and 4, got {steps}")
+    out = []
+    for k in range(steps):
+        sigma = 1.0 - k / steps
+        out.append(1000.0 * shift * sigma / (1.0 + (shift - 1.0) * sigma))
+    return out
+
+
+def _seed_for(*parts: object) -> int:
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+class CausalWanPipeline:
+    name: ClassVar[str] = "causal_wan"
+    supports_chunk_step_grouping: ClassVar[bool] = True
+    supports_micro_step_execution: ClassVar[bool] = False
+    max_batch_rows: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        components: Components,
+        *,
+        device: str | None = None,
+        latent_frames_per_chunk: int = 3,
+        sink_frames: int = 3,
+        window_frames: int = 18,
+        fps: float = 16.0,
+        max_size: int = 1280,
+        name: str = "causal_wan",
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.name = name
+        self.transformer = _cast(components.transformer, self.device, self.dtype).eval()
+        self.vae = components.vae.to(self.device).eval()
+        self.text_encoder = _cast(components.text_encoder, self.device, self.dtype).eval()
+        self.tokenizer = components.tokenizer
+        self.text_length = components.text_length
+        self.default_size = components.default_size
+        self.context = make_causal(self.transformer)
+        self.rope = self.transformer.rope
+        self.decoder = StreamingDecoder(self.vae)
+        self.latent_frames = latent_frames_per_chunk
+        if sink_frames % latent_frames_per_chunk or window_frames % latent_frames_per_chunk:
+            raise ValueError("sink_frames and window_frames must be multiples of latent_frames_per_chunk")
+        self.sink_frames, self.window_frames = sink_frames, window_frames
+        self.fps = fps
+        self.max_size = max_size
+        self.spatial = 8 * self.transformer.config.patch_size[1]  # VAE 8x, then the patch
+        self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._held: set[str] = set()
+
+    # -- geometry ----------------------------------------------------------------
+
+    def describe(self, start: StartSession) -> SessionGeometry:
+        width = start.width if start.width is not None else self.default_size[0]
+        height = start.height if start.height is not None else self.default_size[1]
+        for name, value in (("width", width), ("height", height)):
+            if value % self.spatial or not self.spatial <= value <= self.max_size:
+                raise ValueError(f"{name} must be a multiple of {self.spatial} up to {self.max_size}, got {value}")
+        steps = start.num_inference_steps if start.num_inference_steps is not None else 4
+        self_forcing_timesteps(steps)  # raises naming num_inference_steps
+        fps = start.fps if start.fps is not None else self.fps
+        if not 1.0 <= fps <= 60.0:
+            raise ValueError(f"fps must be between 1 and 60, got {fps}")
+        if start.prompt_change not in PROMPT_CHANGE_MODES:
+            raise ValueError(f"prompt_change must be one of {', '.join(PROMPT_CHANGE_MODES)}")
+        ratio = self.decoder.temporal_ratio
+        return SessionGeometry(
+            width=width,
+            height=height,
+            fps=fps,
+            num_inference_steps=steps,
+            first_chunk_frames=self.decoder.frames_for(self.latent_frames, first=True),
+            frames_per_chunk=self.latent_frames * ratio,
+            num_chunks=start.num_chunks,
+            transition_chunks=start.transition_chunks,
+        )
+
+    # -- text ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompt(self, prompt: str) -> torch.Tensor:
+        """Text embeddings ``[1, text_length, text_dim]``, padding rows zeroed; cached by prompt."""
+        cached = self._prompts.get(prompt)
+        if cached is not None:
+            self._prompts.move_to_end(prompt)
+            return cached
+        tokens = self.tokenizer(
+            prompt,
+            padding="max_length",
+            max_length=self.text_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
+        hidden = self.text_encoder(ids, mask).last_hidden_state
+        embeds = (hidden * mask.unsqueeze(-1)).to(self.dtype)
+        self._prompts[prompt] = embeds
+        if len(self._prompts) > 256:
+            self._prompts.popitem(last=False)
+        return embeds
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def prepare_encode(self, state: PipelineState) -> None:
+        g = state.geometry
+        h, w = g.height // 8, g.width // 8
+        p = self.transformer.config.patch_size
+        config = self.transformer.config
+        state.extra.update(
+            kv=SessionKVCache(
+                num_layers=config.num_layers,
+                sink_frames=self.sink_frames,
+                window_frames=self.window_frames,
+                tokens_per_frame=(h // p[1]) * (w // p[2]),
+                heads=config.num_attention_heads,
+                head_dim=config.attention_head_dim,
+                batch=1,
+                dtype=self.dtype,
+                device=self.device,
+            ),
+            vae_cache=self.decoder.new_cache(),
+            latent_shape=(1, config.in_channels, self.latent_frames, h, w),
+            timesteps=self_forcing_timesteps(g.num_inference_steps),
+            target=self.encode_prompt(state.start.prompt),
+            transition=None,
+            noise_origin=0,  # chunk index the noise sequence counts from (moved by a reset)
+            sink_chunks=[],  # clean latents of the chunks in the cache, for re-cache
+            window_chunks=[],
+            recache=False,
+            decoded_any=False,
+        )
+        self._held.add(state.session_id)
+
+    def apply_interaction_at_chunk_boundary(self, state: PipelineState, prompt: str, transition_chunks: int) -> None:
+        extra = state.extra
+        new = self.encode_prompt(prompt)
+        if transition_chunks <= 1:
+            extra.update(target=new, transition=None)
+        else:
+            current = extra.get("conditioning", extra["target"])
+            extra.update(transition=(current, new, transition_chunks, 0))
+        mode = state.start.prompt_change
+        if mode == "reset":
+            extra["kv"].reset()
+            extra["sink_chunks"], extra["window_chunks"] = [], []
+            extra["noise_origin"] = state.chunk_index
+        elif mode == "recache":
+            extra["recache"] = True
+
+    def prepare_next_chunk(self, state: PipelineState) -> None:
+        extra = state.extra
+        transition = extra["transition"]
+        if transition is None:
+            extra["conditioning"] = extra["target"]
+        else:
+            old, new, chunks, done = transition
+            weight = (done + 1) / chunks
+            extra["conditioning"] = (1.0 - weight) * old + weight * new
+            finished = done + 1 == chunks
+            extra.update(transition=None if finished else (old, new, chunks, done + 1))
+            if finished:
+                extra["target"] = new
+        if extra["recache"]:
+            self._recache(state)
+        extra["latent"] = self._noise(state, step=-1)
+        state.step_in_chunk = 0
+
+    @torch.no_grad()
+    def denoise_step(self, batch: StepBatch, states: Sequence[PipelineState]) -> list[torch.Tensor]:
+        predictions = []
+        for row, state in zip(batch.rows, states, strict=True):
+            t = state.extra["timesteps"][row.step]
+            predictions.append(self._forward(state, state.extra["latent"], t, commit=False))
+        return predictions
+
+    def step_scheduler(self, state: PipelineState, noise_pred: torch.Tensor) -> None:
+        extra = state.extra
+        timesteps = extra["timesteps"]
+        step = state.step_in_chunk
+        sigma = timesteps[step] / 1000.0
+        x0 = extra["latent"].float() - sigma * noise_pred.float()
+        if step + 1 < len(timesteps):
+            sigma_next = timesteps[step + 1] / 1000.0
+            extra["latent"] = ((1.0 - sigma_next) * x0 + sigma_next * self._noise(state, step)).to(self.dtype)
+        else:
+            extra["clean"] = x0.to(self.dtype)
+        state.step_in_chunk += 1
+
+    @torch.no_grad()
+    def post_decode(self, state: PipelineState) -> ChunkOutput:
+        extra = state.extra
+        clean = extra.pop("clean")
+        self._commit(state, clean)
+        first = not extra["decoded_any"]
+        pixels = self.decoder.decode(clean.float(), extra["vae_cache"], first=first)
+        extra["decoded_any"] = True
+        frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        array = frames.cpu().numpy()
+        count, height, width = array.shape[:3]
+        return ChunkOutput(num_frames=count, width=width, height=height, payload=np.ascontiguousarray(array).tobytes())
+
+    def release(self, state: PipelineState) -> None:
+        self._held.discard(state.session_id)
+        state.extra.clear()
+
+    def held_sessions(self) -> tuple[str, ...]:
+        return tuple(self._held)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _noise(self, state: PipelineState, step: int) -> torch.Tensor:
+        """Gaussian noise for (seed, chunk since the last reset, step): the same
+        session parameters always draw the same noise."""
+        chunk = state.chunk_index - state.extra["noise_origin"]
+        generator = torch.Generator(device="cpu").manual_seed(_seed_for(state.start.seed, chunk, step))
+        noise = torch.randn(state.extra["latent_shape"], generator=generator, dtype=torch.float32)
+        return noise.to(self.device, self.dtype)
+
+    def _forward(self, state: PipelineState, latent: torch.Tensor, t: float, commit: bool) -> torch.Tensor:
+        kv: SessionKVCache = state.extra["kv"]
+        ctx = self.context
+        frames, height, width = latent.shape[2:]
+        ctx.cache, ctx.commit = kv, commit
+        ctx.cache_rope = self.rope.at(kv.frames, height, width, 0) if kv.frames else None
+        self.rope.frame_offset = kv.frames
+        try:
+            timestep = torch.full((latent.shape[0],), t, device=self.device, dtype=self.dtype)
+            cond = state.extra["conditioning"]
+            out = self.transformer(latent, timestep, encoder_hidden_states=cond, return_dict=False)[0]
+            if commit:
+                kv.commit(frames)
+        finally:
+            ctx.cache, ctx.commit, ctx.cache_rope = None, False, None
+            self.rope.frame_offset = 0
+        return out
+
+    def _commit(self, state: PipelineState, clean: torch.Tensor) -> None:
+        """The clean forward at t = 0 that writes the chunk into the cache."""
+        self._forward(state, clean, 0.0, commit=True)
+        extra = state.extra
+        if len(extra["sink_chunks"]) * self.latent_frames < self.sink_frames:
+            extra["sink_chunks"].append(clean)
+        else:
+            keep = self.window_frames // self.latent_frames
+            extra["window_chunks"] = [*extra["window_chunks"], clean][-keep:]
+
+    def _recache(self, state: PipelineState) -> None:
+        """Rebuild the cache from the cached chunks' clean latents under the new conditioning."""
+        extra = state.extra
+        extra["recache"] = False
+        extra["kv"].reset()
+        for clean in extra["sink_chunks"] + extra["window_chunks"]:
+            self._forward(state, clean, 0.0, commit=True)
+
+
+def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move ``model`` to ``device`` in ``dtype``, keeping the modules its class pins
+    to fp32 (RoPE tables, time embedder, norms) in fp32."""
+    model = model.to(device)
+    if dtype == torch.float32:
+        return model
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, module in model.named_modules():
+        if not any(part in keep for part in name.split(".")):
+            for parameter in module.parameters(recurse=False):
+                parameter.data = parameter.data.to(dtype)
+            for tensor_name, tensor in list(module.named_buffers(recurse=False)):
+                if tensor.is_floating_point() and "freqs" not in tensor_name:
+                    module._buffers[tensor_name] = tensor.to(dtype)
+    return model
+
+
+def build(preset: str = "tiny", model_dir: str | None = None, device: str | None = None, **options: Any):
+    """The pipeline registry's factory: the tiny preset, or a model directory."""
+    if model_dir is not None:
+        on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        return CausalWanPipeline(load_directory(model_dir, dtype), device=device, name=str(model_dir), **options)
+    if preset != "tiny":
+        raise ValueError(f"unknown preset {preset!r}; known: tiny")
+    return CausalWanPipeline(build_tiny(options.pop("seed", 0)), device=device, name="tiny", **options)

@@ -1,0 +1,83 @@
+"""A session's self-attention KV cache: sink frames plus a rolling window.
+
+Worker process; tensors live on the model's device. One ``SessionKVCache`` per
+session, preallocated at its full size when the session opens, so memory is
+constant however long the stream runs. Keys are stored *before* RoPE: the
+attention processor ropes them at cache-relative positions on every read
+(sinks first, then the window, then the chunk being computed), so positions
+never exceed ``sink + window + chunk`` frames and never run off the RoPE
+table, however many chunks the session makes.
+
+Layout per layer: ``[batch, capacity_frames * tokens_per_frame, heads, head_dim]``,
+frames in time order: the first ``sink_frames`` frames ever committed stay;
+after them the most recent frames, oldest first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SessionKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        sink_frames: int,
+        window_frames: int,
+        tokens_per_frame: int,
+        heads: int,
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if sink_frames < 0 or window_frames < 1:
+            raise ValueError("need sink_frames >= 0 and window_frames >= 1")
+        self.sink_frames = sink_frames
+        self.window_frames = window_frames
+        self.capacity = sink_frames + window_frames
+        self.tokens_per_frame = tokens_per_frame
+        shape = (batch, self.capacity * tokens_per_frame, heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.frames = 0  # frames held now
+        self.committed_frames = 0  # frames ever committed
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held (un-roped) keys and values of ``layer``, in time order."""
+        end = self.frames * self.tokens_per_frame
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep one layer's keys and values of the chunk being committed."""
+        self._staged[layer] = (keys, values)
+
+    def commit(self, num_frames: int) -> None:
+        """Append the staged chunk (``num_frames`` frames) to every layer, evicting
+        the oldest window frames when full."""
+        if len(self._staged) != len(self.keys):
+            raise RuntimeError(f"commit needs every layer staged, got {len(self._staged)} of {len(self.keys)}")
+        if num_frames > self.window_frames:
+            raise ValueError(f"a chunk of {num_frames} frames does not fit a window of {self.window_frames}")
+        t = self.tokens_per_frame
+        overflow = max(0, self.frames + num_frames - self.capacity)
+        keep_from = self.sink_frames + overflow  # first window frame that survives
+        for layer, (keys, values) in self._staged.items():
+            for store, new in ((self.keys[layer], keys), (self.values[layer], values)):
+                if overflow:
+                    survivors = store[:, keep_from * t : self.frames * t].clone()
+                    store[:, self.sink_frames * t : self.sink_frames * t + survivors.shape[1]] = survivors
+                start = (self.frames - overflow) * t
+                store[:, start : start + num_frames * t] = new
+        self._staged.clear()
+        self.frames = self.frames - overflow + num_frames
+        self.committed_frames += num_frames
+
+    def reset(self) -> None:
+        """Forget everything held (hard reset and re-cache)."""
+        self.frames = 0
+        self._staged.clear()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -1,0 +1,142 @@
+"""Model components: the ``tiny`` preset, loading a model directory, saving one.
+
+Worker process (and ``rtvideo convert``). Nothing here ever touches the
+network: the tiny preset is random weights from a fixed seed with a byte-level
+tokenizer, and a model directory is read with ``local_files_only``.
+
+A model directory has the Wan2.1 diffusers layout: ``transformer/`` (the
+causal generator, converted by ``rtvideo convert``), ``vae/``,
+``text_encoder/`` (UMT5) and ``tokenizer/``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from transformers import AutoTokenizer, ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer")
+
+TINY_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=48,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=1024,
+)
+TINY_VAE = dict(base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
+TINY_TEXT = dict(
+    vocab_size=384,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    feed_forward_proj="gated-gelu",
+)
+
+# The Wan2.1-T2V-1.3B transformer (for random-weight GPU measurements).
+WAN_1_3B_TRANSFORMER = dict(
+    TINY_TRANSFORMER,
+    num_attention_heads=12,
+    attention_head_dim=128,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+)
+
+
+@dataclass
+class Components:
+    transformer: WanTransformer3DModel
+    vae: AutoencoderKLWan
+    text_encoder: UMT5EncoderModel
+    tokenizer: Any
+    text_length: int  # tokens per prompt (padded)
+    default_size: tuple[int, int]  # width, height
+
+
+def build_tiny(seed: int = 0) -> Components:
+    """The tiny preset: random weights from ``seed``; builds in well under a second on a CPU."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        transformer = WanTransformer3DModel(**TINY_TRANSFORMER)
+        vae = AutoencoderKLWan(**TINY_VAE)
+        text_encoder = UMT5EncoderModel(UMT5Config(**TINY_TEXT))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return Components(transformer, vae, text_encoder, ByT5Tokenizer(), text_length=64, default_size=(64, 64))
+
+
+def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
+    """Load a model directory offline; ``ValueError`` names what is missing or broken."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"model directory {str(root)!r} does not exist")
+    missing = [name for name in COMPONENTS if not (root / name).is_dir()]
+    if missing:
+        raise ValueError(f"model directory {str(root)!r} lacks {', '.join(f'{m}/' for m in missing)}")
+    for name in ("transformer", "vae", "text_encoder"):
+        if not (root / name / "config.json").is_file():
+            raise ValueError(f"model directory {str(root)!r}: {name}/config.json is missing")
+    try:
+        transformer = WanTransformer3DModel.from_pretrained(
+            root, subfolder="transformer", torch_dtype=dtype, local_files_only=True
+        )
+        vae = AutoencoderKLWan.from_pretrained(root, subfolder="vae", torch_dtype=torch.float32, local_files_only=True)
+        text_encoder = UMT5EncoderModel.from_pretrained(
+            root, subfolder="text_encoder", torch_dtype=dtype, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(root, subfolder="tokenizer", local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"model directory {str(root)!r} could not be loaded: {error}") from error
+    extra = _read_rtvideo_json(root)
+    return Components(
+        transformer,
+        vae,
+        text_encoder,
+        tokenizer,
+        text_length=int(extra.get("text_length", 512)),
+        default_size=tuple(extra.get("default_size", (832, 480))),
+    )
+
+
+def save_directory(components: Components, path: str | Path) -> None:
+    """Write ``components`` as a model directory ``load_directory`` reads back."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    components.transformer.save_pretrained(root / "transformer")
+    components.vae.save_pretrained(root / "vae")
+    components.text_encoder.save_pretrained(root / "text_encoder")
+    components.tokenizer.save_pretrained(root / "tokenizer")
+    (root / "rtvideo.json").write_text(
+        json.dumps({"text_length": components.text_length, "default_size": list(components.default_size)})
+    )
+
+
+def _read_rtvideo_json(root: Path) -> dict:
+    file = root / "rtvideo.json"
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from error

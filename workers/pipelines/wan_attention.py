@@ -1,0 +1,143 @@
+"""Block-causal self-attention with a KV cache for diffusers' ``WanTransformer3DModel``.
+
+Worker process. No fork of the transformer: two swaps after loading.
+
+- ``OffsetRotaryPosEmbed`` replaces ``model.rope``. Its ``frame_offset`` shifts
+  the temporal positions of the tokens being computed, so a chunk sits after
+  the frames in the cache. Its buffers are not saved with the weights.
+- ``CausalSelfAttnProcessor`` goes on every block's ``attn1``. It computes
+  query, key and value as diffusers' ``WanAttnProcessor`` does, then attends
+  from the chunk's queries to [cached keys, chunk keys]: a chunk sees itself
+  and the frames before it, never after (block-causal). Cached keys are kept
+  un-roped and roped here at cache-relative positions 0 .. n-1.
+
+Per-call settings travel in a ``ForwardContext`` shared by the processors of
+one model, because diffusers does not forward ``attention_kwargs`` to them.
+The pipeline sets it before each forward (one loop thread, one forward at a
+time). Without a cache the processors attend within the call's tokens, with
+an optional mask (used to build the block-causal reference in tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import (
+    WanRotaryPosEmbed,
+    WanTransformer3DModel,
+    _get_qkv_projections,
+)
+
+from workers.pipelines.kv_cache import SessionKVCache
+
+
+@dataclass
+class ForwardContext:
+    """What the processors of one model need for the current forward."""
+
+    cache: SessionKVCache | None = None  # the session whose chunk is being computed
+    commit: bool = False  # stage this forward's keys and values into the cache
+    cache_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin for the cached tokens
+    mask: torch.Tensor | None = None  # boolean [tokens, tokens], True = may attend (no-cache calls only)
+
+
+class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
+    """Wan's 3-D RoPE with the temporal positions shifted by ``frame_offset``."""
+
+    frame_offset: int = 0
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.at(hidden_states.shape[2], hidden_states.shape[3], hidden_states.shape[4], self.frame_offset)
+
+    def at(self, frames: int, height: int, width: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[1, tokens, 1, head_dim]`` for ``frames`` latent frames from ``offset``."""
+        p_t, p_h, p_w = self.patch_size
+        ppf, pph, ppw = frames // p_t, height // p_h, width // p_w
+        if offset + ppf > self.max_seq_len:
+            raise ValueError(f"frame position {offset + ppf} is past the RoPE table ({self.max_seq_len})")
+        sizes = [self.t_dim, self.h_dim, self.w_dim]
+        parts = []
+        for table in (self.freqs_cos, self.freqs_sin):
+            t, h, w = table.split(sizes, dim=1)
+            grid = torch.cat(
+                [
+                    t[offset : offset + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
+                    h[:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1),
+                    w[:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1),
+                ],
+                dim=-1,
+            )
+            parts.append(grid.reshape(1, ppf * pph * ppw, 1, -1))
+        return parts[0], parts[1]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` [batch, tokens, heads, head_dim] (Wan's convention)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class CausalSelfAttnProcessor:
+    """``attn1`` of block ``layer``: attends over the session's cache and the chunk."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, context: ForwardContext, layer: int) -> None:
+        self.context = context
+        self.layer = layer
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        ctx = self.context
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        mask = ctx.mask
+        if ctx.cache is not None:
+            if ctx.commit:
+                ctx.cache.stage(self.layer, key, value)
+            cached_keys, cached_values = ctx.cache.read(self.layer)
+            query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
+            if cached_keys.shape[1]:
+                key = torch.cat([apply_rope(cached_keys, *ctx.cache_rope), key], dim=1)
+                value = torch.cat([cached_values, value], dim=1)
+            mask = None
+        elif rotary_emb is not None:
+            query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=None,
+        )
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def make_causal(model: WanTransformer3DModel) -> ForwardContext:
+    """Swap in the offset RoPE and the causal processors; returns their shared context."""
+    old = model.rope
+    rope = OffsetRotaryPosEmbed(old.attention_head_dim, old.patch_size, old.max_seq_len)
+    model.rope = rope.to(old.freqs_cos.device)
+    context = ForwardContext()
+    for layer, block in enumerate(model.blocks):
+        block.attn1.set_processor(CausalSelfAttnProcessor(context, layer))
+    return context
