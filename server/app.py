@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -25,10 +26,18 @@ from server.schemas import JobRequest, RequestError
 from server.settings import ServerSettings
 
 
+def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
+    """A pipeline name (``tiny``, ``stub``) as it is; a path means a model directory."""
+    options = dict(settings.pipeline_options)
+    if "/" in settings.model or Path(settings.model).is_dir():
+        return PipelineSpec("causal_wan", {"model_dir": settings.model, **options})
+    return PipelineSpec(settings.model, options)
+
+
 def engine_config(settings: ServerSettings) -> EngineConfig:
     """The engine configuration a server with ``settings`` runs."""
     return EngineConfig(
-        pipeline=PipelineSpec(settings.model, dict(settings.pipeline_options)),
+        pipeline=pipeline_spec(settings),
         max_sessions=settings.max_sessions,
         group_chunk_steps=settings.group_chunk_steps,
         startup_timeout_s=settings.worker_startup_timeout_s,

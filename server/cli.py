@@ -8,6 +8,7 @@ one place that reads the environment.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -92,6 +93,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    # By name: conversion needs torch, which the API side of the CLI never imports.
+    convert = importlib.import_module("workers.convert")
+    return convert.main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtvideo", description="Realtime video generation server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, help=f"default: {default!r}")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
+
+    convert = commands.add_parser(
+        "convert", help="a Self-Forcing checkpoint into a model directory's transformer/", add_help=False
+    )
+    convert.add_argument("rest", nargs=argparse.REMAINDER)
+    convert.set_defaults(func=_convert)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints a JSON summary as its last line")
     benches = bench.add_subparsers(dest="bench", required=True)

@@ -135,6 +135,7 @@ class SessionOutput:
             "num_inference_steps": c["num_inference_steps"],
             "format": c["format"],
             "transition_chunks": c["transition_chunks"],
+            "prompt_change": c["prompt_change"],
             "interactions": [
                 {"at_chunk": a.at_chunk, "prompt": a.prompt, "transition_chunks": a.transition_chunks}
                 for a in done.applied

@@ -42,6 +42,7 @@ class VideoRequest(_Strict):
     num_inference_steps: int | None = Field(None, ge=1, le=64)
     format: Literal["fmp4", "m4s", "jpeg", "raw"] = "fmp4"
     transition_chunks: int = Field(0, ge=0, le=64)
+    prompt_change: Literal["soft", "recache", "reset"] = "soft"
     max_lead_seconds: float | None = Field(2.0, gt=0)
 
     @model_validator(mode="after")
@@ -165,6 +166,7 @@ def resolve(
         num_chunks=num_chunks,
         num_inference_steps=request.num_inference_steps,
         transition_chunks=request.transition_chunks,
+        prompt_change=request.prompt_change,
         scheduled=tuple(scheduled),
     )
     config = {
@@ -182,6 +184,7 @@ def resolve(
         "num_inference_steps": request.num_inference_steps or defaults.num_inference_steps,
         "format": FORMAT_ALIASES.get(request.format, request.format),
         "transition_chunks": request.transition_chunks,
+        "prompt_change": request.prompt_change,
         "max_lead_seconds": request.max_lead_seconds,
     }
     return start, config

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, fields
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    model: str = "stub"
-    """Pipeline to serve: a registry name (``stub``; ``tiny`` once the model lands) or a model directory."""
+    model: str = "tiny"
+    """What to serve: ``tiny`` (the built-in random-weight causal Wan), ``stub``
+    (arithmetic, for tests), or a model directory (Wan2.1 diffusers layout)."""
     pipeline_options: dict = field(default_factory=dict)
     """Options of the pipeline (tests use them to slow or gate the stub)."""
     max_sessions: int = 4

@@ -26,8 +26,22 @@ class RunningServer:
         return httpx.get(f"{self.http}/health", timeout=10).json()
 
 
-def start_server(*flags: str, pipeline: dict | None = None, timeout: float = 60.0) -> RunningServer:
-    command = [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--log-level", "info", *flags]
+def start_server(
+    *flags: str, pipeline: dict | None = None, model: str = "stub", timeout: float = 120.0
+) -> RunningServer:
+    command = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model,
+        "--log-level",
+        "info",
+        *flags,
+    ]
     if pipeline:
         command += ["--pipeline-options", json.dumps(pipeline)]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -72,8 +86,8 @@ def server():
 def make_server():
     started: list[RunningServer] = []
 
-    def factory(*flags: str, pipeline: dict | None = None) -> RunningServer:
-        running = start_server(*flags, pipeline=pipeline)
+    def factory(*flags: str, pipeline: dict | None = None, model: str = "stub") -> RunningServer:
+        running = start_server(*flags, pipeline=pipeline, model=model)
         started.append(running)
         return running
 

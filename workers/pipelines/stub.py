@@ -128,6 +128,8 @@ class StubPipeline:
             raise ValueError(f"num_inference_steps must be between 1 and {self.max_steps}, got {steps}")
         if not 1.0 <= fps <= 120.0:
             raise ValueError(f"fps must be between 1 and 120, got {fps}")
+        if start.prompt_change not in ("soft", "recache", "reset"):  # accepted; the stub keeps no cache
+            raise ValueError(f"prompt_change must be soft, recache or reset, got {start.prompt_change!r}")
         return SessionGeometry(
             width=width,
             height=height,

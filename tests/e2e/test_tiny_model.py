@@ -1,0 +1,40 @@
+"""The built-in tiny model behind the real server: the default of ``rtvideo serve``."""
+
+from __future__ import annotations
+
+import io
+
+import av
+import httpx
+
+from tests.e2e.client import Realtime, interaction, open_realtime
+
+
+async def test_tiny_model_streams_fmp4_and_applies_an_interaction_at_the_next_chunk(make_server):
+    server = make_server(model="tiny")
+    assert httpx.get(f"{server.http}/v1/models").json()["data"][0]["id"] == "tiny"
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "a red fox", "num_chunks": 4, "prompt_change": "recache"})
+        start = await client.until("video.start")
+        assert start["config"]["first_chunk_frames"] == 9 and start["config"]["frames_per_chunk"] == 12
+        await client.next()  # chunk 0
+        await client.send(interaction("a blue whale", "w"))
+        queued = await client.until("session.interaction.queued")
+        applied = await client.until("session.interaction.applied")
+        got = await client.rest()
+    assert applied["generation_chunk_index"] == queued["expected_chunk_index"]
+    if queued["in_progress_chunk_index"] is not None:
+        assert applied["generation_chunk_index"] == queued["in_progress_chunk_index"] + 1
+    assert [c.metadata["num_frames"] for c in got.chunks] == [9, 12, 12, 12]
+    with av.open(io.BytesIO(b"".join(c.payload for c in got.chunks))) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 45 and (frames[0].width, frames[0].height) == (64, 64)
+    assert got.of("session.done")[0]["frames"] == 45
+
+    [done] = got.of("session.done")
+    replay = {**done["replay"], "format": "raw"}
+    first = httpx.post(f"{server.http}/v1/videos/sync", json=replay, timeout=120)
+    second = httpx.post(f"{server.http}/v1/videos/sync", json=replay, timeout=120)
+    assert first.status_code == 200 and first.content == second.content  # deterministic
+    assert len(first.content) == 45 * 64 * 64 * 3

@@ -1,0 +1,88 @@
+"""``rtvideo convert`` on a synthetic checkpoint in the Self-Forcing layout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import WanTransformer3DModel
+
+from workers.convert import convert
+from workers.pipelines.presets import TINY_TRANSFORMER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# diffusers name -> original Wan name, applied in order (the inverse of diffusers' conversion).
+TO_ORIGINAL = [
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn1", "self_attn"),
+    ("attn2", "cross_attn"),
+    (".to_out.0.", ".o."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("norm2", "norm__swap"),
+    ("norm3", "norm2"),
+    ("norm__swap", "norm3"),
+]
+
+
+def original_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        if key == "scale_shift_table":
+            key = "head.modulation"
+        elif key.startswith("proj_out"):
+            key = key.replace("proj_out", "head.head")
+        else:
+            key = key.replace("scale_shift_table", "modulation")
+            for new, old in TO_ORIGINAL:
+                key = key.replace(new, old)
+        out[f"model.{key}"] = value.clone()
+    return out
+
+
+def test_a_self_forcing_checkpoint_converts_and_loads_strictly(tmp_path):
+    torch.manual_seed(0)
+    reference = WanTransformer3DModel(**TINY_TRANSFORMER)
+    original = original_layout(reference.state_dict())
+    assert any(k.startswith("model.blocks.0.self_attn.q.") for k in original)
+    torch.save({"generator": original, "generator_ema": original}, tmp_path / "self_forcing_dmd.pt")
+
+    target = convert(tmp_path / "self_forcing_dmd.pt", tmp_path / "model", config="tiny")
+    loaded = WanTransformer3DModel.from_pretrained(target)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_mismatched_checkpoint_is_refused_naming_keys(tmp_path):
+    reference = WanTransformer3DModel(**TINY_TRANSFORMER)
+    original = original_layout(reference.state_dict())
+    original.pop("model.head.modulation")
+    torch.save({"generator_ema": original}, tmp_path / "broken.pt")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "convert",
+            str(tmp_path / "broken.pt"),
+            str(tmp_path / "out"),
+            "--config",
+            "tiny",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "scale_shift_table" in result.stderr and "missing" in result.stderr

@@ -1,0 +1,95 @@
+"""``rtvideo convert``: a Self-Forcing / CausVid checkpoint into a diffusers ``transformer/`` folder.
+
+Runs in its own process (the CLI dispatches here by name). The checkpoint is
+read with ``weights_only=True`` (no code is unpickled). Steps: take the
+generator (``generator_ema`` by default), strip wrapper prefixes (``model.``,
+``_orig_mod.``, FSDP's), rename from the original Wan layout with diffusers'
+own ``convert_wan_transformer_to_diffusers`` (which also swaps norm2/norm3),
+load into a ``WanTransformer3DModel`` of the given configuration strictly —
+any missing or unexpected key is an error that names it — and save it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+from workers.pipelines.presets import TINY_TRANSFORMER, WAN_1_3B_TRANSFORMER
+
+CONFIGS = {"wan2.1-1.3b": WAN_1_3B_TRANSFORMER, "tiny": TINY_TRANSFORMER}
+PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "module.", "model.")
+
+
+def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix) :], True
+            key = key.replace("._fsdp_wrapped_module.", ".").replace("._orig_mod.", ".")
+        out[key] = value
+    return out
+
+
+def convert(
+    checkpoint: str | Path, out_dir: str | Path, config: str = "wan2.1-1.3b", key: str = "generator_ema"
+) -> Path:
+    """Convert ``checkpoint`` and save ``out_dir/transformer``; ``ValueError`` says what is wrong."""
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist")
+    settings = CONFIGS.get(config)
+    if settings is None:
+        config_file = Path(config)
+        if not config_file.is_file():
+            raise ValueError(f"config must be one of {', '.join(CONFIGS)} or a config.json path, got {config!r}")
+        settings = json.loads(config_file.read_text())
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} does not hold a state dict")
+    if key in loaded:
+        state = loaded[key]
+    elif all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        state = loaded  # a bare generator state dict
+    else:
+        raise ValueError(f"{path} has no {key!r} entry; it has: {', '.join(sorted(loaded))}")
+    converted = convert_wan_transformer_to_diffusers(strip_prefixes(dict(state)))
+    model = WanTransformer3DModel(**{k: v for k, v in settings.items() if not k.startswith("_")})
+    result = model.load_state_dict(converted, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"the checkpoint does not match the {config} transformer: "
+            f"missing {result.missing_keys[:8]}, unexpected {result.unexpected_keys[:8]}"
+        )
+    target = Path(out_dir) / "transformer"
+    model.save_pretrained(target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rtvideo convert", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a Self-Forcing .pt checkpoint")
+    parser.add_argument("out_dir", help="the model directory to write transformer/ into")
+    parser.add_argument("--config", default="wan2.1-1.3b", help=f"{' | '.join(CONFIGS)} | path to a config.json")
+    parser.add_argument("--key", default="generator_ema", help="which generator to take (default generator_ema)")
+    args = parser.parse_args(argv)
+    try:
+        target = convert(args.checkpoint, args.out_dir, args.config, args.key)
+    except ValueError as error:
+        print(f"rtvideo convert: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
