@@ -93,6 +93,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_pipeline(args: argparse.Namespace) -> int:
+    # By name, like convert: it runs the model in this process.
+    return importlib.import_module("workers.bench_pipeline").main(args.rest)
+
+
 def _convert(args: argparse.Namespace) -> int:
     # By name: conversion needs torch, which the API side of the CLI never imports.
     convert = importlib.import_module("workers.convert")
@@ -113,11 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert", help="a Self-Forcing checkpoint into a model directory's transformer/", add_help=False
     )
-    convert.add_argument("rest", nargs=argparse.REMAINDER)
-    convert.set_defaults(func=_convert)
+    convert.set_defaults(func=_convert, passthrough=True)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints a JSON summary as its last line")
     benches = bench.add_subparsers(dest="bench", required=True)
+    pipeline = benches.add_parser("pipeline", help="the causal Wan pipeline's cost per chunk", add_help=False)
+    pipeline.set_defaults(func=_bench_pipeline, passthrough=True)
     engine = benches.add_parser("engine", help="engine loop overhead and interaction lag over the stub pipeline")
     engine.add_argument("--json", action="store_true", help="print only the JSON summary")
     engine.add_argument("--step-ms", type=float, default=10.0, help="simulated denoise step time (default 10)")
@@ -137,7 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.rest = rest  # parsed by the command itself, in its own module
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

@@ -26,6 +26,7 @@ seeds) live in its ``PipelineState``; ``release`` drops them all.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -246,10 +247,14 @@ class CausalWanPipeline:
     def post_decode(self, state: PipelineState) -> ChunkOutput:
         extra = state.extra
         clean = extra.pop("clean")
+        started = time.perf_counter()
         self._commit(state, clean)
+        committed = self._synchronized()
         first = not extra["decoded_any"]
         pixels = self.decoder.decode(clean.float(), extra["vae_cache"], first=first)
         extra["decoded_any"] = True
+        decoded = self._synchronized()
+        extra["post_decode_ms"] = {"commit": (committed - started) * 1e3, "decode": (decoded - committed) * 1e3}
         frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         array = frames.cpu().numpy()
         count, height, width = array.shape[:3]
@@ -263,6 +268,12 @@ class CausalWanPipeline:
         return tuple(self._held)
 
     # -- internals ---------------------------------------------------------------------
+
+    def _synchronized(self) -> float:
+        """``perf_counter`` once the device has finished its queued work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _noise(self, state: PipelineState, step: int) -> torch.Tensor:
         """Gaussian noise for (seed, chunk since the last reset, step): the same
