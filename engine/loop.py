@@ -6,7 +6,8 @@ Each iteration:
 
 - **drain control**: admitted starts, stops, probes and shutdown, off the
   control plane's inbox (interactions are already in their mailboxes);
-- **schedule**: the sessions that run this iteration (``ChunkScheduler``);
+- **schedule**: the sessions that run this iteration (``ChunkScheduler``),
+  skipping those pacing holds back (``engine.pacing``);
 - **boundary work**: for each of them that sits between chunks, take what its
   mailbox holds for the next chunk. This happens after the drain, in a fresh
   iteration, and only for sessions about to run, so a session that waits
@@ -45,6 +46,7 @@ from engine.messages import (
     StartSession,
     StopSession,
 )
+from engine.pacing import wait_seconds
 from engine.plan import BoundaryTask, PlanResult, PlanRow, RowResult, Runner, StepPlan
 from engine.scheduler import ChunkScheduler
 from engine.session import EngineSession, Phase
@@ -73,6 +75,7 @@ class _Boundary:
 class _Iteration:
     plan: StepPlan
     boundaries: dict[str, _Boundary] = field(default_factory=dict)
+    wake_in: float | None = None  # with nothing to run: when a paced session may run again
 
 
 class EngineLoop:
@@ -112,7 +115,7 @@ class EngineLoop:
         iteration = self.schedule()
         if iteration.plan.is_empty():
             if self._running:
-                self.control.wait()
+                self.control.wait(iteration.wake_in)
             return
         result = self.execute(iteration.plan)
         self.emit(iteration, result)
@@ -129,7 +132,9 @@ class EngineLoop:
 
     def _on_start(self, start: StartSession) -> None:
         geometry = self.control.geometry(start.session_id)
-        self.sessions[start.session_id] = EngineSession(start.session_id, geometry, start=start)
+        self.sessions[start.session_id] = EngineSession(
+            start.session_id, geometry, start=start, max_lead_seconds=start.max_lead_seconds
+        )
 
     def _on_stop(self, stop: StopSession) -> None:
         session = self.sessions.get(stop.session_id)
@@ -166,7 +171,8 @@ class EngineLoop:
         plan = StepPlan(invocation=self._invocation + 1)
         iteration = _Iteration(plan)
         plan.release = [sid for sid, s in self.sessions.items() if s.phase is Phase.FINISHING]
-        for session in self.scheduler.select(self.sessions.values()):
+        held, iteration.wake_in = self._paced()
+        for session in self.scheduler.select(self.sessions.values(), held):
             if session.phase is Phase.NEW:
                 plan.open.append(session.start)
                 session.phase = Phase.BOUNDARY
@@ -184,6 +190,20 @@ class EngineLoop:
         if not plan.is_empty():
             self._invocation = plan.invocation
         return iteration
+
+    def _paced(self) -> tuple[set[str], float | None]:
+        """Sessions held back by pacing, and the soonest one of them may run."""
+        now = time.monotonic()
+        held: set[str] = set()
+        wake: float | None = None
+        for sid, session in self.sessions.items():
+            wait = wait_seconds(session, self.control.playback_seconds(sid), now)
+            if wait == 0.0:
+                continue
+            held.add(sid)
+            if wait is not None:
+                wake = wait if wake is None else min(wake, wait)
+        return held, wake
 
     def boundary_work(self, session: EngineSession, iteration: _Iteration) -> None:
         """Take the mailbox for the session's next chunk and plan the boundary."""
@@ -301,6 +321,8 @@ class EngineLoop:
             )
         )
         self.stats.chunks += 1
+        if session.first_emit_at is None:
+            session.first_emit_at = time.monotonic()
         self.control.chunk_finished(session.session_id)
         session.frames_done += chunk.num_frames
         session.chunks_done += 1

@@ -100,6 +100,7 @@ class StartSession(_Wire, tag="start_session"):
     num_inference_steps: int | None = None
     transition_chunks: int = 0
     prompt_change: str = "soft"  # soft / recache / reset: what a prompt change does to the model's cache
+    max_lead_seconds: float | None = None  # pacing: how far generation may run ahead of the playhead
     scheduled: tuple[ScheduledInteraction, ...] = ()
 
 

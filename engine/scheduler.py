@@ -25,9 +25,10 @@ class ChunkScheduler:
         self.max_rows = max_rows
         self._last_served: str | None = None
 
-    def select(self, sessions: Iterable[EngineSession]) -> list[EngineSession]:
-        """The sessions that run next, in round-robin order after the last served."""
-        runnable = [s for s in sessions if s.phase in RUNNABLE]
+    def select(self, sessions: Iterable[EngineSession], held: set[str] = frozenset()) -> list[EngineSession]:
+        """The sessions that run next, in round-robin order after the last served;
+        ``held`` sessions (paced) are skipped."""
+        runnable = [s for s in sessions if s.phase in RUNNABLE and s.session_id not in held]
         if not runnable:
             return []
         ids = [s.session_id for s in runnable]

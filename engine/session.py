@@ -70,6 +70,8 @@ class EngineSession:
     chunks_done: int = 0
     frames_done: int = 0
     end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
+    max_lead_seconds: float | None = None  # pacing budget; None: never held back
+    first_emit_at: float | None = None  # time.monotonic() when chunk 0 was emitted
     events: EventTracker = field(default_factory=EventTracker)
     chunk_events: ChunkEvents = field(default_factory=ChunkEvents)
     applied: list[AppliedInteraction] = field(default_factory=list)

@@ -39,6 +39,8 @@ def check_start(start: StartSession, config: EngineConfig) -> None:
     if start.num_chunks is not None and start.num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {start.num_chunks}")
     check_transition(start.transition_chunks, "transition_chunks", config)
+    if start.max_lead_seconds is not None and not start.max_lead_seconds > 0:
+        raise ValueError(f"max_lead_seconds must be > 0 or null, got {start.max_lead_seconds}")
     seen_chunks: set[int] = set()
     seen_ids: set[str] = set()
     for i, item in enumerate(start.scheduled):

@@ -79,7 +79,7 @@ class JobManager:
         if request.num_frames is None and request.num_chunks is None and request.seconds is None:
             raise RequestError("num_frames: a job needs a length (num_frames, num_chunks or seconds)")
         job_id = f"video_{uuid.uuid4().hex}"
-        start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model)
+        start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False)
         handle = None
         try:
             handle = await self.engine.start_session(start)

@@ -126,9 +126,15 @@ class RequestError(ValueError):
 
 
 def resolve(
-    request: VideoRequest, session_id: str, defaults: SessionGeometry, settings: ServerSettings, model: str
+    request: VideoRequest,
+    session_id: str,
+    defaults: SessionGeometry,
+    settings: ServerSettings,
+    model: str,
+    paced: bool = True,
 ) -> tuple[StartSession, dict[str, Any]]:
-    """The engine start for ``request`` and the effective configuration to echo."""
+    """The engine start for ``request`` and the effective configuration to echo.
+    ``paced`` False (request mode) runs at full speed whatever ``max_lead_seconds`` says."""
     if request.model is not None and request.model != model:
         raise RequestError(f"model: this server serves {model!r}, not {request.model!r}")
     width = request.width or defaults.width
@@ -167,6 +173,7 @@ def resolve(
         num_inference_steps=request.num_inference_steps,
         transition_chunks=request.transition_chunks,
         prompt_change=request.prompt_change,
+        max_lead_seconds=request.max_lead_seconds if paced else None,
         scheduled=tuple(scheduled),
     )
     config = {
@@ -185,6 +192,6 @@ def resolve(
         "format": FORMAT_ALIASES.get(request.format, request.format),
         "transition_chunks": request.transition_chunks,
         "prompt_change": request.prompt_change,
-        "max_lead_seconds": request.max_lead_seconds,
+        "max_lead_seconds": request.max_lead_seconds if paced else None,
     }
     return start, config

@@ -1,0 +1,48 @@
+"""Pacing: a session never gets more than its lead budget ahead of its viewer.
+
+Policy only (loop thread of worker rank 0). A session between chunks may
+begin its next chunk only while the media it has generated is less than
+``max_lead_seconds`` ahead of the client's playhead; so the lead never
+exceeds the budget by more than one chunk, and a new prompt becomes
+*visible* within about lead + one chunk, not only generated.
+
+The playhead is the last ``Playback`` position the client reported; a client
+that never reports one is assumed to play in real time from the moment the
+first chunk was emitted. A session that waits is simply not scheduled: other
+sessions run, and control (interactions, stops, pings) stays live because it
+never waits for the loop.
+"""
+
+from __future__ import annotations
+
+from engine.session import EngineSession, Phase
+
+EPSILON_S = 1e-3  # wake a little after the lead drops under budget, not a little before
+
+
+def playhead_seconds(session: EngineSession, reported: float | None, now: float) -> float:
+    """Where the viewer is: the last report, else real time since the first chunk."""
+    if reported is not None:
+        return reported
+    if session.first_emit_at is None:
+        return 0.0
+    return now - session.first_emit_at
+
+
+def lead_seconds(session: EngineSession, reported: float | None, now: float) -> float:
+    """Media generated ahead of the playhead."""
+    return session.media_seconds_done - playhead_seconds(session, reported, now)
+
+
+def wait_seconds(session: EngineSession, reported: float | None, now: float) -> float | None:
+    """0 when the session may run now; else seconds until it may (the real-time
+    estimate catches up), or None when only a new playback report can free it."""
+    budget = session.max_lead_seconds
+    if budget is None or session.phase is not Phase.BOUNDARY:
+        return 0.0
+    excess = lead_seconds(session, reported, now) - budget
+    if excess < 0:
+        return 0.0
+    if reported is not None:
+        return None
+    return excess + EPSILON_S
