@@ -15,12 +15,14 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.client import EngineClient, EngineDeadError
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized
 from server.jobs import JobManager
 from server.media import CONTENT_TYPES
+from server.metrics import Metrics
 from server.realtime import RealtimeConnection
 from server.schemas import JobRequest, RequestError
 from server.settings import ServerSettings
@@ -51,7 +53,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         await engine.start()
         app.state.engine = engine
         app.state.capacity = asyncio.Condition()
-        app.state.jobs = JobManager(engine, settings, engine.ready.pipeline, app.state.capacity)
+        app.state.metrics = Metrics(worker_up=lambda: engine.alive)
+        app.state.jobs = JobManager(engine, settings, engine.ready.pipeline, app.state.capacity, app.state.metrics)
         try:
             yield
         finally:
@@ -107,6 +110,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
             }
         )
 
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    async def metrics(request: Request) -> Response:
+        """Prometheus text format: realtime sessions, latencies, interactions, jobs, workers."""
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models", tags=["models"], dependencies=[Depends(authorized)])
     async def models(request: Request) -> dict:
         ready = engine_of(request).ready
@@ -133,7 +141,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.websocket("/v1/realtime/video")
     async def realtime(websocket: WebSocket) -> None:
         engine = websocket.app.state.engine
-        connection = RealtimeConnection(websocket, engine, settings, engine.ready.pipeline)
+        connection = RealtimeConnection(websocket, engine, settings, engine.ready.pipeline, websocket.app.state.metrics)
         try:
             await connection.serve()
         finally:

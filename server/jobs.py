@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
 from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
+from server.metrics import Metrics
 from server.output import SessionOutput
 from server.schemas import JobRequest, RequestError, resolve
 from server.settings import ServerSettings
@@ -65,8 +66,16 @@ class Job:
 
 
 class JobManager:
-    def __init__(self, engine: EngineClient, settings: ServerSettings, model: str, capacity: asyncio.Condition) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        settings: ServerSettings,
+        model: str,
+        capacity: asyncio.Condition,
+        metrics: Metrics,
+    ) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.settings = settings
         self.model = model
         self.capacity = capacity  # notified whenever a session ends anywhere
@@ -113,6 +122,7 @@ class JobManager:
         finally:
             job.completed_at = job.completed_at or time.time()
             job.finished.set()
+            self.metrics.jobs.labels(job.status).inc()
 
     async def _generate(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:
         while handle is None:
@@ -124,7 +134,7 @@ class JobManager:
                 if error.code != "server_full":
                     return self._fail(job, error.code, error.message)
         job.status = "in_progress"
-        output = SessionOutput(job.id, job.config)
+        output = SessionOutput(job.id, job.config, self.metrics)
         try:
             async with asyncio.timeout(self.settings.max_session_seconds):
                 async for message in handle:

@@ -26,6 +26,7 @@ from engine.messages import (
     SessionFailed,
 )
 from server.media import make_encoder
+from server.metrics import Metrics, SessionClock
 
 
 @dataclass
@@ -35,9 +36,17 @@ class MediaChunk:
 
 
 class SessionOutput:
-    def __init__(self, request_id: str, config: dict[str, Any]) -> None:
+    """``metrics`` counts frames and interactions; ``clock`` (realtime sessions
+    only) also times the deliveries."""
+
+    def __init__(
+        self, request_id: str, config: dict[str, Any], metrics: Metrics, clock: SessionClock | None = None
+    ) -> None:
         self.request_id = request_id
         self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self._queued: dict[str, InteractionQueued] = {}
         self.encoder = make_encoder(config["format"], config["width"], config["height"], config["fps"])
         self.transport_index = 0
         self.frames_sent = 0
@@ -54,7 +63,13 @@ class SessionOutput:
             return None
         payload = await asyncio.to_thread(self.encoder.encode, frames, ready.first_frame_index)
         timing = ready.timing
-        self.compute_ms += timing.boundary_ms + timing.denoise_ms + timing.decode_ms
+        compute_ms = timing.boundary_ms + timing.denoise_ms + timing.decode_ms
+        self.compute_ms += compute_ms
+        if self.clock is not None:
+            seconds = len(frames) / self.config["fps"]
+            self.clock.chunk(ready.media_start_seconds, seconds, len(frames), compute_ms / 1000.0)
+        else:
+            self.metrics.frames.inc(len(frames))
         metadata = {
             "type": "video.chunk_metadata",
             "request_id": self.request_id,
@@ -68,7 +83,7 @@ class SessionOutput:
             "started_event_ids": list(ready.started_event_ids),
             "active_event_ids": list(ready.active_event_ids),
             "completed_event_ids": list(ready.completed_event_ids),
-            "compute_ms": timing.boundary_ms + timing.denoise_ms + timing.decode_ms,
+            "compute_ms": compute_ms,
         }
         self.transport_index += 1
         self.frames_sent += len(frames)
@@ -78,6 +93,7 @@ class SessionOutput:
     def event(self, message: ResultMessage) -> dict[str, Any] | None:
         """The protocol event for a non-media engine result (None: nothing to say)."""
         rid = self.request_id
+        self._count(message)
         if isinstance(message, InteractionQueued):
             return {
                 "type": "session.interaction.queued",
@@ -120,6 +136,24 @@ class SessionOutput:
         if isinstance(message, SessionFailed):
             return error_event(message.code, message.message, request_id=rid, fatal=True)
         return None
+
+    def _count(self, message: ResultMessage) -> None:
+        interactions = self.metrics.interactions
+        if isinstance(message, InteractionQueued):
+            interactions.labels("queued").inc()
+            self._queued[message.event_id] = message
+        elif isinstance(message, InteractionApplied):
+            interactions.labels("applied").inc()
+            self.metrics.interaction_latency.observe(message.queued_to_applied_ms / 1000.0)
+            queued = self._queued.pop(message.event_id, None)
+            if queued is not None:
+                in_progress = queued.in_progress_chunk_index
+                reference = queued.expected_chunk_index - 1 if in_progress is None else in_progress
+                self.metrics.interaction_lag.observe(message.generation_chunk_index - reference)
+        elif isinstance(message, InteractionSuperseded):
+            interactions.labels("superseded").inc()
+        elif isinstance(message, InteractionRejected):
+            interactions.labels("rejected").inc()
 
     def replay(self, done: SessionDone) -> dict[str, Any]:
         """A ``POST /v1/videos`` body that regenerates exactly the frames sent."""

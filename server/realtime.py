@@ -30,6 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
 from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, SessionStarted
 from server.auth import is_authorized, key_subprotocol
+from server.metrics import Metrics, SessionClock
 from server.output import SessionOutput, error_event
 from server.schemas import (
     CLIENT_EVENT_TYPES,
@@ -56,11 +57,15 @@ class _Closed(Exception):
 
 
 class RealtimeConnection:
-    def __init__(self, websocket: WebSocket, engine: EngineClient, settings: ServerSettings, model: str) -> None:
+    def __init__(
+        self, websocket: WebSocket, engine: EngineClient, settings: ServerSettings, model: str, metrics: Metrics
+    ) -> None:
         self.ws = websocket
         self.engine = engine
         self.settings = settings
         self.model = model
+        self.metrics = metrics
+        self.clock = SessionClock(metrics)
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.handle: SessionHandle | None = None
         self.output: SessionOutput | None = None
@@ -69,6 +74,7 @@ class RealtimeConnection:
 
     async def serve(self) -> None:
         if not is_authorized(self.ws, self.settings.api_key):
+            self.metrics.rejections.labels("unauthorized").inc()
             await self.ws.accept(subprotocol=key_subprotocol(self.ws))
             await self.ws.close(CLOSE_POLICY, "unauthorized: a valid API key is required")
             return
@@ -107,7 +113,8 @@ class RealtimeConnection:
             return await self._fatal(error.code, error.message, code)
         except EngineDeadError as error:
             return await self._fatal("engine_unavailable", str(error), CLOSE_ERROR)
-        self.output = SessionOutput(request_id, config)
+        self.output = SessionOutput(request_id, config, self.metrics, self.clock)
+        self.metrics.sessions_active.inc()
         self._send({"type": "video.start", "request_id": request_id, "format": config["format"], "config": config})
         pump = asyncio.create_task(self._pump(), name="ws-pump")
         reader = asyncio.create_task(self._reader(), name="ws-reader")
@@ -143,6 +150,7 @@ class RealtimeConnection:
                 log.error("session %s did not end within 30 s of its stop", handle.session_id)
                 return
             if isinstance(message, SessionDone | SessionFailed):
+                self._ended(message.reason if isinstance(message, SessionDone) else "failed")
                 self._send(self.output.event(message))
 
     # ------------------------------------------------------------------
@@ -229,6 +237,7 @@ class RealtimeConnection:
         elif isinstance(event, SessionStartEvent):
             self._send(error_event("session_already_started", "this connection already has a session", request_id=rid))
         elif isinstance(event, SessionPlaybackEvent):
+            self.clock.playhead = event.position_seconds
             await self.engine.playback(sid, event.position_seconds)
         elif isinstance(event, SessionInteractionEvent):
             payload = event.interaction
@@ -259,14 +268,22 @@ class RealtimeConnection:
             if event is not None:
                 self._send(event)
             if isinstance(message, SessionFailed):
+                self._ended("failed")
                 self.outbox.put_nowait(("close", CLOSE_ERROR, "generation failed"))
             elif isinstance(message, SessionDone):
+                self._ended(message.reason)
                 self.outbox.put_nowait(("close", CLOSE_NORMAL, "session done"))
+
+    def _ended(self, outcome: str) -> None:
+        self.metrics.sessions_active.dec()
+        self.metrics.sessions.labels(outcome).inc()
 
     def _send(self, event: dict[str, Any]) -> None:
         self.outbox.put_nowait(event)
 
     async def _fatal(self, code: str, message: str, close_code: int) -> None:
+        """Refuse the connection before its session began (counted as a rejected start)."""
+        self.metrics.rejections.labels(code).inc()
         self._send(error_event(code, message, fatal=True))
         self.outbox.put_nowait(("close", close_code, message[:120]))
 

@@ -1,0 +1,123 @@
+"""Realtime Prometheus metrics, one registry per app (no module globals).
+
+API process. Timings are taken where they happen: compute time comes from the
+worker inside each chunk result; delivery timings (time to first chunk,
+inter-chunk interval, deadline misses, media lead) are taken here, when a
+chunk is handed to the socket's writer.
+
+A deadline miss is a chunk handed over after its playback time, where the
+viewer's clock starts with the first chunk (the client's reported playhead
+is not needed for it). The media lead is how far the chunk's end is ahead of
+the viewer: the last ``session.playback`` report, else real time since the
+first chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+LEAD_BUCKETS = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+FACTOR_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 4.0, 8.0, 16.0)
+
+
+class Metrics:
+    def __init__(self, worker_up: Callable[[], bool]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.sessions_active = Gauge("rtvideo_sessions_active", "Realtime sessions open now", registry=r)
+        self.sessions = Counter("rtvideo_sessions", "Realtime sessions ended, by outcome", ["outcome"], registry=r)
+        self.rejections = Counter(
+            "rtvideo_session_rejections", "Realtime starts refused, by reason", ["reason"], registry=r
+        )
+        self.ttff = Histogram(
+            "rtvideo_time_to_first_chunk_seconds",
+            "From session.start to the first chunk handed to the client",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_chunk = Histogram(
+            "rtvideo_inter_chunk_interval_seconds",
+            "Time between consecutive chunks of a session",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compute = Histogram(
+            "rtvideo_chunk_compute_seconds",
+            "Worker pipeline time of one chunk (boundary, denoise, commit and decode)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.realtime_factor = Histogram(
+            "rtvideo_chunk_realtime_factor",
+            "Media seconds of a chunk per second of its compute (above 1: faster than real time)",
+            buckets=FACTOR_BUCKETS,
+            registry=r,
+        )
+        self.interaction_latency = Histogram(
+            "rtvideo_interaction_latency_seconds",
+            "Interaction queued to applied, measured in the worker",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.interaction_lag = Histogram(
+            "rtvideo_interaction_lag_chunks",
+            "Chunk an interaction applied at minus the chunk in progress when it was queued",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.interactions = Counter(
+            "rtvideo_interactions",
+            "Interactions by outcome (queued, applied, superseded, rejected)",
+            ["outcome"],
+            registry=r,
+        )
+        self.frames = Counter("rtvideo_frames_generated", "Frames delivered (realtime and jobs)", registry=r)
+        self.chunks = Counter("rtvideo_chunks_delivered", "Realtime chunks handed to clients", registry=r)
+        self.deadline_misses = Counter(
+            "rtvideo_deadline_misses", "Realtime chunks handed over after their playback time", registry=r
+        )
+        self.lead = Histogram(
+            "rtvideo_media_lead_seconds",
+            "How far a chunk's end is ahead of the viewer's playhead when handed over",
+            buckets=LEAD_BUCKETS,
+            registry=r,
+        )
+        self.jobs = Counter("rtvideo_jobs", "Request-mode jobs ended, by status", ["status"], registry=r)
+        up = Gauge("rtvideo_worker_up", "1 while the engine's workers are up", registry=r)
+        up.set_function(lambda: 1.0 if worker_up() else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class SessionClock:
+    """One realtime session's delivery timeline, feeding ``Metrics``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self.first_chunk_at: float | None = None
+        self.last_chunk_at: float | None = None
+        self.playhead: float | None = None  # the client's last report
+
+    def chunk(self, media_start: float, media_seconds: float, frames: int, compute_s: float) -> None:
+        m, now = self.metrics, time.monotonic()
+        if self.first_chunk_at is None:
+            self.first_chunk_at = now
+            m.ttff.observe(now - self.started)
+        else:
+            m.inter_chunk.observe(now - self.last_chunk_at)
+            if now - self.first_chunk_at > media_start:
+                m.deadline_misses.inc()
+        self.last_chunk_at = now
+        playhead = self.playhead if self.playhead is not None else now - self.first_chunk_at
+        m.lead.observe(max(0.0, media_start + media_seconds - playhead))
+        m.chunks.inc()
+        m.frames.inc(frames)
+        m.compute.observe(compute_s)
+        if compute_s > 0:
+            m.realtime_factor.observe(media_seconds / compute_s)
