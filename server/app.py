@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.client import EngineClient, EngineDeadError
@@ -26,6 +26,8 @@ from server.metrics import Metrics
 from server.realtime import RealtimeConnection
 from server.schemas import JobRequest, RequestError
 from server.settings import ServerSettings
+
+STATIC = Path(__file__).parent / "static"
 
 
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
@@ -109,6 +111,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 "pipeline_sessions": list(probe.pipeline_sessions),
             }
         )
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        """The bundled browser client (no CDN: everything is in the one file)."""
+        return FileResponse(STATIC / "index.html", media_type="text/html")
 
     @app.get("/metrics", tags=["operations"], response_class=Response)
     async def metrics(request: Request) -> Response:

@@ -54,7 +54,9 @@ async def test_metrics_follow_a_scripted_run(make_server):
         await client.until("video.start")
         await client.next()
 
-    job = httpx.post(f"{server.http}/v1/videos/sync", json={"prompt": "p", "num_chunks": 2, "format": "raw"}, timeout=60)
+    job = httpx.post(
+        f"{server.http}/v1/videos/sync", json={"prompt": "p", "num_chunks": 2, "format": "raw"}, timeout=60
+    )
     assert job.status_code == 200
 
     for _ in range(200):  # the disconnected session ends asynchronously

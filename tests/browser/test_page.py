@@ -1,0 +1,77 @@
+"""The bundled page in a real headless Chromium (Debian's package, driven by
+Playwright with ``executable_path``; no browser is downloaded)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import av
+import pytest
+
+from tests.e2e.conftest import start_server, stop_server
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+playwright = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield launched
+        launched.close()
+
+
+@pytest.mark.parametrize("api_key", [None, "browser-key"], ids=["open", "with-auth"])
+def test_the_page_streams_applies_a_prompt_and_downloads_an_mp4(browser, api_key, tmp_path):
+    flags = ["--api-key", api_key] if api_key else []
+    server = start_server(*flags, model="tiny")
+    try:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(server.http + "/")
+        if api_key:
+            page.fill("#key", api_key)
+        page.fill("#prompt", "a lighthouse in a storm")
+        page.click("#start")
+        page.wait_for_function("document.getElementById('video').currentTime > 0.5", timeout=60_000)
+
+        page.fill("#update", "a calm sunny sea")
+        page.click("#send")
+        page.wait_for_function("document.getElementById('landed').textContent.startsWith('chunk')", timeout=30_000)
+        landed = page.text_content("#landed")
+        assert landed.startswith("chunk ") and landed.endswith(" s")
+        assert "applied" in page.text_content("#log")
+        assert page.text_content("#ttff").endswith(" ms")
+
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"browser-{'auth' if api_key else 'open'}.png"))
+
+        page.click("#stop")
+        page.wait_for_selector("#download:not([hidden])", timeout=30_000)
+        with page.expect_download() as download_info:
+            page.click("#download button")
+        file = tmp_path / "session.mp4"
+        download_info.value.save_as(file)
+        with av.open(io.BytesIO(file.read_bytes())) as container:
+            frames = list(container.decode(video=0))
+        assert len(frames) >= 9 and (frames[0].width, frames[0].height) == (64, 64)
+        assert errors == []
+    finally:
+        stop_server(server)
