@@ -93,6 +93,22 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_realtime(args: argparse.Namespace) -> int:
+    from server import bench_realtime
+
+    url = args.url if args.url.endswith("/v1/realtime/video") else args.url.rstrip("/") + "/v1/realtime/video"
+    url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    options = bench_realtime.RealtimeBenchOptions(
+        url=url,
+        sessions=args.sessions,
+        chunks=args.chunks,
+        interact_at=args.interact_at,
+        max_lead_seconds=args.max_lead,
+        api_key=args.api_key,
+    )
+    return bench_realtime.main(options, as_json=args.json)
+
+
 def _bench_pipeline(args: argparse.Namespace) -> int:
     # By name, like convert: it runs the model in this process.
     return importlib.import_module("workers.bench_pipeline").main(args.rest)
@@ -124,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     pipeline = benches.add_parser("pipeline", help="the causal Wan pipeline's cost per chunk", add_help=False)
     pipeline.set_defaults(func=_bench_pipeline, passthrough=True)
+    realtime = benches.add_parser("realtime", help="K concurrent WebSocket sessions against a running server")
+    realtime.add_argument("--url", default="ws://127.0.0.1:8000", help="the server (http(s):// or ws(s)://)")
+    realtime.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
+    realtime.add_argument("--chunks", type=int, default=12, help="chunks per session (default 12)")
+    realtime.add_argument("--interact-at", type=int, default=3, help="send a new prompt after this chunk")
+    realtime.add_argument("--max-lead", type=float, default=None, help="pacing budget in seconds (default: off)")
+    realtime.add_argument("--api-key", default=None)
+    realtime.add_argument("--json", action="store_true", help="print only the JSON summary")
+    realtime.set_defaults(func=_bench_realtime)
     engine = benches.add_parser("engine", help="engine loop overhead and interaction lag over the stub pipeline")
     engine.add_argument("--json", action="store_true", help="print only the JSON summary")
     engine.add_argument("--step-ms", type=float, default=10.0, help="simulated denoise step time (default 10)")
