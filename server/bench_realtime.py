@@ -166,7 +166,8 @@ def main(options: RealtimeBenchOptions, as_json: bool) -> int:
 
         print(
             f"{options.sessions} sessions x {options.chunks} chunks: TTFF p50 {p('ttff_ms'):.0f} ms "
-            f"(serving {p('ttff_minus_first_chunk_compute_ms'):.1f} ms), gap p95 {p('inter_chunk_gap_ms', 'p95'):.0f} ms, "
+            f"(serving {p('ttff_minus_first_chunk_compute_ms'):.1f} ms), "
+            f"gap p95 {p('inter_chunk_gap_ms', 'p95'):.0f} ms, "
             f"interaction visible p50 {p('interaction_to_visible_ms'):.0f} ms, "
             f"overhead {s['serving_overhead_ratio'] or 0:.3f}, deadlines {s['deadline_attainment'] or 0:.0%}"
         )
