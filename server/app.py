@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.client import EngineClient, EngineDeadError
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized
+from server.drain import Drainer
 from server.jobs import JobManager
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
@@ -56,7 +57,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         app.state.engine = engine
         app.state.capacity = asyncio.Condition()
         app.state.metrics = Metrics(worker_up=lambda: engine.alive)
-        app.state.jobs = JobManager(engine, settings, engine.ready.pipeline, app.state.capacity, app.state.metrics)
+        app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
+        app.state.jobs = JobManager(
+            engine, settings, engine.ready.pipeline, app.state.capacity, app.state.metrics, app.state.drainer
+        )
         try:
             yield
         finally:
@@ -90,10 +94,18 @@ def create_app(settings: ServerSettings) -> FastAPI:
     def engine_of(request: Request) -> EngineClient:
         return request.app.state.engine
 
+    @app.get("/health/live", tags=["operations"])
+    async def live() -> dict:
+        """Liveness: the API process answers (restart it if this fails)."""
+        return {"status": "ok"}
+
     @app.get("/health", tags=["operations"])
     async def health(request: Request) -> JSONResponse:
-        """Liveness and readiness: 200 while the workers are up, 503 otherwise."""
+        """Readiness: 200 while the workers are up and the server takes new work;
+        503 when they are down or the server is draining."""
         engine = engine_of(request)
+        if request.app.state.drainer.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not engine.alive:
             return JSONResponse({"status": "unavailable", "reason": engine.dead_reason}, status_code=503)
         try:
@@ -148,7 +160,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.websocket("/v1/realtime/video")
     async def realtime(websocket: WebSocket) -> None:
         engine = websocket.app.state.engine
-        connection = RealtimeConnection(websocket, engine, settings, engine.ready.pipeline, websocket.app.state.metrics)
+        state = websocket.app.state
+        connection = RealtimeConnection(
+            websocket, engine, settings, engine.ready.pipeline, state.metrics, state.drainer
+        )
         try:
             await connection.serve()
         finally:
@@ -196,6 +211,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
 
 async def _create(request: Request, body: JobRequest):
+    if request.app.state.drainer.draining:
+        raise HTTPException(503, detail={"code": "shutting_down", "message": "the server is shutting down"})
     try:
         return await request.app.state.jobs.create(body)
     except RequestError as error:

@@ -78,19 +78,22 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.drain import DrainingServer
 
     settings = settings_from(args, dict(os.environ))
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout
         log_level=args.log_level,
-        timeout_graceful_shutdown=settings.max_session_seconds,
+        timeout_graceful_shutdown=10,  # sessions were drained before uvicorn stops
     )
-    return 0
+    server = DrainingServer(config, drain=lambda: app.state.drainer.drain())
+    server.run()
+    return 0 if server.started else 1
 
 
 def _bench_realtime(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
 from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
+from server.drain import Drainer
 from server.metrics import Metrics
 from server.output import SessionOutput
 from server.schemas import JobRequest, RequestError, resolve
@@ -73,8 +74,10 @@ class JobManager:
         model: str,
         capacity: asyncio.Condition,
         metrics: Metrics,
+        drainer: Drainer,
     ) -> None:
         self.engine = engine
+        self.drainer = drainer
         self.metrics = metrics
         self.settings = settings
         self.model = model
@@ -128,6 +131,8 @@ class JobManager:
         while handle is None:
             async with self.capacity:  # wait for a session to end, then try again
                 await self.capacity.wait()
+            if self.drainer.draining:
+                return self._fail(job, "shutting_down", "the server shut down before this job could start")
             try:
                 handle = await self.engine.start_session(start)
             except SessionRejectedError as error:

@@ -30,6 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
 from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, SessionStarted
 from server.auth import is_authorized, key_subprotocol
+from server.drain import Drainer
 from server.metrics import Metrics, SessionClock
 from server.output import SessionOutput, error_event
 from server.schemas import (
@@ -58,8 +59,15 @@ class _Closed(Exception):
 
 class RealtimeConnection:
     def __init__(
-        self, websocket: WebSocket, engine: EngineClient, settings: ServerSettings, model: str, metrics: Metrics
+        self,
+        websocket: WebSocket,
+        engine: EngineClient,
+        settings: ServerSettings,
+        model: str,
+        metrics: Metrics,
+        drainer: Drainer,
     ) -> None:
+        self.drainer = drainer
         self.ws = websocket
         self.engine = engine
         self.settings = settings
@@ -100,6 +108,8 @@ class RealtimeConnection:
         start = await self._receive_start()
         if start is None:
             return
+        if self.drainer.draining:
+            return await self._fatal("shutting_down", "the server is shutting down", CLOSE_FULL)
         request_id = f"rtv-{uuid.uuid4().hex}"
         defaults = self.engine.ready.defaults
         try:

@@ -39,6 +39,8 @@ class ServerSettings:
     max_jobs_kept: int = 64
     """Finished jobs kept for download; the oldest finished ones go first."""
     worker_startup_timeout_s: float = 300.0
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: how long running sessions and jobs may go on before they are ended."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

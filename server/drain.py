@@ -1,0 +1,87 @@
+"""Graceful drain: SIGTERM lets running sessions finish, then the server exits 0.
+
+API process. On the first SIGTERM (or SIGINT) the server keeps listening but
+refuses new work — a new realtime session gets ``error{code:
+"shutting_down"}`` and close 1013, a new job HTTP 503, ``/health`` turns 503
+so load balancers stop routing here — and waits up to ``shutdown_grace_s``
+for the open sessions and jobs to end by themselves. At the deadline the
+rest are stopped with reason ``shutdown`` (clients get ``session.done``
+saying so), then uvicorn stops and the lifespan shuts the workers down. A
+second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+
+from engine.client import EngineClient, EngineDeadError, UnknownSessionError
+
+log = logging.getLogger(__name__)
+
+
+class Drainer:
+    def __init__(self, engine: EngineClient, capacity: asyncio.Condition, grace_s: float) -> None:
+        self.engine = engine
+        self.capacity = capacity  # notified whenever a session ends
+        self.grace_s = grace_s
+        self.draining = False
+
+    async def drain(self) -> None:
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_s
+        log.info("draining: %d sessions open, %g s grace", len(self.engine.open_sessions()), self.grace_s)
+        await self._wait_for_sessions(deadline)
+        left = self.engine.open_sessions()
+        if left:
+            log.info("grace period over: ending %d sessions", len(left))
+            for session_id in left:
+                with contextlib.suppress(EngineDeadError, UnknownSessionError):
+                    await self.engine.stop(session_id, "shutdown")
+            await self._wait_for_sessions(loop.time() + 10.0)
+
+    async def _wait_for_sessions(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        async with self.capacity:
+            while self.engine.open_sessions() and loop.time() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.capacity.wait(), deadline - loop.time())
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first exit signal drains (``drain``) before it stops listening."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a signal handler: hand over to the loop, never re-raise the signal
+        # afterwards (uvicorn would, and the process would not exit 0).
+        if self._draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self.force_exit or (self._draining and sig == signal.SIGINT)
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain_then_exit()))
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        except Exception:
+            log.exception("drain failed; stopping now")
+        finally:
+            self.should_exit = True
