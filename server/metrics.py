@@ -19,6 +19,25 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+SESSION_OUTCOMES = (
+    "completed",
+    "stopped",
+    "client_disconnected",
+    "stall_timeout",
+    "max_duration",
+    "shutdown",
+    "failed",
+)
+REJECTION_REASONS = (
+    "server_full",
+    "unauthorized",
+    "invalid_event",
+    "invalid_request",
+    "start_timeout",
+    "shutting_down",
+)
+INTERACTION_OUTCOMES = ("queued", "applied", "superseded", "rejected")
+JOB_STATUSES = ("completed", "failed", "cancelled")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 LEAD_BUCKETS = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
@@ -89,6 +108,15 @@ class Metrics:
         self.jobs = Counter("rtvideo_jobs", "Request-mode jobs ended, by status", ["status"], registry=r)
         up = Gauge("rtvideo_worker_up", "1 while the engine's workers are up", registry=r)
         up.set_function(lambda: 1.0 if worker_up() else 0.0)
+        # Known label values start at 0, so rates and alerts see a series from the start.
+        for counter, values in (
+            (self.sessions, SESSION_OUTCOMES),
+            (self.rejections, REJECTION_REASONS),
+            (self.interactions, INTERACTION_OUTCOMES),
+            (self.jobs, JOB_STATUSES),
+        ):
+            for value in values:
+                counter.labels(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
