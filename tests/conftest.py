@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from engine.client import EngineClient
@@ -30,3 +32,20 @@ async def make_engine():
     yield factory
     for client in clients:
         await client.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where CUDA is available."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = "needs CUDA"
+    available = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        available = torch.cuda.is_available()
+        reason = "needs CUDA; torch sees no GPU here"
+    if not available:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,39 @@
+"""``rtvideo serve`` options: flags, then RTVIDEO_* variables, then defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.cli import build_parser, settings_from
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_serve_the_tiny_model_on_localhost():
+    settings = settings_from(parse(), {})
+    assert (settings.model, settings.host, settings.port, settings.api_key) == ("tiny", "127.0.0.1", 8000, None)
+
+
+def test_environment_then_flags():
+    env = {"RTVIDEO_MAX_SESSIONS": "7", "RTVIDEO_API_KEY": "k", "RTVIDEO_GROUP_CHUNK_STEPS": "false"}
+    settings = settings_from(parse("--max-sessions", "9", "--pipeline-options", '{"step_time_s": 0.5}'), env)
+    assert settings.max_sessions == 9  # the flag wins
+    assert settings.api_key == "k" and settings.group_chunk_steps is False
+    assert settings.pipeline_options == {"step_time_s": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        (("--max-sessions", "many"), {}, "max-sessions"),
+        ((), {"RTVIDEO_PORT": "70000"}, "port"),
+        (("--stall-timeout-s", "0"), {}, "stall_timeout_s"),
+        (("--pipeline-options", "[1]"), {}, "pipeline-options"),
+        ((), {"RTVIDEO_GROUP_CHUNK_STEPS": "maybe"}, "group-chunk-steps"),
+    ],
+)
+def test_bad_values_exit_naming_the_option(argv, env, names):
+    with pytest.raises(SystemExit, match=names):
+        settings_from(parse(*argv), env)
