@@ -42,6 +42,7 @@ from engine.messages import (
     SessionFailed,
     StartSession,
 )
+from server.benchstats import percentiles
 
 STEP_COUNTS = (1, 2, 3, 4)
 ZERO_STEP_CHUNKS = 300
@@ -55,17 +56,6 @@ class BenchOptions:
     seed: int = 0
     repeats: int = 3  # runs per configuration; the quietest one counts
     spin: bool = True  # simulate steps by spinning (a hot CPU, as on a GPU sync) or sleeping
-
-
-def _percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    if not ordered:
-        return {}
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-    return {"p50": pick(0.5), "p95": pick(0.95), "max": ordered[-1], "min": ordered[0]}
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -171,9 +161,9 @@ async def _interactions(client: EngineClient, options: BenchOptions, rng: random
     return {
         "n": len(lags),
         "accepted_between_chunks": at_boundary,
-        "queued_to_applied_ms": _percentiles(latencies),
-        "queued_to_applied_chunks": _percentiles([ms / (chunk_s * 1000.0) for ms in latencies]),
-        "lag_chunks": _percentiles([float(x) for x in lags]),
+        "queued_to_applied_ms": percentiles(latencies),
+        "queued_to_applied_chunks": percentiles([ms / (chunk_s * 1000.0) for ms in latencies]),
+        "lag_chunks": percentiles([float(x) for x in lags]),
         "lag_exactly_one_chunk": bool(lags) and all(x == 1 for x in lags),
     }
 

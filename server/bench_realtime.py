@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from websockets.asyncio.client import connect
+
+from server.benchstats import percentiles
 
 
 @dataclass(frozen=True)
@@ -97,23 +98,6 @@ async def _session(options: RealtimeBenchOptions, index: int) -> SessionResult:
                 return result
 
 
-def _pct(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-    return {
-        "p50": pick(0.5),
-        "p95": pick(0.95),
-        "p99": pick(0.99),
-        "max": ordered[-1],
-        "mean": statistics.fmean(ordered),
-    }
-
-
 async def run(options: RealtimeBenchOptions) -> dict:
     began = time.perf_counter()
     results = await asyncio.gather(*(_session(options, i) for i in range(options.sessions)))
@@ -143,12 +127,12 @@ async def run(options: RealtimeBenchOptions) -> dict:
         "chunks_per_session": options.chunks,
         "max_lead_seconds": options.max_lead_seconds,
         "failed_sessions": failed,
-        "ttff_ms": _pct(ttff),
-        "ttff_minus_first_chunk_compute_ms": _pct(ttff_serving),
-        "chunk_latency_ms": _pct(latency),
-        "inter_chunk_gap_ms": _pct(gaps),
-        "interaction_to_visible_ms": _pct(visible),
-        "realtime_factor": _pct(factor),
+        "ttff_ms": percentiles(ttff),
+        "ttff_minus_first_chunk_compute_ms": percentiles(ttff_serving),
+        "chunk_latency_ms": percentiles(latency),
+        "inter_chunk_gap_ms": percentiles(gaps),
+        "interaction_to_visible_ms": percentiles(visible),
+        "realtime_factor": percentiles(factor),
         "deadline_attainment": attained / total if total else None,
         "wall_s": wall,
         "pipeline_compute_s": compute_s,

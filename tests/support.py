@@ -11,7 +11,8 @@ import numpy as np
 
 from engine.client import SessionHandle
 from engine.messages import ChunkReady, ResultMessage, SessionDone, SessionFailed
-from workers.pipelines.stub import StubGate, blend, conditioning_row, embed
+from workers.pipelines.conditioning import blend
+from workers.pipelines.stub import StubGate, conditioning_row, embed
 
 SPAWN = multiprocessing.get_context("spawn")
 

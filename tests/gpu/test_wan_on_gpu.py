@@ -28,7 +28,7 @@ def test_cached_forward_matches_block_causal_forward_in_bf16():
 
     pipeline = build("tiny", device="cuda")
     state = open_session(pipeline)
-    state.extra["conditioning"] = state.extra["target"]
+    state.extra["conditioning"] = state.extra["prompt"].target
     chunk = torch.randn(state.extra["latent_shape"], device="cuda", dtype=pipeline.dtype)
     with torch.no_grad():
         first = pipeline._forward(state, chunk, 0.0, commit=True)

@@ -58,7 +58,7 @@ def test_cached_chunks_equal_one_block_causal_forward(pipeline):
     torch.manual_seed(0)
     model = pipeline.transformer
     state = open_session(pipeline)
-    state.extra["conditioning"] = state.extra["target"]
+    state.extra["conditioning"] = state.extra["prompt"].target
     shape = state.extra["latent_shape"]
     chunk0, chunk1 = torch.randn(shape), torch.randn(shape)
     t = 937.5

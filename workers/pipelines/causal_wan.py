@@ -37,6 +37,7 @@ import torch
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
 from workers.pipelines.base import PipelineState, StepBatch
+from workers.pipelines.conditioning import PromptBlend
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.vae_stream import StreamingDecoder
@@ -178,8 +179,7 @@ class CausalWanPipeline:
             vae_cache=self.decoder.new_cache(),
             latent_shape=(1, config.in_channels, self.latent_frames, h, w),
             timesteps=self_forcing_timesteps(g.num_inference_steps),
-            target=self.encode_prompt(state.start.prompt),
-            transition=None,
+            prompt=PromptBlend(self.encode_prompt(state.start.prompt)),
             noise_origin=0,  # chunk index the noise sequence counts from (moved by a reset)
             sink_chunks=[],  # clean latents of the chunks in the cache, for re-cache
             window_chunks=[],
@@ -190,12 +190,7 @@ class CausalWanPipeline:
 
     def apply_interaction_at_chunk_boundary(self, state: PipelineState, prompt: str, transition_chunks: int) -> None:
         extra = state.extra
-        new = self.encode_prompt(prompt)
-        if transition_chunks <= 1:
-            extra.update(target=new, transition=None)
-        else:
-            current = extra.get("conditioning", extra["target"])
-            extra.update(transition=(current, new, transition_chunks, 0))
+        extra["prompt"].switch(self.encode_prompt(prompt), transition_chunks)
         mode = state.start.prompt_change
         if mode == "reset":
             extra["kv"].reset()
@@ -206,17 +201,7 @@ class CausalWanPipeline:
 
     def prepare_next_chunk(self, state: PipelineState) -> None:
         extra = state.extra
-        transition = extra["transition"]
-        if transition is None:
-            extra["conditioning"] = extra["target"]
-        else:
-            old, new, chunks, done = transition
-            weight = (done + 1) / chunks
-            extra["conditioning"] = (1.0 - weight) * old + weight * new
-            finished = done + 1 == chunks
-            extra.update(transition=None if finished else (old, new, chunks, done + 1))
-            if finished:
-                extra["target"] = new
+        extra["conditioning"] = extra["prompt"].next_chunk()
         if extra["recache"]:
             self._recache(state)
         extra["latent"] = self._noise(state, step=-1)

@@ -34,6 +34,7 @@ import numpy as np
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
 from workers.pipelines.base import PipelineState, StepBatch
+from workers.pipelines.conditioning import PromptBlend
 
 DIM = 8
 
@@ -48,11 +49,6 @@ def conditioning_row(conditioning: np.ndarray, width: int) -> np.ndarray:
     """Row 0 of every frame decoded under ``conditioning``: shape (width, 3), uint8."""
     index = np.arange(width * 3) % DIM
     return np.round(conditioning[index] * 255.0).astype(np.uint8).reshape(width, 3)
-
-
-def blend(old: np.ndarray, new: np.ndarray, weight: float) -> np.ndarray:
-    """The conditioning of a transition chunk: weight on the new prompt."""
-    return (1.0 - weight) * old + weight * new
 
 
 def _spin(seconds: float) -> None:
@@ -145,33 +141,14 @@ class StubPipeline:
 
     def prepare_encode(self, state: PipelineState) -> None:
         self._pool[state.session_id] = bytearray(4096)
-        state.extra.update(
-            target=embed(state.start.prompt),
-            transition=None,  # (from, to, chunks, chunks_done) while blending
-            context=np.zeros(DIM),
-        )
+        state.extra.update(prompt=PromptBlend(embed(state.start.prompt)), context=np.zeros(DIM))
 
     def apply_interaction_at_chunk_boundary(self, state: PipelineState, prompt: str, transition_chunks: int) -> None:
-        new = embed(prompt)
-        if transition_chunks <= 1:
-            state.extra.update(target=new, transition=None)
-        else:
-            # Blend from what the last chunk was conditioned on (the start prompt before chunk 0).
-            current = state.extra.get("conditioning", state.extra["target"])
-            state.extra.update(transition=(current, new, transition_chunks, 0))
+        state.extra["prompt"].switch(embed(prompt), transition_chunks)
 
     def prepare_next_chunk(self, state: PipelineState) -> None:
         extra = state.extra
-        transition = extra["transition"]
-        if transition is None:
-            extra["conditioning"] = extra["target"]
-        else:
-            old, new, chunks, done = transition
-            extra["conditioning"] = blend(old, new, (done + 1) / chunks)
-            finished = done + 1 == chunks
-            extra.update(transition=None if finished else (old, new, chunks, done + 1))
-            if finished:
-                extra["target"] = new
+        extra["conditioning"] = extra["prompt"].next_chunk()
         rng = random.Random(f"{state.start.seed}:{state.chunk_index}")
         extra["noise"] = np.array([rng.gauss(0.0, 1.0) for _ in range(DIM)])
         extra["latent"] = extra["noise"].copy()
