@@ -25,6 +25,14 @@ from engine.messages import (
     SessionDone,
     SessionFailed,
 )
+from server.events import (
+    ChunkMetadata,
+    ErrorEvent,
+    InteractionAppliedEvent,
+    InteractionQueuedEvent,
+    InteractionSupersededEvent,
+    SessionDoneEvent,
+)
 from server.media import make_encoder
 from server.metrics import Metrics, SessionClock
 
@@ -70,21 +78,19 @@ class SessionOutput:
             self.clock.chunk(ready.media_start_seconds, seconds, len(frames), compute_ms / 1000.0)
         else:
             self.metrics.frames.inc(len(frames))
-        metadata = {
-            "type": "video.chunk_metadata",
-            "request_id": self.request_id,
-            "kind": "media",
-            "transport_chunk_index": self.transport_index,
-            "generation_chunk_index": ready.generation_chunk_index,
-            "num_frames": len(frames),
-            "first_frame_index": ready.first_frame_index,
-            "media_start_seconds": ready.media_start_seconds,
-            "byte_length": len(payload),
-            "started_event_ids": list(ready.started_event_ids),
-            "active_event_ids": list(ready.active_event_ids),
-            "completed_event_ids": list(ready.completed_event_ids),
-            "compute_ms": compute_ms,
-        }
+        metadata = ChunkMetadata(
+            request_id=self.request_id,
+            transport_chunk_index=self.transport_index,
+            generation_chunk_index=ready.generation_chunk_index,
+            num_frames=len(frames),
+            first_frame_index=ready.first_frame_index,
+            media_start_seconds=ready.media_start_seconds,
+            byte_length=len(payload),
+            started_event_ids=list(ready.started_event_ids),
+            active_event_ids=list(ready.active_event_ids),
+            completed_event_ids=list(ready.completed_event_ids),
+            compute_ms=compute_ms,
+        ).wire()
         self.transport_index += 1
         self.frames_sent += len(frames)
         self.chunks_sent += 1
@@ -95,44 +101,38 @@ class SessionOutput:
         rid = self.request_id
         self._count(message)
         if isinstance(message, InteractionQueued):
-            return {
-                "type": "session.interaction.queued",
-                "request_id": rid,
-                "event_id": message.event_id,
-                "in_progress_chunk_index": message.in_progress_chunk_index,
-                "expected_chunk_index": message.expected_chunk_index,
-                "duplicate": message.duplicate,
-            }
+            return InteractionQueuedEvent(
+                request_id=rid,
+                event_id=message.event_id,
+                in_progress_chunk_index=message.in_progress_chunk_index,
+                expected_chunk_index=message.expected_chunk_index,
+                duplicate=message.duplicate,
+            ).wire()
         if isinstance(message, InteractionApplied):
-            return {
-                "type": "session.interaction.applied",
-                "request_id": rid,
-                "event_id": message.event_id,
-                "generation_chunk_index": message.generation_chunk_index,
-                "first_frame_index": message.first_frame_index,
-                "media_start_seconds": message.media_start_seconds,
-                "queued_to_applied_ms": message.queued_to_applied_ms,
-                "transition_chunks": message.transition_chunks,
-            }
+            return InteractionAppliedEvent(
+                request_id=rid,
+                event_id=message.event_id,
+                generation_chunk_index=message.generation_chunk_index,
+                first_frame_index=message.first_frame_index,
+                media_start_seconds=message.media_start_seconds,
+                queued_to_applied_ms=message.queued_to_applied_ms,
+                transition_chunks=message.transition_chunks,
+            ).wire()
         if isinstance(message, InteractionSuperseded):
-            return {
-                "type": "session.interaction.superseded",
-                "request_id": rid,
-                "event_id": message.event_id,
-                "by_event_id": message.by_event_id,
-            }
+            return InteractionSupersededEvent(
+                request_id=rid, event_id=message.event_id, by_event_id=message.by_event_id
+            ).wire()
         if isinstance(message, InteractionRejected):
             return error_event(message.code, message.message, request_id=rid, event_id=message.event_id)
         if isinstance(message, SessionDone):
-            return {
-                "type": "session.done",
-                "request_id": rid,
-                "chunks": self.chunks_sent,
-                "frames": self.frames_sent,
-                "stopped": message.stopped,
-                "reason": message.reason,
-                "replay": self.replay(message),
-            }
+            return SessionDoneEvent(
+                request_id=rid,
+                chunks=self.chunks_sent,
+                frames=self.frames_sent,
+                stopped=message.stopped,
+                reason=message.reason,
+                replay=self.replay(message),
+            ).wire()
         if isinstance(message, SessionFailed):
             return error_event(message.code, message.message, request_id=rid, fatal=True)
         return None
@@ -181,9 +181,4 @@ class SessionOutput:
 def error_event(
     code: str, message: str, *, request_id: str | None = None, event_id: str | None = None, fatal: bool = False
 ) -> dict[str, Any]:
-    event: dict[str, Any] = {"type": "error", "code": code, "message": message, "fatal": fatal}
-    if request_id is not None:
-        event["request_id"] = request_id
-    if event_id is not None:
-        event["event_id"] = event_id
-    return event
+    return ErrorEvent(code=code, message=message, fatal=fatal, request_id=request_id, event_id=event_id).wire()

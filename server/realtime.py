@@ -31,6 +31,7 @@ from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionR
 from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, SessionStarted
 from server.auth import is_authorized, key_subprotocol
 from server.drain import Drainer
+from server.events import SessionPong, VideoStart
 from server.metrics import Metrics, SessionClock
 from server.output import SessionOutput, error_event
 from server.schemas import (
@@ -125,7 +126,7 @@ class RealtimeConnection:
             return await self._fatal("engine_unavailable", str(error), CLOSE_ERROR)
         self.output = SessionOutput(request_id, config, self.metrics, self.clock)
         self.metrics.sessions_active.inc()
-        self._send({"type": "video.start", "request_id": request_id, "format": config["format"], "config": config})
+        self._send(VideoStart(request_id=request_id, format=config["format"], config=config).wire())
         pump = asyncio.create_task(self._pump(), name="ws-pump")
         reader = asyncio.create_task(self._reader(), name="ws-reader")
         limit = asyncio.create_task(self._duration_limit(), name="ws-duration")
@@ -193,10 +194,8 @@ class RealtimeConnection:
         except ValidationError as error:
             code = "invalid_interaction" if kind == "session.interaction" else "invalid_event"
             event_id = (data.get("interaction") or {}).get("event_id") if kind == "session.interaction" else None
-            event = error_event(code, f"{kind}: {describe_validation_error(error)}")
-            if isinstance(event_id, str):
-                event["event_id"] = event_id
-            return event
+            event_id = event_id if isinstance(event_id, str) else None
+            return error_event(code, f"{kind}: {describe_validation_error(error)}", event_id=event_id)
 
     async def _receive_start(self) -> SessionStartEvent | None:
         timeout = self.settings.start_timeout_s
@@ -243,7 +242,7 @@ class RealtimeConnection:
     async def _on_event(self, event: Any) -> None:
         rid, sid = self.output.request_id, self.handle.session_id
         if isinstance(event, SessionPingEvent):
-            self._send({"type": "session.pong", "request_id": rid})
+            self._send(SessionPong(request_id=rid).wire())
         elif isinstance(event, SessionStartEvent):
             self._send(error_event("session_already_started", "this connection already has a session", request_id=rid))
         elif isinstance(event, SessionPlaybackEvent):

@@ -22,34 +22,52 @@ async def first_message_fails(url: str, message: str | bytes) -> tuple[dict, int
     return error, got.close_code
 
 
-@pytest.mark.parametrize(
-    ("message", "code", "names"),
-    [
-        ("not json at all", "invalid_json", "JSON"),
-        ("[1, 2, 3]", "invalid_message", "list"),
-        (json.dumps({"type": "session.dance"}), "unknown_type", "session.dance"),
-        (json.dumps({"type": "session.start"}), "invalid_event", "prompt"),
-        (json.dumps({**START, "width": "wide"}), "invalid_event", "width"),
-        (json.dumps({**START, "width": -32}), "invalid_event", "width"),
-        (json.dumps({**START, "height": 100_000}), "invalid_request", "height"),
-        (json.dumps({**START, "num_inference_steps": 0}), "invalid_event", "num_inference_steps"),
-        (json.dumps({**START, "format": "gif"}), "invalid_event", "format"),
-        (json.dumps({**START, "num_frames": 10**9}), "invalid_request", "num_frames"),
-        (json.dumps({**START, "num_frames": 4, "seconds": 2}), "invalid_event", "num_frames"),
-        (json.dumps({**START, "colour": "blue"}), "invalid_event", "colour"),
-        (
-            json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "x"}}}),
-            "start_required",
-            "session.interaction",
-        ),
-        (b"\x00\x01binary", "binary_not_supported", "JSON"),
-    ],
-)
+FIRST_MESSAGE_CASES = [
+    ("not json at all", "invalid_json", "JSON"),
+    ("[1, 2, 3]", "invalid_message", "list"),
+    (json.dumps({"type": "session.dance"}), "unknown_type", "session.dance"),
+    (json.dumps({"type": "session.start"}), "invalid_event", "prompt"),
+    (json.dumps({**START, "width": "wide"}), "invalid_event", "width"),
+    (json.dumps({**START, "width": -32}), "invalid_event", "width"),
+    (json.dumps({**START, "height": 100_000}), "invalid_request", "height"),
+    (json.dumps({**START, "num_inference_steps": 0}), "invalid_event", "num_inference_steps"),
+    (json.dumps({**START, "format": "gif"}), "invalid_event", "format"),
+    (json.dumps({**START, "num_frames": 10**9}), "invalid_request", "num_frames"),
+    (json.dumps({**START, "num_frames": 4, "seconds": 2}), "invalid_event", "num_frames"),
+    (json.dumps({**START, "colour": "blue"}), "invalid_event", "colour"),
+    (
+        json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "x"}}}),
+        "start_required",
+        "session.interaction",
+    ),
+    (b"\x00\x01binary", "binary_not_supported", "JSON"),
+]
+
+
+@pytest.mark.parametrize(("message", "code", "names"), FIRST_MESSAGE_CASES)
 async def test_bad_first_messages_are_fatal_with_1008(server, message, code, names):
     error, close_code = await first_message_fails(server.ws, message)
     assert error["code"] == code and error["fatal"] is True
     assert names in error["message"]
     assert close_code == 1008
+
+
+async def test_bad_first_messages_leave_a_streaming_session_unharmed(server):
+    async with open_realtime(server.ws) as bystander_ws:
+        bystander = Realtime(bystander_ws)
+        await bystander.send({**START, "prompt": "bystander", "max_lead_seconds": None})
+        await bystander.until("video.start")
+        await bystander.next()
+        for message, code, _ in FIRST_MESSAGE_CASES:
+            error, close_code = await first_message_fails(server.ws, message)
+            assert (error["code"], close_code) == (code, 1008)
+        before = len(bystander.received.chunks)
+        for _ in range(3):
+            await bystander.next()
+        assert len(bystander.received.chunks) > before
+        assert server.health()["sessions"] == 1  # only the bystander: no refused start left a session
+        await bystander.send({"type": "session.stop"})
+        assert (await bystander.rest()).of("session.done")[0]["reason"] == "stopped"
 
 
 async def test_bad_messages_during_a_session_are_not_fatal_and_harm_no_one(server):

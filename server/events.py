@@ -1,0 +1,96 @@
+"""The server -> client events of ``WS /v1/realtime/video``, as pydantic models.
+
+API process. ``server.output`` and ``server.realtime`` build every event
+through these, so each one has a checked shape; ``.wire()`` gives the JSON
+object sent on the socket (optional fields left out when unset).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class VideoStart(_Event):
+    type: Literal["video.start"] = "video.start"
+    request_id: str
+    format: str
+    config: dict[str, Any]  # the effective parameters after defaults
+
+
+class ChunkMetadata(_Event):
+    type: Literal["video.chunk_metadata"] = "video.chunk_metadata"
+    request_id: str
+    kind: Literal["media", "trailer"] = "media"
+    transport_chunk_index: int
+    generation_chunk_index: int
+    num_frames: int
+    first_frame_index: int
+    media_start_seconds: float
+    byte_length: int
+    started_event_ids: list[str]
+    active_event_ids: list[str]
+    completed_event_ids: list[str]
+    compute_ms: float  # the worker's pipeline time for this chunk
+
+
+class InteractionQueuedEvent(_Event):
+    type: Literal["session.interaction.queued"] = "session.interaction.queued"
+    request_id: str
+    event_id: str
+    in_progress_chunk_index: int | None
+    expected_chunk_index: int
+    duplicate: bool
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump()  # in_progress_chunk_index is null between chunks, not absent
+
+
+class InteractionAppliedEvent(_Event):
+    type: Literal["session.interaction.applied"] = "session.interaction.applied"
+    request_id: str
+    event_id: str
+    generation_chunk_index: int
+    first_frame_index: int
+    media_start_seconds: float
+    queued_to_applied_ms: float
+    transition_chunks: int
+
+
+class InteractionSupersededEvent(_Event):
+    type: Literal["session.interaction.superseded"] = "session.interaction.superseded"
+    request_id: str
+    event_id: str
+    by_event_id: str
+
+
+class SessionPong(_Event):
+    type: Literal["session.pong"] = "session.pong"
+    request_id: str
+
+
+class SessionDoneEvent(_Event):
+    type: Literal["session.done"] = "session.done"
+    request_id: str
+    chunks: int
+    frames: int
+    stopped: bool
+    reason: str
+    replay: dict[str, Any]  # a POST /v1/videos body that regenerates this session
+
+
+class ErrorEvent(_Event):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    fatal: bool = False
+    request_id: str | None = None
+    event_id: str | None = None
