@@ -38,3 +38,23 @@ async def test_tiny_model_streams_fmp4_and_applies_an_interaction_at_the_next_ch
     second = httpx.post(f"{server.http}/v1/videos/sync", json=replay, timeout=120)
     assert first.status_code == 200 and first.content == second.content  # deterministic
     assert len(first.content) == 45 * 64 * 64 * 3
+
+
+async def test_tiny_model_live_session_replays_bit_for_bit(make_server):
+    server = make_server(model="tiny")
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        start = {"type": "session.start", "prompt": "a red fox", "format": "raw", "transition_chunks": 2}
+        await client.send({**start, "prompt_change": "soft", "seed": 4})
+        await client.next()  # video.start
+        await client.next()  # chunk 0
+        await client.send(interaction("a blue whale"))
+        await client.until("session.interaction.applied")
+        await client.next()
+        await client.next()
+        await client.send({"type": "session.stop"})
+        live = await client.rest()
+    [done] = live.of("session.done")
+    replay = httpx.post(f"{server.http}/v1/videos/sync", json=done["replay"], timeout=120)
+    assert replay.status_code == 200
+    assert replay.content == b"".join(c.payload for c in live.chunks)
