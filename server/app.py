@@ -95,9 +95,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return request.app.state.engine
 
     @app.get("/health/live", tags=["operations"])
-    async def live() -> dict:
-        """Liveness: the API process answers (restart it if this fails)."""
-        return {"status": "ok"}
+    async def live(request: Request) -> JSONResponse:
+        """Liveness: 503 once the workers have died (only a restart recovers);
+        200 otherwise, draining included."""
+        engine = engine_of(request)
+        if engine.dead_reason is not None:
+            return JSONResponse({"status": "dead", "reason": engine.dead_reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/health", tags=["operations"])
     async def health(request: Request) -> JSONResponse:

@@ -148,3 +148,26 @@ async def test_stall_and_duration_limits_end_sessions_cleanly(make_server):
         got = await client.rest(timeout=15)
     done = got.of("session.done")[0]
     assert done["reason"] == "max_duration" and done["stopped"] is True and len(got.chunks) > 0
+
+
+async def test_a_dead_worker_ends_sessions_with_a_fatal_error_and_1011(make_server):
+    server = make_server(pipeline={"step_time_s": 0.005})
+    worker = server.health()["workers"][0]["pid"]
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "p", "format": "raw"})
+        await client.until("video.start")
+        await client.next()
+        os.kill(worker, signal.SIGKILL)
+        got = await client.rest(timeout=10)
+    [error] = [e for e in got.of("error") if e["fatal"]]
+    assert error["code"] == "worker_died" and got.close_code == 1011
+    health = httpx.get(f"{server.http}/health")
+    assert health.status_code == 503 and "died" in health.json()["reason"]
+    assert httpx.get(f"{server.http}/health/live").status_code == 503  # an orchestrator restarts it
+    async with open_realtime(server.ws) as ws:
+        late = Realtime(ws)
+        await late.send({"type": "session.start", "prompt": "p"})
+        refused = await late.rest(timeout=10)
+    assert refused.of("error")[0]["code"] == "engine_unavailable" and refused.close_code == 1011
+    assert httpx.get(f"{server.http}/metrics").text.count("rtvideo_worker_up 0.0") == 1
