@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.client import EngineClient, EngineDeadError
 from engine.config import EngineConfig, PipelineSpec
-from server.auth import is_authorized
+from server.auth import is_authorized, redact_access_log
 from server.drain import Drainer
 from server.jobs import JobManager
 from server.media import CONTENT_TYPES
@@ -76,6 +76,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    redact_access_log()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -9,6 +9,8 @@ constant time. Checked before any engine work.
 from __future__ import annotations
 
 import hmac
+import logging
+import re
 
 from starlette.requests import HTTPConnection
 
@@ -46,3 +48,22 @@ def key_subprotocol(connection: HTTPConnection) -> str | None:
         if protocol.strip().startswith(SUBPROTOCOL_PREFIX):
             return protocol.strip()
     return None
+
+
+_KEY_IN_QUERY = re.compile(r"(api_key=)[^&\s]*")
+
+
+class RedactKeys(logging.Filter):
+    """Keeps API keys given as a query parameter out of uvicorn's access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_KEY_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def redact_access_log() -> None:
+    """Install ``RedactKeys`` on uvicorn's access logger (once)."""
+    logger = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactKeys) for f in logger.filters):
+        logger.addFilter(RedactKeys())

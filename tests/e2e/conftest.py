@@ -44,13 +44,14 @@ def start_server(
     ]
     if pipeline:
         command += ["--pipeline-options", json.dumps(pipeline)]
-    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    # uvicorn logs to stderr and its access log to stdout: keep both, in order.
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log: list[str] = []
     found = threading.Event()
     url: list[str] = []
 
     def drain() -> None:
-        for line in process.stderr:
+        for line in process.stdout:
             log.append(line)
             match = re.search(r"Uvicorn running on (http://\S+)", line)
             if match and not found.is_set():

@@ -173,3 +173,15 @@ async def test_a_dead_worker_ends_sessions_with_a_fatal_error_and_1011(make_serv
         refused = await late.rest(timeout=10)
     assert refused.of("error")[0]["code"] == "engine_unavailable" and refused.close_code == 1011
     assert httpx.get(f"{server.http}/metrics").text.count("rtvideo_worker_up 0.0") == 1
+
+
+def test_a_key_in_the_query_string_never_reaches_the_access_log(make_server):
+    server = make_server("--api-key", "topsecret-key")
+    assert httpx.get(f"{server.http}/v1/models?api_key=topsecret-key").status_code == 200
+    assert httpx.get(f"{server.http}/v1/models?api_key=wrong-one").status_code == 401
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any("/v1/models" in line for line in server.log):
+        time.sleep(0.05)
+    logged = "".join(server.log)
+    assert "/v1/models?api_key=***" in logged
+    assert "topsecret-key" not in logged and "wrong-one" not in logged
