@@ -24,6 +24,9 @@ from server.schemas import JobRequest, RequestError, resolve
 from server.settings import ServerSettings
 
 
+CAPACITY_RETRY_S = 1.0  # a queued job retries its start at least this often
+
+
 @dataclass
 class Job:
     id: str
@@ -129,8 +132,11 @@ class JobManager:
 
     async def _generate(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:
         while handle is None:
-            async with self.capacity:  # wait for a session to end, then try again
-                await self.capacity.wait()
+            # Wait for a session to end, then try again; the timeout covers an end
+            # that happened between the refusal and this wait.
+            with contextlib.suppress(TimeoutError):
+                async with self.capacity:
+                    await asyncio.wait_for(self.capacity.wait(), CAPACITY_RETRY_S)
             if self.drainer.draining:
                 return self._fail(job, "shutting_down", "the server shut down before this job could start")
             try:
