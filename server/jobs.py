@@ -23,7 +23,6 @@ from server.output import SessionOutput
 from server.schemas import JobRequest, RequestError, resolve
 from server.settings import ServerSettings
 
-
 CAPACITY_RETRY_S = 1.0  # a queued job retries its start at least this often
 
 
