@@ -15,6 +15,7 @@ serve: install
 	$(VENV)/bin/rtvideo serve
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install
