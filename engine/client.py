@@ -9,8 +9,11 @@ session (``SessionHandle``).
 Liveness, both ways:
 - the client watches the worker's process sentinel in the event loop, so a
   worker that dies (killed, crashed, OOM) is noticed at once: every open
-  session receives ``SessionFailed(code="worker_died")`` and later calls raise
-  ``EngineDeadError`` instead of hanging;
+  session receives ``SessionFailed(code="worker_died")`` and calls raise
+  ``EngineDeadError`` instead of hanging. A fresh worker (a fresh device
+  context) is then started on the same sockets, at most
+  ``max_worker_restarts`` times per ``worker_restart_window_s``; past that
+  the engine stays dead;
 - the worker holds the read end of a pipe whose write end only this process
   has; when this process dies, however it dies, the worker sees EOF and exits.
 """
@@ -24,6 +27,7 @@ import itertools
 import logging
 import multiprocessing
 import shutil
+import time
 from typing import Any
 
 import zmq
@@ -136,6 +140,8 @@ class EngineClient:
         self._pump_task: asyncio.Task | None = None
         self._death_task: asyncio.Task | None = None
         self._directory: str | None = None
+        self._restart_times: list[float] = []
+        self.restarts = 0  # workers restarted after a death
 
     # ------------------------------------------------------------------
     # lifecycle
@@ -143,36 +149,42 @@ class EngineClient:
 
     async def start(self) -> WorkerReady:
         """Spawn the worker and wait for READY; ``EngineStartupError`` otherwise."""
-        endpoints, self._directory = Endpoints.fresh()
+        self._endpoints, self._directory = Endpoints.fresh()
         self._context = zmq.asyncio.Context()
         self._control = self._context.socket(zmq.PUSH)
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.setsockopt(zmq.SNDHWM, 100_000)
-        self._control.bind(endpoints.control)
+        self._control.bind(self._endpoints.control)
         self._results = self._context.socket(zmq.PULL)
         self._results.setsockopt(zmq.LINGER, 0)
-        self._results.bind(endpoints.results)
-
-        spawn = multiprocessing.get_context("spawn")
-        parent_alive_reader, self._parent_alive = spawn.Pipe(duplex=False)
-        self._process = spawn.Process(
-            target=_bootstrap,
-            args=(self.config.worker_entry, self.config, endpoints, parent_alive_reader, 0),
-            name="rtvideo-worker-0",
-            daemon=True,
-        )
-        self._process.start()
-        parent_alive_reader.close()
-        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_worker_exit)
-
+        self._results.bind(self._endpoints.results)
         try:
-            self.ready = await self._handshake()
+            await self._spawn()
         except BaseException:
-            await self._stop_process()
             self._close_sockets()
             raise
         self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
         return self.ready
+
+    async def _spawn(self) -> None:
+        """Start a worker process on the bound sockets and wait for its READY."""
+        spawn = multiprocessing.get_context("spawn")
+        parent_alive_reader, self._parent_alive = spawn.Pipe(duplex=False)
+        self._process = spawn.Process(
+            target=_bootstrap,
+            args=(self.config.worker_entry, self.config, self._endpoints, parent_alive_reader, 0),
+            name="rtvideo-worker-0",
+            daemon=True,
+        )
+        self._exited = asyncio.Event()
+        self._process.start()
+        parent_alive_reader.close()
+        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_worker_exit)
+        try:
+            self.ready = await self._handshake()
+        except BaseException:
+            await self._stop_process()
+            raise
 
     async def _handshake(self) -> WorkerReady:
         receive = asyncio.ensure_future(self._results.recv())
@@ -248,6 +260,40 @@ class EngineClient:
         self._dead_reason = reason
         log.error("%s", reason)
         self._fail_all("worker_died", reason)
+        if self._may_restart():
+            await self._restart(reason)
+
+    async def settled(self) -> None:
+        """Return once a worker death in progress has been handled: its sessions
+        failed and the restart, if allowed, finished (or failed)."""
+        if self._death_task is not None:
+            await asyncio.shield(self._death_task)
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        window = self.config.worker_restart_window_s
+        self._restart_times = [t for t in self._restart_times if now - t < window]
+        return not self._closing and len(self._restart_times) < self.config.max_worker_restarts
+
+    async def _restart(self, reason: str) -> None:
+        """A fresh worker (fresh device context) on the same sockets; the sessions
+        of the dead one have already failed."""
+        self._restart_times.append(time.monotonic())
+        self.restarts += 1
+        log.warning(
+            "restarting the worker (%d in the last %g s)", len(self._restart_times), self.config.worker_restart_window_s
+        )
+        self.ready = None
+        self._parent_alive.close()
+        try:
+            await self._spawn()
+        except EngineStartupError as error:
+            self._dead_reason = f"{reason}; restarting it failed: {error}"
+            log.error("%s", self._dead_reason)
+            return
+        self._dead_reason = None
+        self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
+        log.warning("worker restarted (pid %s)", self._process.pid)
 
     # ------------------------------------------------------------------
     # results

@@ -42,6 +42,9 @@ class EngineConfig:
     """How long the client waits for a worker's READY before giving up."""
     shutdown_timeout_s: float = 10.0
     """How long shutdown waits for a worker to exit before killing it."""
+    max_worker_restarts: int = 3
+    """Fresh workers started after deaths within ``worker_restart_window_s``; 0: never."""
+    worker_restart_window_s: float = 300.0
     worker_entry: str = "workers.main:run_worker"
     """Import path of the worker entry point; resolved in the child process only,
     so the API process never imports ``workers``."""
@@ -53,6 +56,8 @@ class EngineConfig:
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", "must be >= 1")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.shutdown_timeout_s > 0, "shutdown_timeout_s", "must be > 0")
+        _check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
+        _check(self.worker_restart_window_s > 0, "worker_restart_window_s", "must be > 0")
         _check(":" in self.worker_entry, "worker_entry", "must look like 'module:function'")
 
 

@@ -46,6 +46,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         max_sessions=settings.max_sessions,
         group_chunk_steps=settings.group_chunk_steps,
         startup_timeout_s=settings.worker_startup_timeout_s,
+        max_worker_restarts=settings.max_worker_restarts,
     )
 
 
@@ -121,7 +122,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             {
                 "status": "ok",
                 "model": engine.ready.pipeline,
-                "workers": [{"rank": 0, "pid": engine.worker_pid, "alive": True}],
+                "workers": [{"rank": 0, "pid": engine.worker_pid, "alive": True, "restarts": engine.restarts}],
                 "sessions": len(probe.sessions),
                 "max_sessions": settings.max_sessions,
                 "runner_sessions": list(probe.runner_sessions),

@@ -39,14 +39,20 @@ class ServerSettings:
     max_jobs_kept: int = 64
     """Finished jobs kept for download; the oldest finished ones go first."""
     worker_startup_timeout_s: float = 300.0
+    max_worker_restarts: int = 3
+    """Workers restarted after a death within five minutes; past that the replica
+    stays down (liveness fails) until it is restarted."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long running sessions and jobs may go on before they are ended."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and f.name != "port" and value <= 0:
+            may_be_zero = f.name in ("port", "max_worker_restarts")
+            if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0 and not may_be_zero:
                 raise ValueError(f"{f.name} must be > 0, got {value}")
+        if self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, got {self.port}")
         if self.api_key is not None and not self.api_key:

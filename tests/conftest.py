@@ -9,7 +9,7 @@ import pytest
 from engine.client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 
-ENGINE_KEYS = {"max_sessions", "group_chunk_steps", "max_batch_rows", "max_transition_chunks"}
+ENGINE_KEYS = {"max_sessions", "group_chunk_steps", "max_batch_rows", "max_transition_chunks", "max_worker_restarts"}
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import signal
@@ -152,8 +153,7 @@ async def test_stall_and_duration_limits_end_sessions_cleanly(make_server):
     assert done["reason"] == "max_duration" and done["stopped"] is True and len(got.chunks) > 0
 
 
-async def test_a_dead_worker_ends_sessions_with_a_fatal_error_and_1011(make_server):
-    server = make_server(pipeline={"step_time_s": 0.005})
+async def kill_worker_under_a_session(server) -> None:
     worker = server.health()["workers"][0]["pid"]
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
@@ -164,6 +164,25 @@ async def test_a_dead_worker_ends_sessions_with_a_fatal_error_and_1011(make_serv
         got = await client.rest(timeout=10)
     [error] = [e for e in got.of("error") if e["fatal"]]
     assert error["code"] == "worker_died" and got.close_code == 1011
+
+
+async def test_a_dead_worker_ends_its_sessions_and_a_fresh_one_takes_over(make_server):
+    server = make_server(pipeline={"step_time_s": 0.005})
+    await kill_worker_under_a_session(server)
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"{server.http}/health")).status_code != 200:
+        assert time.monotonic() < deadline, health.text
+        await asyncio.sleep(0.05)
+    assert health.json()["workers"][0]["restarts"] == 1
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "again", "format": "raw", "num_chunks": 2})
+        assert (await client.rest()).of("session.done")
+
+
+async def test_without_restarts_a_dead_worker_fails_liveness_and_new_sessions(make_server):
+    server = make_server("--max-worker-restarts", "0", pipeline={"step_time_s": 0.005})
+    await kill_worker_under_a_session(server)
     health = httpx.get(f"{server.http}/health")
     assert health.status_code == 503 and "died" in health.json()["reason"]
     assert httpx.get(f"{server.http}/health/live").status_code == 503  # an orchestrator restarts it

@@ -32,7 +32,7 @@ async def test_pipeline_error_fails_only_that_session(make_engine):
 
 
 async def test_killed_worker_fails_every_session_within_two_seconds(make_engine):
-    engine = await make_engine(step_time_s=0.005)
+    engine = await make_engine(step_time_s=0.005, max_worker_restarts=0)
     handles = [await engine.start_session(StartSession(session_id=f"s{i}", prompt="p")) for i in range(3)]
     for handle in handles:  # all three are generating
         await read_until(handle, ChunkReady, Collected())
@@ -72,3 +72,27 @@ async def test_interactions_on_unknown_or_finished_sessions_raise(make_engine):
     with pytest.raises(UnknownSessionError):
         await engine.interact("s", "e", Interaction(prompt="later"))
     await engine.stop("s")  # idempotent: a finished session is a no-op
+
+
+async def test_a_dead_worker_is_replaced_within_the_restart_budget(make_engine):
+    engine = await make_engine(step_time_s=0.002, max_worker_restarts=1)
+    first_pid = engine.worker_pid
+    handle = await engine.start_session(StartSession(session_id="a", prompt="p"))
+    await read_until(handle, ChunkReady, Collected())
+    os.kill(first_pid, signal.SIGKILL)
+    result = await collect(handle, timeout=5.0)
+    assert isinstance(result.end, SessionFailed) and result.end.code == "worker_died"
+
+    await engine.settled()  # a fresh worker started on the same sockets
+    assert engine.alive, engine.dead_reason
+    assert engine.worker_pid != first_pid and engine.restarts == 1
+    again = await engine.start_session(StartSession(session_id="b", prompt="p", num_chunks=2))
+    assert isinstance((await collect(again)).end, SessionDone)
+
+    second = await engine.start_session(StartSession(session_id="c", prompt="p"))
+    os.kill(engine.worker_pid, signal.SIGKILL)  # past the budget: it stays dead
+    assert (await collect(second, timeout=5.0)).end.code == "worker_died"
+    await engine.settled()
+    assert not engine.alive and engine.restarts == 1
+    with pytest.raises(EngineDeadError):
+        await engine.start_session(StartSession(session_id="d", prompt="p"))
