@@ -104,6 +104,8 @@ class ControlPlane:
             geometry = self._describe(start)
         except ValueError as error:
             return self._reject(sid, "invalid_request", str(error))
+        except Exception as error:  # a pipeline's describe must never take the control thread down
+            return self._reject(sid, "invalid_request", f"{type(error).__name__}: {error}")
         mailbox = InteractionMailbox(start.transition_chunks, start.scheduled, time.monotonic())
         self._sessions[sid] = SessionControl(start, geometry, mailbox)
         self._send(SessionStarted(session_id=sid, geometry=geometry))

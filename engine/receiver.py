@@ -76,7 +76,10 @@ class ControlReceiver:
             except msgspec.DecodeError as error:
                 log.error("dropping an undecodable control message: %s", error)
                 continue
-            self._control.handle(message)
+            try:
+                self._control.handle(message)
+            except Exception:  # keep receiving: one bad message must not silence control
+                log.exception("control message %s failed", type(message).__name__)
 
     def _orphaned(self) -> None:
         log.warning("the API process is gone; shutting this worker down")

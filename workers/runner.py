@@ -10,6 +10,7 @@ the row that fails on its own loses its session.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -18,6 +19,7 @@ from engine.messages import SessionGeometry, StartSession
 from engine.plan import BoundaryTask, PlanResult, PlanRow, StepPlan
 from workers.pipelines.base import BatchRow, ChunkPipeline, PipelineState, StepBatch
 
+log = logging.getLogger(__name__)
 _FAILED = object()  # what _call returns when the pipeline raised
 
 
@@ -38,7 +40,10 @@ class ModelRunner:
         """Release, open, cross boundaries, then run the denoise rows of ``plan``."""
         result = PlanResult()
         for session_id in plan.release:
-            self._release(session_id)
+            try:
+                self._release(session_id)
+            except Exception:  # the session is over either way; its state is already dropped
+                log.exception("release of session %s failed", session_id)
         for start in plan.open:
             self._call(result, start.session_id, "prepare_encode", self._open, start)
             result.row(start.session_id).boundary_ms += self._last_ms

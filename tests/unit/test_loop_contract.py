@@ -85,3 +85,41 @@ def test_every_plan_keeps_the_boundary_rule(grouped, seed):
     for applied in (m for m in sent if isinstance(m, InteractionApplied)):
         assert applied.generation_chunk_index == promised[applied.event_id]
     assert any(isinstance(m, ChunkReady) for m in sent)
+
+
+def test_a_describe_that_raises_anything_refuses_the_start_and_control_goes_on():
+    class Broken(CheckingRunner):
+        def describe(self, start):
+            if start.prompt == "boom":
+                raise TypeError("unexpected failure")
+            return super().describe(start)
+
+    runner = Broken(grouped=True)
+    sent: list = []
+    control = ControlPlane(EngineConfig(), runner.describe, sent.append)
+    control.handle(StartSession(session_id="a", prompt="boom"))
+    control.handle(StartSession(session_id="b", prompt="fine"))
+    rejected, started = sent
+    assert rejected.code == "invalid_request" and "TypeError: unexpected failure" in rejected.message
+    assert started.session_id == "b"
+
+
+def test_a_release_that_raises_still_ends_the_session_and_the_loop_goes_on():
+    class LeakyRelease(StubPipeline):
+        def release(self, state):
+            super().release(state)
+            raise RuntimeError("release failed")
+
+    runner = ModelRunner(LeakyRelease())
+    sent: list = []
+    config = EngineConfig()
+    control = ControlPlane(config, runner.describe, sent.append)
+    loop = EngineLoop(config, control, runner, sent.append, grouping=True, max_rows=1)
+    control.handle(StartSession(session_id="a", prompt="p", num_chunks=1))
+    control.handle(StartSession(session_id="b", prompt="q", num_chunks=2))
+    for _ in range(20):
+        loop.run_once()
+        if not loop.sessions and not control.open_sessions():
+            break
+    done = [m for m in sent if isinstance(m, SessionDone)]
+    assert sorted(d.session_id for d in done) == ["a", "b"] and runner.states == {}
