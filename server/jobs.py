@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from server.output import SessionOutput
 from server.schemas import JobRequest, RequestError, resolve
 from server.settings import ServerSettings
 
+log = logging.getLogger(__name__)
 CAPACITY_RETRY_S = 1.0  # a queued job retries its start at least this often
 
 
@@ -124,6 +126,9 @@ class JobManager:
             raise
         except EngineDeadError as error:
             self._fail(job, "engine_unavailable", str(error))
+        except Exception as error:  # an encoder or server bug fails this job, not the server
+            log.exception("job %s failed", job.id)
+            self._fail(job, "internal_error", f"{type(error).__name__}: {error}")
         finally:
             job.completed_at = job.completed_at or time.time()
             job.finished.set()
