@@ -28,11 +28,10 @@ import numpy as np
 
 FORMATS = ("fmp4", "jpeg", "raw")
 CONTENT_TYPES = {"fmp4": "video/mp4", "jpeg": "application/octet-stream", "raw": "application/octet-stream"}
+"""What ``/v1/videos/{id}/content`` answers with, per format."""
 
 
 class ChunkEncoder(Protocol):
-    content_type: str
-
     def encode(self, frames: np.ndarray, first_frame_index: int) -> bytes:
         """Bytes of one chunk; ``frames`` is (n, height, width, 3) uint8."""
         ...
@@ -49,15 +48,11 @@ def make_encoder(fmt: str, width: int, height: int, fps: float) -> ChunkEncoder:
 
 
 class RawEncoder:
-    content_type = "application/octet-stream"
-
     def encode(self, frames: np.ndarray, first_frame_index: int) -> bytes:
         return np.ascontiguousarray(frames, dtype=np.uint8).tobytes()
 
 
 class JpegEncoder:
-    content_type = "application/octet-stream"
-
     def __init__(self, width: int, height: int, quality: int = 3) -> None:
         self._codec = av.CodecContext.create("mjpeg", "w")
         self._codec.width, self._codec.height = width, height
@@ -87,7 +82,6 @@ def split_jpeg_payload(payload: bytes) -> list[bytes]:
 
 
 class Fmp4Encoder:
-    content_type = "video/mp4"
     MOVFLAGS = "frag_keyframe+empty_moov+default_base_moof+skip_trailer"
 
     def __init__(self, width: int, height: int, fps: float) -> None:
