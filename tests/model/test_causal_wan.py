@@ -214,3 +214,29 @@ def test_rope_helper_matches_diffusers_rotation():
     out = apply_rope(x, cos, sin)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     assert torch.allclose(out[..., 0::2], x1 * cos[..., 0::2] - x2 * sin[..., 1::2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channel_first,images,bias", [(True, True, False), (True, False, False), (False, False, True)])
+def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    from workers.pipelines.vae_stream import FastRMSNorm, use_fast_norms
+
+    torch.manual_seed(0)
+    reference = WanRMS_norm(8, channel_first=channel_first, images=images, bias=bias)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.uniform_(-2, 2)
+    fast = WanRMS_norm(8, channel_first=channel_first, images=images, bias=bias)
+    fast.load_state_dict(reference.state_dict())
+    reference, holder = reference.to(dtype), torch.nn.Sequential(fast).to(dtype)
+    assert use_fast_norms(holder) == 1 and type(holder[0]) is FastRMSNorm
+    shape = (2, 8, 3, 5, 7) if channel_first and not images else (2, 8, 5, 7) if channel_first else (2, 3, 5, 8)
+    x = (torch.randn(shape) * 3).to(dtype)
+    x[0, ..., 0] = 0.0  # an all-zero vector: both clamp instead of dividing by zero
+    with torch.no_grad():
+        expected, got = reference(x), holder(x)
+    assert got.dtype == expected.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding step of the largest values
+    assert (got.float() - expected.float()).abs().max().item() <= tolerance * expected.float().abs().max().item()
