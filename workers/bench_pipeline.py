@@ -1,10 +1,13 @@
 """``rtvideo bench pipeline``: what one chunk of the causal Wan pipeline costs.
 
-Runs the pipeline in this process, one session, no server: time to the first
-chunk (encode + first chunk), then per chunk the split between the denoise
-steps, the commit forward and the VAE decode, and generated frames per second
+Runs the pipeline in this process, one session, no server: the worker's
+warm-up (``workers.warmup``, reported as ``warm_up_s``), then a fresh
+session's time to its first chunk (prompt encode + first chunk, as a user of a
+started server sees it), then per chunk the split between the denoise steps,
+the commit forward and the VAE decode, and generated frames per second
 against playback (``fps``). ``--preset wan2.1-1.3b`` builds the real 1.3B
-transformer with random weights (a GPU machine's measurement; bf16). The last
+transformer with random weights (a GPU machine's measurement; bf16).
+``--profile FILE`` writes a torch profiler table of one steady chunk. The last
 line printed is one JSON object.
 """
 
@@ -22,6 +25,7 @@ from engine.messages import StartSession
 from workers.pipelines.base import BatchRow, PipelineState, StepBatch
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.pipelines.presets import WAN_1_3B_TRANSFORMER, Components, build_tiny
+from workers.warmup import warm_up
 
 
 def _components(preset: str) -> Components:
@@ -40,10 +44,25 @@ def _components(preset: str) -> Components:
     raise SystemExit(f"unknown preset {preset!r}: tiny or wan2.1-1.3b")
 
 
-def run(preset: str, width: int | None, height: int | None, chunks: int, steps: int, device: str | None) -> dict:
+def run(
+    preset: str,
+    width: int | None,
+    height: int | None,
+    chunks: int,
+    steps: int,
+    device: str | None,
+    *,
+    dtype: str | None = None,
+    vae_dtype: str | None = None,
+    warm: bool = True,
+    profile: str | None = None,
+) -> dict:
     built = time.perf_counter()
-    pipeline = CausalWanPipeline(_components(preset), device=device)
+    pipeline = CausalWanPipeline(
+        _components(preset), device=device, dtype=dtype, vae_dtype=vae_dtype, warm_up_chunks=2 if warm else 0
+    )
     build_s = time.perf_counter() - built
+    warm_up_s = warm_up(pipeline)
     start = StartSession(
         session_id="bench", prompt="a red fox in the snow", width=width, height=height, num_inference_steps=steps
     )
@@ -54,6 +73,9 @@ def run(preset: str, width: int | None, height: int | None, chunks: int, steps: 
     first_chunk_s = None
     for chunk in range(chunks):
         state.chunk_index = chunk
+        profiler = _profiler(pipeline.device) if profile and chunk == min(2, chunks - 1) else None
+        if profiler is not None:
+            profiler.__enter__()
         t0 = pipeline._synchronized()
         pipeline.prepare_next_chunk(state)
         for step in range(state.geometry.num_inference_steps):
@@ -63,6 +85,9 @@ def run(preset: str, width: int | None, height: int | None, chunks: int, steps: 
         t1 = pipeline._synchronized()
         out = pipeline.post_decode(state)
         t2 = pipeline._synchronized()
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            _write_profile(profiler, pipeline.device, profile)
         if first_chunk_s is None:
             first_chunk_s = t2 - began
         split = state.extra["post_decode_ms"]
@@ -84,12 +109,14 @@ def run(preset: str, width: int | None, height: int | None, chunks: int, steps: 
         "preset": preset,
         "device": str(pipeline.device),
         "dtype": str(pipeline.dtype).replace("torch.", ""),
+        "vae_dtype": str(pipeline.vae_dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "width": state.geometry.width,
         "height": state.geometry.height,
         "steps": state.geometry.num_inference_steps,
         "chunks": chunks,
         "build_s": build_s,
+        "warm_up_s": warm_up_s,
         "time_to_first_chunk_s": first_chunk_s,
         "per_chunk_ms": {
             key: statistics.median(r[key] for r in steady)
@@ -101,6 +128,19 @@ def run(preset: str, width: int | None, height: int | None, chunks: int, steps: 
     }
 
 
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _write_profile(profiler: torch.profiler.profile, device: torch.device, path: str) -> None:
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "w") as out:
+        out.write(profiler.key_averages().table(sort_by=sort_by, row_limit=40))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rtvideo bench pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help="tiny | wan2.1-1.3b")
@@ -109,14 +149,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--vae-dtype", default=None, help="bfloat16 | float32 (default: the model's dtype)")
+    parser.add_argument("--no-warm-up", dest="warm", action="store_false", help="measure a cold first chunk")
+    parser.add_argument("--profile", default=None, metavar="FILE", help="write a profiler table of one chunk")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
     args = parser.parse_args(argv)
-    summary = run(args.preset, args.width, args.height, args.chunks, args.steps, args.device)
+    summary = run(
+        args.preset,
+        args.width,
+        args.height,
+        args.chunks,
+        args.steps,
+        args.device,
+        dtype=args.dtype,
+        vae_dtype=args.vae_dtype,
+        warm=args.warm,
+        profile=args.profile,
+    )
     if not args.json:
         p = summary["per_chunk_ms"]
         print(
             f"{summary['preset']} {summary['width']}x{summary['height']} on {summary['device']}: "
-            f"first chunk {summary['time_to_first_chunk_s']:.3f} s; per chunk denoise {p['denoise_ms']:.1f} ms, "
+            f"warm-up {summary['warm_up_s']:.2f} s, first chunk {summary['time_to_first_chunk_s']:.3f} s; "
+            f"per chunk denoise {p['denoise_ms']:.1f} ms, "
             f"commit {p['commit_ms']:.1f} ms, decode {p['decode_ms']:.1f} ms; "
             f"{summary['generated_fps']:.1f} fps generated vs {summary['playback_fps']:g} playback"
         )

@@ -1,6 +1,6 @@
 """Entry point of a worker process (spawned by ``engine.client.EngineClient``).
 
-Rank 0 builds its pipeline, wires the control plane, the control-receiver
+Rank 0 builds its pipeline, warms it up (``workers.warmup``), wires the control plane, the control-receiver
 thread and the engine loop together, says READY, and runs the loop until
 shutdown. On a pipeline that cannot be built it says so
 (``WorkerStartupFailed``) and exits 1; on an engine bug it says
@@ -28,6 +28,7 @@ from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.pipelines import build_pipeline
 from workers.runner import ModelRunner
+from workers.warmup import warm_up
 
 log = logging.getLogger("rtvideo.worker")
 
@@ -40,13 +41,16 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     sender = ResultSender(context, endpoints.results)
     try:
         pipeline = build_pipeline(config.pipeline)
+        warm_up_s = warm_up(pipeline)
     except Exception as error:
-        log.exception("could not build pipeline %r", config.pipeline.name)
+        log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
         sender.close()
         context.term()
         raise SystemExit(1) from None
 
+    if warm_up_s:
+        log.info("pipeline %r warmed up in %.2f s", pipeline.name, warm_up_s)
     runner = ModelRunner(pipeline)
     grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
     max_rows = min(config.max_batch_rows, pipeline.max_batch_rows)

@@ -96,3 +96,24 @@ async def test_a_dead_worker_is_replaced_within_the_restart_budget(make_engine):
     assert not engine.alive and engine.restarts == 1
     with pytest.raises(EngineDeadError):
         await engine.start_session(StartSession(session_id="d", prompt="p"))
+
+
+async def test_a_tiny_worker_warms_up_before_ready_and_serves_clean():
+    client = EngineClient(EngineConfig(pipeline=PipelineSpec("tiny", {"device": "cpu"}), startup_timeout_s=120))
+    await client.start()
+    try:
+        probe = await client.probe()
+        assert probe.pipeline_sessions == ()  # the warm-up session was released before READY
+        handle = await client.start_session(StartSession(session_id="s", prompt="p", num_chunks=2))
+        result = await collect(handle, timeout=60)
+        assert isinstance(result.end, SessionDone) and [c.num_frames for c in result.chunks] == [9, 12]
+    finally:
+        await client.shutdown()
+
+
+async def test_a_pipeline_that_cannot_warm_up_is_a_clear_startup_error():
+    # Its default size (64x64) is past its own max_size: the warm-up's describe() refuses it.
+    spec = PipelineSpec("tiny", {"device": "cpu", "max_size": 32})
+    client = EngineClient(EngineConfig(pipeline=spec, startup_timeout_s=120))
+    with pytest.raises(EngineStartupError, match="width must be a multiple of 16 up to 32, got 64"):
+        await client.start()

@@ -10,13 +10,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
+def _bench(*flags: str) -> dict:
     command = [sys.executable, "-m", "server.cli", "bench", "pipeline", "--json", "--chunks", "3", "--steps", "2"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*command, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
+    summary = _bench()
     assert summary["bench"] == "pipeline" and summary["preset"] == "tiny" and summary["steps"] == 2
     assert set(summary["per_chunk_ms"]) == {"denoise_ms", "commit_ms", "decode_ms", "total_ms"}
     assert all(value > 0 for value in summary["per_chunk_ms"].values())
     assert summary["time_to_first_chunk_s"] > 0 and summary["generated_fps"] > 0
     assert summary["playback_fps"] == 16.0
+    assert summary["warm_up_s"] > 0 and summary["dtype"] == summary["vae_dtype"] == "float32"
+
+
+def test_bench_pipeline_runs_bf16_cold_and_writes_a_profile(tmp_path):
+    profile = tmp_path / "profile.txt"
+    summary = _bench("--dtype", "bfloat16", "--vae-dtype", "float32", "--no-warm-up", "--profile", str(profile))
+    assert summary["dtype"] == "bfloat16" and summary["vae_dtype"] == "float32"
+    assert summary["warm_up_s"] == 0.0 and summary["generated_fps"] > 0
+    assert "Self CPU" in profile.read_text()

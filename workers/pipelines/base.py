@@ -64,6 +64,8 @@ class ChunkPipeline(Protocol):
     """Whether the pipeline implements temporal-PP micro-steps (not yet used)."""
     max_batch_rows: ClassVar[int]
     """How many session rows one ``denoise_step`` forward may carry."""
+    warm_up_chunks: int
+    """Chunks of a throwaway session the worker runs before READY (``workers.warmup``); 0: none."""
 
     def describe(self, start: StartSession) -> SessionGeometry:
         """The effective geometry of ``start``, defaults filled in. Raises

@@ -1,7 +1,8 @@
 """The causal Wan pipeline: Self-Forcing / CausVid-style chunk-autoregressive video.
 
 Worker process; the transformer, VAE and text encoder live on the worker's
-device (bf16 on GPU, fp32 on CPU). Implements ``ChunkPipeline``:
+device, in bf16 on GPU and fp32 on CPU unless ``dtype`` / ``vae_dtype`` say
+otherwise (``resolve_dtype``). Implements ``ChunkPipeline``:
 
 - a chunk is ``latent_frames_per_chunk`` latent frames (3: 9 pixel frames for
   the first chunk, 12 after), denoised in 1-4 steps of the Self-Forcing
@@ -44,7 +45,17 @@ from workers.pipelines.vae_stream import StreamingDecoder
 from workers.pipelines.wan_attention import make_causal
 
 PROMPT_CHANGE_MODES = ("soft", "recache", "reset")
-BASE_STEPS = (1000, 750, 500, 250)
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """``None`` or ``"auto"``: bf16 on a GPU, fp32 elsewhere; else ``bfloat16`` /
+    ``float32`` (or ``bf16`` / ``fp32``). ``ValueError`` names anything else."""
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
+    return DTYPES[name]
 
 
 def self_forcing_timesteps(steps: int, shift: float = 5.0) -> list[float]:
@@ -75,18 +86,22 @@ class CausalWanPipeline:
         components: Components,
         *,
         device: str | None = None,
+        dtype: str | None = None,
+        vae_dtype: str | None = None,
         latent_frames_per_chunk: int = 3,
         sink_frames: int = 3,
         window_frames: int = 18,
         fps: float = 16.0,
         max_size: int = 1280,
+        warm_up_chunks: int = 2,
         name: str = "causal_wan",
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
         self.name = name
         self.transformer = _cast(components.transformer, self.device, self.dtype).eval()
-        self.vae = components.vae.to(self.device).eval()
+        self.vae = _cast(components.vae, self.device, self.vae_dtype).eval()
         self.text_encoder = _cast(components.text_encoder, self.device, self.dtype).eval()
         self.tokenizer = components.tokenizer
         self.text_length = components.text_length
@@ -100,6 +115,7 @@ class CausalWanPipeline:
         self.sink_frames, self.window_frames = sink_frames, window_frames
         self.fps = fps
         self.max_size = max_size
+        self.warm_up_chunks = warm_up_chunks  # the first chunk and a cached one: both kernel paths
         self.spatial = 8 * self.transformer.config.patch_size[1]  # VAE 8x, then the patch
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._held: set[str] = set()
@@ -310,23 +326,28 @@ def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> t
     to fp32 (RoPE tables, time embedder, norms) in fp32."""
     model = model.to(device)
     if dtype == torch.float32:
-        return model
+        return model.float()
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, module in model.named_modules():
-        if not any(part in keep for part in name.split(".")):
-            for parameter in module.parameters(recurse=False):
-                parameter.data = parameter.data.to(dtype)
-            for tensor_name, tensor in list(module.named_buffers(recurse=False)):
-                if tensor.is_floating_point() and "freqs" not in tensor_name:
-                    module._buffers[tensor_name] = tensor.to(dtype)
+
+    def pinned(name: str) -> bool:  # diffusers' rule: any dotted part of the full name
+        return any(part in keep for part in name.split("."))
+
+    for name, parameter in model.named_parameters():
+        if not pinned(name):
+            parameter.data = parameter.data.to(dtype)
+    for module_name, module in model.named_modules():
+        for tensor_name, tensor in list(module.named_buffers(recurse=False)):
+            full = f"{module_name}.{tensor_name}" if module_name else tensor_name
+            if tensor.is_floating_point() and "freqs" not in tensor_name and not pinned(full):
+                module._buffers[tensor_name] = tensor.to(dtype)
     return model
 
 
 def build(preset: str = "tiny", model_dir: str | None = None, device: str | None = None, **options: Any):
     """The pipeline registry's factory: the tiny preset, or a model directory."""
     if model_dir is not None:
-        on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-        dtype = torch.bfloat16 if on_gpu else torch.float32
+        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(options.get("dtype"), target)
         return CausalWanPipeline(load_directory(model_dir, dtype), device=device, name=str(model_dir), **options)
     if preset != "tiny":
         raise ValueError(f"unknown preset {preset!r}; known: tiny")

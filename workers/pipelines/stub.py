@@ -77,6 +77,7 @@ class StubPipeline:
     supports_chunk_step_grouping: ClassVar[bool] = True
     supports_micro_step_execution: ClassVar[bool] = False
     max_batch_rows: ClassVar[int] = 8
+    warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
 
     def __init__(
         self,
