@@ -221,7 +221,7 @@ def test_rope_helper_matches_diffusers_rotation():
 def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias):
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
-    from workers.pipelines.vae_stream import FastRMSNorm, use_fast_norms
+    from workers.pipelines.vae_stream import FastRMSNorm, use_fast_cpu_kernels
 
     torch.manual_seed(0)
     reference = WanRMS_norm(8, channel_first=channel_first, images=images, bias=bias)
@@ -231,7 +231,7 @@ def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias)
     fast = WanRMS_norm(8, channel_first=channel_first, images=images, bias=bias)
     fast.load_state_dict(reference.state_dict())
     reference, holder = reference.to(dtype), torch.nn.Sequential(fast).to(dtype)
-    assert use_fast_norms(holder) == 1 and type(holder[0]) is FastRMSNorm
+    assert use_fast_cpu_kernels(holder) == 1 and type(holder[0]) is FastRMSNorm
     shape = (2, 8, 3, 5, 7) if channel_first and not images else (2, 8, 5, 7) if channel_first else (2, 3, 5, 8)
     x = (torch.randn(shape) * 3).to(dtype)
     x[0, ..., 0] = 0.0  # an all-zero vector: both clamp instead of dividing by zero
@@ -240,3 +240,70 @@ def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias)
     assert got.dtype == expected.dtype == dtype
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding step of the largest values
     assert (got.float() - expected.float()).abs().max().item() <= tolerance * expected.float().abs().max().item()
+
+
+def test_the_cache_is_roped_once_per_layer_per_chunk(pipeline, monkeypatch):
+    from workers.pipelines import wan_attention
+
+    state = open_session(pipeline, "roped")
+    for _ in range(2):
+        run_chunk(pipeline, state)
+    kv = state.extra["kv"]
+    held_tokens = kv.frames * kv.tokens_per_frame  # 6 frames: unlike a chunk's 3
+    calls = []
+    real = wan_attention.apply_rope
+    monkeypatch.setattr(wan_attention, "apply_rope", lambda x, *cs: calls.append(x.shape[1]) or real(x, *cs))
+    run_chunk(pipeline, state)  # 4 denoise forwards and the commit forward, all over the same cache
+    assert calls.count(held_tokens) == len(pipeline.transformer.blocks)
+    pipeline.release(state)
+    assert pipeline.context.roped.keys == {} and pipeline.context.roped.owner is None
+
+
+def test_sessions_interleaved_step_by_step_equal_each_alone(pipeline):
+    """Every forward switches sessions: nothing roped for one cache leaks into the other."""
+    alone = {}
+    for sid, seed in (("x", 31), ("y", 32)):
+        state = open_session(pipeline, sid, seed=seed, prompt=f"prompt {sid}")
+        alone[sid] = [run_chunk(pipeline, state)[1] for _ in range(3)]
+        pipeline.release(state)
+    states = {
+        sid: open_session(pipeline, sid + "2", seed=seed, prompt=f"prompt {sid}")
+        for sid, seed in (("x", 31), ("y", 32))
+    }
+    together = {"x": [], "y": []}
+    for chunk in range(3):
+        for state in states.values():
+            pipeline.prepare_next_chunk(state)
+        for step in range(4):
+            for state in states.values():
+                batch = StepBatch((BatchRow(state.session_id, chunk, step),))
+                [prediction] = pipeline.denoise_step(batch, [state])
+                pipeline.step_scheduler(state, prediction)
+        for sid, state in states.items():
+            together[sid].append(state.extra["clean"].clone())
+            pipeline.post_decode(state)
+            state.chunk_index += 1
+    for sid in ("x", "y"):
+        assert all(torch.equal(a, b) for a, b in zip(alone[sid], together[sid], strict=True))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_onednn_causal_conv_equals_diffusers_conv(stride):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    from workers.pipelines.vae_stream import OneDnnCausalConv3d, use_fast_cpu_kernels
+
+    torch.manual_seed(0)
+    reference = WanCausalConv3d(4, 6, 3, stride=stride, padding=1)
+    fast = WanCausalConv3d(4, 6, 3, stride=stride, padding=1)
+    fast.load_state_dict(reference.state_dict())
+    holder = torch.nn.Sequential(fast)
+    assert use_fast_cpu_kernels(holder) == 1 and type(holder[0]) is OneDnnCausalConv3d
+    x, cache = torch.randn(1, 4, 1, 10, 12), torch.randn(1, 4, 2, 10, 12)
+    with torch.no_grad():
+        for args in ((x,), (x, cache)):
+            expected, got = reference(*args), holder[0](*args)
+            assert got.shape == expected.shape
+            assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+        # Other dtypes take torch's own dispatch: bit for bit the reference.
+        assert torch.equal(holder.bfloat16()[0](x.bfloat16()), reference.bfloat16()(x.bfloat16()))

@@ -263,6 +263,9 @@ class CausalWanPipeline:
 
     def release(self, state: PipelineState) -> None:
         self._held.discard(state.session_id)
+        kv = state.extra.get("kv")
+        if kv is not None:
+            self.context.roped.forget(kv)
         state.extra.clear()
 
     def held_sessions(self) -> tuple[str, ...]:
@@ -288,8 +291,7 @@ class CausalWanPipeline:
         kv: SessionKVCache = state.extra["kv"]
         ctx = self.context
         frames, height, width = latent.shape[2:]
-        ctx.cache, ctx.commit = kv, commit
-        ctx.cache_rope = self.rope.at(kv.frames, height, width, 0) if kv.frames else None
+        ctx.cache, ctx.commit, ctx.grid = kv, commit, (height, width)
         self.rope.frame_offset = kv.frames
         try:
             timestep = torch.full((latent.shape[0],), t, device=self.device, dtype=self.dtype)
@@ -298,7 +300,7 @@ class CausalWanPipeline:
             if commit:
                 kv.commit(frames)
         finally:
-            ctx.cache, ctx.commit, ctx.cache_rope = None, False, None
+            ctx.cache, ctx.commit = None, False
             self.rope.frame_offset = 0
         return out
 

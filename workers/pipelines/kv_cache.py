@@ -15,7 +15,11 @@ after them the most recent frames, oldest first.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+_uids = itertools.count()
 
 
 class SessionKVCache:
@@ -40,6 +44,8 @@ class SessionKVCache:
         shape = (batch, self.capacity * tokens_per_frame, heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.uid = next(_uids)  # unique for the process's lifetime (unlike id())
+        self.version = 0  # bumped whenever what ``read`` returns changes
         self.frames = 0  # frames held now
         self.committed_frames = 0  # frames ever committed
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -73,11 +79,13 @@ class SessionKVCache:
         self._staged.clear()
         self.frames = self.frames - overflow + num_frames
         self.committed_frames += num_frames
+        self.version += 1
 
     def reset(self) -> None:
         """Forget everything held (hard reset and re-cache)."""
         self.frames = 0
         self._staged.clear()
+        self.version += 1
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

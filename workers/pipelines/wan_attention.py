@@ -9,7 +9,9 @@ Worker process. No fork of the transformer: two swaps after loading.
   query, key and value as diffusers' ``WanAttnProcessor`` does, then attends
   from the chunk's queries to [cached keys, chunk keys]: a chunk sees itself
   and the frames before it, never after (block-causal). Cached keys are kept
-  un-roped and roped here at cache-relative positions 0 .. n-1.
+  un-roped and roped at cache-relative positions 0 .. n-1 by ``RopedKeys``,
+  once per layer per cache version: the steps of a chunk and its commit
+  forward all read the same cache, so they share one roping.
 
 Per-call settings travel in a ``ForwardContext`` shared by the processors of
 one model, because diffusers does not forward ``attention_kwargs`` to them.
@@ -33,13 +35,51 @@ from diffusers.models.transformers.transformer_wan import (
 from workers.pipelines.kv_cache import SessionKVCache
 
 
+class RopedKeys:
+    """The cached keys of one cache version, roped at cache-relative positions.
+
+    One per model, shared by all sessions: it holds the roped keys of the cache
+    read last and recomputes a layer's only when another session's cache, or a
+    new version of the same cache (a commit, a reset), is read. Between two
+    commits a session runs every denoise step and the commit forward of one
+    chunk over the same cache, so those forwards rope the cache once instead
+    of once each. Holds at most one session's roped keys; ``forget`` drops
+    them when that session is released.
+    """
+
+    def __init__(self, rope: OffsetRotaryPosEmbed) -> None:
+        self.rope = rope
+        self.owner: tuple[int, int] | None = None  # (cache uid, cache version)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, cache: SessionKVCache, layer: int, height: int, width: int) -> torch.Tensor:
+        """Layer ``layer``'s held keys of ``cache``, roped at positions 0 .. frames-1."""
+        owner = (cache.uid, cache.version)
+        if owner != self.owner:
+            self.owner, self.keys, self.cos_sin = owner, {}, None
+        roped = self.keys.get(layer)
+        if roped is None:
+            if self.cos_sin is None:
+                self.cos_sin = self.rope.at(cache.frames, height, width, 0)
+            held_keys, _ = cache.read(layer)
+            roped = self.keys[layer] = apply_rope(held_keys, *self.cos_sin)
+        return roped
+
+    def forget(self, cache: SessionKVCache) -> None:
+        """Drop what is held for ``cache`` (its session is being released)."""
+        if self.owner is not None and self.owner[0] == cache.uid:
+            self.owner, self.keys, self.cos_sin = None, {}, None
+
+
 @dataclass
 class ForwardContext:
     """What the processors of one model need for the current forward."""
 
+    roped: RopedKeys
     cache: SessionKVCache | None = None  # the session whose chunk is being computed
     commit: bool = False  # stage this forward's keys and values into the cache
-    cache_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin for the cached tokens
+    grid: tuple[int, int] = (0, 0)  # the call's latent height and width (for the cache's RoPE)
     mask: torch.Tensor | None = None  # boolean [tokens, tokens], True = may attend (no-cache calls only)
 
 
@@ -110,10 +150,10 @@ class CausalSelfAttnProcessor:
         if ctx.cache is not None:
             if ctx.commit:
                 ctx.cache.stage(self.layer, key, value)
-            cached_keys, cached_values = ctx.cache.read(self.layer)
             query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
-            if cached_keys.shape[1]:
-                key = torch.cat([apply_rope(cached_keys, *ctx.cache_rope), key], dim=1)
+            if ctx.cache.frames:
+                _, cached_values = ctx.cache.read(self.layer)
+                key = torch.cat([ctx.roped.get(ctx.cache, self.layer, *ctx.grid), key], dim=1)
                 value = torch.cat([cached_values, value], dim=1)
             mask = None
         elif rotary_emb is not None:
@@ -137,7 +177,7 @@ def make_causal(model: WanTransformer3DModel) -> ForwardContext:
     old = model.rope
     rope = OffsetRotaryPosEmbed(old.attention_head_dim, old.patch_size, old.max_seq_len)
     model.rope = rope.to(old.freqs_cos.device)
-    context = ForwardContext()
+    context = ForwardContext(roped=RopedKeys(model.rope))
     for layer, block in enumerate(model.blocks):
         block.attn1.set_processor(CausalSelfAttnProcessor(context, layer))
     return context
