@@ -33,3 +33,35 @@ def test_cached_forward_matches_block_causal_forward_in_bf16():
     with torch.no_grad():
         first = pipeline._forward(state, chunk, 0.0, commit=True)
     assert torch.isfinite(first.float()).all()
+
+
+def test_tiny_fp32_on_gpu_tracks_the_cpu():
+    """Noise is drawn on the CPU, so a GPU run of the same session is the same
+    video up to kernel rounding (cuDNN may use TF32 in the VAE's convolutions)."""
+
+    from tests.model.test_causal_wan import open_session, run_chunk
+    from workers.pipelines.causal_wan import build
+
+    gpu, cpu = build("tiny", device="cuda", dtype="float32"), build("tiny", device="cpu")
+    a, b = open_session(gpu, "gpu", seed=8), open_session(cpu, "cpu", seed=8)
+    for _ in range(3):
+        _, clean_gpu = run_chunk(gpu, a)
+        _, clean_cpu = run_chunk(cpu, b)
+        error = (clean_gpu.cpu() - clean_cpu).abs().max().item()
+        assert error <= 1e-3 * clean_cpu.abs().max().item(), error
+
+
+async def test_a_worker_process_serves_the_tiny_preset_on_gpu():
+    from engine.client import EngineClient
+    from engine.config import EngineConfig, PipelineSpec
+    from engine.messages import SessionDone, StartSession
+    from tests.support import collect
+
+    client = EngineClient(EngineConfig(pipeline=PipelineSpec("tiny", {"device": "cuda"}), startup_timeout_s=300))
+    await client.start()
+    try:
+        handle = await client.start_session(StartSession(session_id="g", prompt="p", num_chunks=3))
+        result = await collect(handle, timeout=120)
+        assert isinstance(result.end, SessionDone) and [c.num_frames for c in result.chunks] == [9, 12, 12]
+    finally:
+        await client.shutdown()
