@@ -45,6 +45,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         pipeline=pipeline_spec(settings),
         max_sessions=settings.max_sessions,
         group_chunk_steps=settings.group_chunk_steps,
+        max_batch_rows=settings.max_batch_rows,
         startup_timeout_s=settings.worker_startup_timeout_s,
         max_worker_restarts=settings.max_worker_restarts,
     )

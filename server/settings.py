@@ -21,6 +21,11 @@ class ServerSettings:
     max_sessions: int = 4
     """Realtime sessions and running jobs at once; beyond it: close 1013 / HTTP 503."""
     group_chunk_steps: bool = True
+    max_batch_rows: int = 1
+    """Sessions whose denoise steps may share one forward (sessions of one size;
+    the pipeline may allow fewer: causal Wan 4 by default). Batching raises
+    throughput but steps sessions in lockstep, so their chunks arrive in bursts
+    and a new prompt waits up to a whole round longer: 1 favours latency."""
     api_key: str | None = None
     """When set, every route but /health needs it (Bearer header, ``api_key`` query
     parameter, or the WebSocket subprotocol ``rtvideo.key.<key>``)."""

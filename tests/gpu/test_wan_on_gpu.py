@@ -31,7 +31,7 @@ def test_cached_forward_matches_block_causal_forward_in_bf16():
     state.extra["conditioning"] = state.extra["prompt"].target
     chunk = torch.randn(state.extra["latent_shape"], device="cuda", dtype=pipeline.dtype)
     with torch.no_grad():
-        first = pipeline._forward(state, chunk, 0.0, commit=True)
+        first = pipeline._forward([state], chunk, [0.0], commit=True)
     assert torch.isfinite(first.float()).all()
 
 

@@ -63,8 +63,8 @@ def test_cached_chunks_equal_one_block_causal_forward(pipeline):
     chunk0, chunk1 = torch.randn(shape), torch.randn(shape)
     t = 937.5
     with torch.no_grad():
-        out0 = pipeline._forward(state, chunk0, 0.0, commit=True)
-        out1 = pipeline._forward(state, chunk1, t, commit=False)
+        out0 = pipeline._forward([state], chunk0, [0.0], commit=True)
+        out1 = pipeline._forward([state], chunk1, [t], commit=False)
 
         both = torch.cat([chunk0, chunk1], dim=2)
         per_frame = shape[3] * shape[4] // 4  # tokens per latent frame after the 1x2x2 patch
@@ -255,8 +255,9 @@ def test_the_cache_is_roped_once_per_layer_per_chunk(pipeline, monkeypatch):
     monkeypatch.setattr(wan_attention, "apply_rope", lambda x, *cs: calls.append(x.shape[1]) or real(x, *cs))
     run_chunk(pipeline, state)  # 4 denoise forwards and the commit forward, all over the same cache
     assert calls.count(held_tokens) == len(pipeline.transformer.blocks)
+    assert kv.uid in pipeline.context.roped.entries
     pipeline.release(state)
-    assert pipeline.context.roped.keys == {} and pipeline.context.roped.owner is None
+    assert kv.uid not in pipeline.context.roped.entries
 
 
 def test_sessions_interleaved_step_by_step_equal_each_alone(pipeline):

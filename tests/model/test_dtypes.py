@@ -78,13 +78,13 @@ def test_bf16_cached_forward_tracks_the_block_causal_forward(bf16):
     chunk0, chunk1 = torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16)
     t = 937.5
     with torch.no_grad():
-        bf16._forward(state, chunk0, 0.0, commit=True)
-        out1 = bf16._forward(state, chunk1, t, commit=False)
+        bf16._forward([state], chunk0, [0.0], commit=True)
+        out1 = bf16._forward([state], chunk1, [t], commit=False)
         per_chunk = shape[2] * shape[3] * shape[4] // 4
         chunk_of = torch.arange(2 * per_chunk) // per_chunk
         bf16.context.mask = chunk_of[None, :] <= chunk_of[:, None]
         try:
-            timesteps = torch.where(chunk_of == 0, 0.0, t)[None, :].to(torch.bfloat16)
+            timesteps = torch.where(chunk_of == 0, 0.0, t)[None, :]
             full = bf16.transformer(
                 torch.cat([chunk0, chunk1], dim=2),
                 timesteps,

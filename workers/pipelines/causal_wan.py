@@ -79,7 +79,6 @@ class CausalWanPipeline:
     name: ClassVar[str] = "causal_wan"
     supports_chunk_step_grouping: ClassVar[bool] = True
     supports_micro_step_execution: ClassVar[bool] = False
-    max_batch_rows: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -94,6 +93,7 @@ class CausalWanPipeline:
         fps: float = 16.0,
         max_size: int = 1280,
         warm_up_chunks: int = 2,
+        max_batch_rows: int = 4,
         name: str = "causal_wan",
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -106,7 +106,10 @@ class CausalWanPipeline:
         self.tokenizer = components.tokenizer
         self.text_length = components.text_length
         self.default_size = components.default_size
-        self.context = make_causal(self.transformer)
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
+        self.context = make_causal(self.transformer, rows=max_batch_rows)
         self.rope = self.transformer.rope
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk
@@ -225,10 +228,19 @@ class CausalWanPipeline:
 
     @torch.no_grad()
     def denoise_step(self, batch: StepBatch, states: Sequence[PipelineState]) -> list[torch.Tensor]:
-        predictions = []
-        for row, state in zip(batch.rows, states, strict=True):
-            t = state.extra["timesteps"][row.step]
-            predictions.append(self._forward(state, state.extra["latent"], t, commit=False))
+        """One forward per group of rows with the same latent shape (sessions of
+        one geometry), each row at its own step, cache and position."""
+        groups: dict[tuple, list[int]] = {}
+        for index, state in enumerate(states):
+            groups.setdefault(state.extra["latent_shape"], []).append(index)
+        predictions: list[torch.Tensor] = [None] * len(states)  # type: ignore[list-item]
+        for indices in groups.values():
+            rows = [states[i] for i in indices]
+            timesteps = [state.extra["timesteps"][batch.rows[i].step] for i, state in zip(indices, rows, strict=True)]
+            latents = torch.cat([state.extra["latent"] for state in rows])
+            out = self._forward(rows, latents, timesteps, commit=False)
+            for i, prediction in zip(indices, out.split(1), strict=True):
+                predictions[i] = prediction
         return predictions
 
     def step_scheduler(self, state: PipelineState, noise_pred: torch.Tensor) -> None:
@@ -287,26 +299,35 @@ class CausalWanPipeline:
         noise = torch.randn(state.extra["latent_shape"], generator=generator, dtype=torch.float32)
         return noise.to(self.device, self.dtype)
 
-    def _forward(self, state: PipelineState, latent: torch.Tensor, t: float, commit: bool) -> torch.Tensor:
-        kv: SessionKVCache = state.extra["kv"]
+    def _forward(
+        self, states: Sequence[PipelineState], latent: torch.Tensor, timesteps: Sequence[float], commit: bool
+    ) -> torch.Tensor:
+        """The transformer over ``latent`` (one batch row per state, in order),
+        each row attending to its session's cache at its own position; a commit
+        forward (one row) writes its keys and values into that cache."""
+        caches: tuple[SessionKVCache, ...] = tuple(state.extra["kv"] for state in states)
+        if commit and len(caches) != 1:
+            raise ValueError("a commit forward carries one row")
         ctx = self.context
-        frames, height, width = latent.shape[2:]
-        ctx.cache, ctx.commit, ctx.grid = kv, commit, (height, width)
-        self.rope.frame_offset = kv.frames
+        height, width = latent.shape[3:]
+        ctx.caches, ctx.commit, ctx.grid = caches, commit, (height, width)
+        self.rope.frame_offsets = tuple(kv.frames for kv in caches)
         try:
-            timestep = torch.full((latent.shape[0],), t, device=self.device, dtype=self.dtype)
-            cond = state.extra["conditioning"]
+            # fp32, as diffusers' Wan pipelines pass it: the time embedder stays fp32,
+            # and bf16 would round 937.5 to 936.
+            timestep = torch.tensor(list(timesteps), device=self.device, dtype=torch.float32)
+            cond = torch.cat([state.extra["conditioning"] for state in states])
             out = self.transformer(latent, timestep, encoder_hidden_states=cond, return_dict=False)[0]
             if commit:
-                kv.commit(frames)
+                caches[0].commit(latent.shape[2])
         finally:
-            ctx.cache, ctx.commit = None, False
-            self.rope.frame_offset = 0
+            ctx.caches, ctx.commit = (), False
+            self.rope.frame_offsets = (0,)
         return out
 
     def _commit(self, state: PipelineState, clean: torch.Tensor) -> None:
         """The clean forward at t = 0 that writes the chunk into the cache."""
-        self._forward(state, clean, 0.0, commit=True)
+        self._forward([state], clean, [0.0], commit=True)
         extra = state.extra
         if len(extra["sink_chunks"]) * self.latent_frames < self.sink_frames:
             extra["sink_chunks"].append(clean)
@@ -320,7 +341,7 @@ class CausalWanPipeline:
         extra["recache"] = False
         extra["kv"].reset()
         for clean in extra["sink_chunks"] + extra["window_chunks"]:
-            self._forward(state, clean, 0.0, commit=True)
+            self._forward([state], clean, [0.0], commit=True)
 
 
 def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -16,13 +16,18 @@ Worker process. No fork of the transformer: two swaps after loading.
 Per-call settings travel in a ``ForwardContext`` shared by the processors of
 one model, because diffusers does not forward ``attention_kwargs`` to them.
 The pipeline sets it before each forward (one loop thread, one forward at a
-time). Without a cache the processors attend within the call's tokens, with
-an optional mask (used to build the block-causal reference in tests).
+time). A forward may carry several sessions' chunks as batch rows, each with
+its own cache (``ForwardContext.caches``, one per row) and its own RoPE
+frame offset; rows whose caches hold as many frames attend in one call, the
+others one row at a time. Without caches the processors attend within the
+call's tokens, with an optional mask (used to build the block-causal
+reference in tests).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -36,40 +41,49 @@ from workers.pipelines.kv_cache import SessionKVCache
 
 
 class RopedKeys:
-    """The cached keys of one cache version, roped at cache-relative positions.
+    """The cached keys of recent cache versions, roped at cache-relative positions.
 
-    One per model, shared by all sessions: it holds the roped keys of the cache
-    read last and recomputes a layer's only when another session's cache, or a
-    new version of the same cache (a commit, a reset), is read. Between two
-    commits a session runs every denoise step and the commit forward of one
-    chunk over the same cache, so those forwards rope the cache once instead
-    of once each. Holds at most one session's roped keys; ``forget`` drops
-    them when that session is released.
+    One per model, shared by all sessions: it holds the roped keys of the
+    ``capacity`` caches read most recently, each for one version, and
+    recomputes a layer's only for a cache it does not hold, or a new version
+    of one (after a commit or a reset). Between two commits a session runs
+    every denoise step and the commit forward of one chunk over the same
+    cache, so those forwards rope the cache once instead of once each; with
+    batched rows, ``capacity`` is the batch width so the rows do not evict
+    each other. ``forget`` drops a cache's keys when its session is released.
     """
 
-    def __init__(self, rope: OffsetRotaryPosEmbed) -> None:
+    def __init__(self, rope: OffsetRotaryPosEmbed, capacity: int = 1) -> None:
         self.rope = rope
-        self.owner: tuple[int, int] | None = None  # (cache uid, cache version)
-        self.keys: dict[int, torch.Tensor] = {}
-        self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.capacity = capacity
+        self.entries: OrderedDict[int, _RopedEntry] = OrderedDict()  # by cache uid, least recent first
 
     def get(self, cache: SessionKVCache, layer: int, height: int, width: int) -> torch.Tensor:
         """Layer ``layer``'s held keys of ``cache``, roped at positions 0 .. frames-1."""
-        owner = (cache.uid, cache.version)
-        if owner != self.owner:
-            self.owner, self.keys, self.cos_sin = owner, {}, None
-        roped = self.keys.get(layer)
+        entry = self.entries.get(cache.uid)
+        if entry is None or entry.version != cache.version:
+            entry = self.entries[cache.uid] = _RopedEntry(cache.version)
+        self.entries.move_to_end(cache.uid)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+        roped = entry.keys.get(layer)
         if roped is None:
-            if self.cos_sin is None:
-                self.cos_sin = self.rope.at(cache.frames, height, width, 0)
+            if entry.cos_sin is None:
+                entry.cos_sin = self.rope.at(cache.frames, height, width, 0)
             held_keys, _ = cache.read(layer)
-            roped = self.keys[layer] = apply_rope(held_keys, *self.cos_sin)
+            roped = entry.keys[layer] = apply_rope(held_keys, *entry.cos_sin)
         return roped
 
     def forget(self, cache: SessionKVCache) -> None:
         """Drop what is held for ``cache`` (its session is being released)."""
-        if self.owner is not None and self.owner[0] == cache.uid:
-            self.owner, self.keys, self.cos_sin = None, {}, None
+        self.entries.pop(cache.uid, None)
+
+
+@dataclass
+class _RopedEntry:
+    version: int
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -77,19 +91,26 @@ class ForwardContext:
     """What the processors of one model need for the current forward."""
 
     roped: RopedKeys
-    cache: SessionKVCache | None = None  # the session whose chunk is being computed
-    commit: bool = False  # stage this forward's keys and values into the cache
+    caches: tuple[SessionKVCache, ...] = ()  # one per batch row: the sessions whose chunks are computed
+    commit: bool = False  # stage this forward's keys and values into the cache (one row only)
     grid: tuple[int, int] = (0, 0)  # the call's latent height and width (for the cache's RoPE)
     mask: torch.Tensor | None = None  # boolean [tokens, tokens], True = may attend (no-cache calls only)
 
 
 class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
-    """Wan's 3-D RoPE with the temporal positions shifted by ``frame_offset``."""
+    """Wan's 3-D RoPE with the temporal positions shifted by ``frame_offsets``:
+    one offset for every row, or one per batch row."""
 
-    frame_offset: int = 0
+    frame_offsets: tuple[int, ...] = (0,)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.at(hidden_states.shape[2], hidden_states.shape[3], hidden_states.shape[4], self.frame_offset)
+        frames, height, width = hidden_states.shape[2:]
+        if len(set(self.frame_offsets)) == 1:
+            return self.at(frames, height, width, self.frame_offsets[0])
+        if len(self.frame_offsets) != hidden_states.shape[0]:
+            raise ValueError(f"{len(self.frame_offsets)} frame offsets for {hidden_states.shape[0]} rows")
+        tables = [self.at(frames, height, width, offset) for offset in self.frame_offsets]
+        return torch.cat([cos for cos, _ in tables]), torch.cat([sin for _, sin in tables])
 
     def at(self, frames: int, height: int, width: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[1, tokens, 1, head_dim]`` for ``frames`` latent frames from ``offset``."""
@@ -114,7 +135,8 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` [batch, tokens, heads, head_dim] (Wan's convention)."""
+    """Rotate interleaved pairs of ``x`` [batch, tokens, heads, head_dim] (Wan's
+    convention); ``cos`` / ``sin`` are [1 or batch, tokens, 1, head_dim]."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[..., 0::2], sin[..., 1::2]
     out = torch.empty_like(x)
@@ -146,18 +168,30 @@ class CausalSelfAttnProcessor:
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        mask = ctx.mask
-        if ctx.cache is not None:
-            if ctx.commit:
-                ctx.cache.stage(self.layer, key, value)
-            query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
-            if ctx.cache.frames:
-                _, cached_values = ctx.cache.read(self.layer)
-                key = torch.cat([ctx.roped.get(ctx.cache, self.layer, *ctx.grid), key], dim=1)
-                value = torch.cat([cached_values, value], dim=1)
-            mask = None
-        elif rotary_emb is not None:
-            query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
+        if not ctx.caches:
+            if rotary_emb is not None:
+                query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
+            return self._out(attn, self._attend(query, key, value, ctx.mask))
+        if ctx.commit:
+            ctx.caches[0].stage(self.layer, key, value)
+        query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
+        keys, values = [], []
+        for row, cache in enumerate(ctx.caches):
+            row_key, row_value = key[row : row + 1], value[row : row + 1]
+            if cache.frames:
+                _, held_values = cache.read(self.layer)
+                row_key = torch.cat([ctx.roped.get(cache, self.layer, *ctx.grid), row_key], dim=1)
+                row_value = torch.cat([held_values, row_value], dim=1)
+            keys.append(row_key)
+            values.append(row_value)
+        if len({k.shape[1] for k in keys}) == 1:  # equal lengths: one call for every row
+            out = self._attend(query, torch.cat(keys), torch.cat(values), None)
+        else:
+            rows = zip(keys, values, strict=True)
+            out = torch.cat([self._attend(query[r : r + 1], k, v, None) for r, (k, v) in enumerate(rows)])
+        return self._out(attn, out)
+
+    def _attend(self, query, key, value, mask) -> torch.Tensor:
         out = dispatch_attention_fn(
             query,
             key,
@@ -168,16 +202,20 @@ class CausalSelfAttnProcessor:
             backend=self._attention_backend,
             parallel_config=None,
         )
-        out = out.flatten(2, 3).type_as(query)
+        return out.flatten(2, 3).type_as(query)
+
+    @staticmethod
+    def _out(attn, out: torch.Tensor) -> torch.Tensor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def make_causal(model: WanTransformer3DModel) -> ForwardContext:
-    """Swap in the offset RoPE and the causal processors; returns their shared context."""
+def make_causal(model: WanTransformer3DModel, rows: int = 1) -> ForwardContext:
+    """Swap in the offset RoPE and the causal processors, for forwards of up to
+    ``rows`` batch rows; returns their shared context."""
     old = model.rope
     rope = OffsetRotaryPosEmbed(old.attention_head_dim, old.patch_size, old.max_seq_len)
     model.rope = rope.to(old.freqs_cos.device)
-    context = ForwardContext(roped=RopedKeys(model.rope))
+    context = ForwardContext(roped=RopedKeys(model.rope, capacity=rows))
     for layer, block in enumerate(model.blocks):
         block.attn1.set_processor(CausalSelfAttnProcessor(context, layer))
     return context

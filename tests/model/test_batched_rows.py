@@ -1,0 +1,168 @@
+"""Several sessions' chunks in one denoise forward (batch rows) equal each
+session's own forward: every row keeps its cache, position, step and prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.test_causal_wan import open_session, run_chunk
+from workers.pipelines.base import BatchRow, StepBatch
+from workers.pipelines.causal_wan import build
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    return build("tiny", device="cpu", max_batch_rows=4, warm_up_chunks=0)
+
+
+def _advance(pipeline, state, chunks: int, steps: int):
+    """Run ``chunks`` whole chunks, then prepare the next and run ``steps`` of its steps."""
+    for _ in range(chunks):
+        run_chunk(pipeline, state)
+    pipeline.prepare_next_chunk(state)
+    for _ in range(steps):
+        [prediction] = pipeline.denoise_step(_batch([state]), [state])
+        pipeline.step_scheduler(state, prediction)
+    return state
+
+
+def _batch(states) -> StepBatch:
+    return StepBatch(tuple(BatchRow(s.session_id, s.chunk_index, s.step_in_chunk) for s in states))
+
+
+def _alone(pipeline, states) -> list[torch.Tensor]:
+    return [pipeline.denoise_step(_batch([s]), [s])[0] for s in states]
+
+
+def test_rows_at_different_positions_steps_and_prompts_equal_their_own_forwards(pipeline):
+    states = [
+        _advance(pipeline, open_session(pipeline, "fresh", seed=1, prompt="a fox"), chunks=0, steps=0),
+        _advance(pipeline, open_session(pipeline, "two", seed=2, prompt="a whale"), chunks=2, steps=1),
+        _advance(pipeline, open_session(pipeline, "rolled", seed=3, prompt="a storm"), chunks=8, steps=3),
+        _advance(pipeline, open_session(pipeline, "also-two", seed=4, prompt="a boat"), chunks=2, steps=2),
+    ]
+    assert [s.extra["kv"].frames for s in states] == [0, 6, 21, 6]  # 8 chunks: the window has rolled
+    batched = pipeline.denoise_step(_batch(states), states)
+    for state, together, alone in zip(states, batched, _alone(pipeline, states), strict=True):
+        assert together.shape == alone.shape
+        assert (together - alone).abs().max().item() <= 1e-5 * alone.abs().max().item(), state.session_id
+    for state in states:
+        pipeline.release(state)
+
+
+def test_rows_whose_caches_hold_as_many_frames_attend_in_one_call(pipeline, monkeypatch):
+    from workers.pipelines import wan_attention
+
+    states = [_advance(pipeline, open_session(pipeline, f"same{i}", seed=10 + i), chunks=1, steps=i) for i in range(3)]
+    calls = []
+    real = wan_attention.dispatch_attention_fn
+    monkeypatch.setattr(
+        wan_attention, "dispatch_attention_fn", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k)
+    )
+    batched = pipeline.denoise_step(_batch(states), states)
+    layers = len(pipeline.transformer.blocks)
+    assert calls == [3] * layers  # one self-attention call per layer, three rows in it
+    monkeypatch.setattr(wan_attention, "dispatch_attention_fn", real)
+    for together, alone in zip(batched, _alone(pipeline, states), strict=True):
+        assert (together - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+    for state in states:
+        pipeline.release(state)
+
+
+def test_rows_of_different_sizes_run_as_separate_forwards(pipeline):
+    states = [
+        _advance(pipeline, open_session(pipeline, "big", seed=5), chunks=1, steps=0),
+        _advance(pipeline, open_session(pipeline, "small", seed=6, width=32, height=32), chunks=1, steps=0),
+        _advance(pipeline, open_session(pipeline, "big2", seed=7), chunks=2, steps=1),
+    ]
+    batched = pipeline.denoise_step(_batch(states), states)
+    assert [tuple(p.shape[-2:]) for p in batched] == [(8, 8), (4, 4), (8, 8)]
+    for together, alone in zip(batched, _alone(pipeline, states), strict=True):
+        assert (together - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+    for state in states:
+        pipeline.release(state)
+
+
+def test_sessions_stepped_in_lockstep_make_the_frames_they_make_alone(pipeline):
+    """Whole chunks through batched forwards, as the runner steps them, equal the
+    same sessions run one by one (to the last grey level)."""
+    import numpy as np
+
+    specs = [("p", 41, "a fox"), ("q", 42, "a whale"), ("r", 43, "a storm")]
+    alone = {}
+    for sid, seed, prompt in specs:
+        state = open_session(pipeline, sid, seed=seed, prompt=prompt)
+        alone[sid] = [np.frombuffer(run_chunk(pipeline, state)[0].payload, np.uint8) for _ in range(3)]
+        pipeline.release(state)
+    states = [open_session(pipeline, sid + "-b", seed=seed, prompt=prompt) for sid, seed, prompt in specs]
+    together = {sid: [] for sid, _, _ in specs}
+    for _ in range(3):
+        for state in states:
+            pipeline.prepare_next_chunk(state)
+        for _ in range(4):
+            predictions = pipeline.denoise_step(_batch(states), states)
+            for state, prediction in zip(states, predictions, strict=True):
+                pipeline.step_scheduler(state, prediction)
+        for (sid, _, _), state in zip(specs, states, strict=True):
+            together[sid].append(np.frombuffer(pipeline.post_decode(state).payload, np.uint8))
+            state.chunk_index += 1
+    for sid, _, _ in specs:
+        for a, b in zip(alone[sid], together[sid], strict=True):
+            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+    for state in states:
+        pipeline.release(state)
+
+
+def test_a_commit_forward_carries_one_row(pipeline):
+    a, b = open_session(pipeline, "c1"), open_session(pipeline, "c2")
+    latent = torch.zeros((2, *a.extra["latent_shape"][1:]))
+    a.extra["conditioning"] = b.extra["conditioning"] = a.extra["prompt"].target
+    with pytest.raises(ValueError, match="one row"):
+        pipeline._forward([a, b], latent, [0.0, 0.0], commit=True)
+    pipeline.release(a)
+    pipeline.release(b)
+
+
+def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
+    """The worker's real runner over the real pipeline: one plan, three sessions,
+    four forwards of three rows each, and the chunks each session makes alone."""
+    import numpy as np
+
+    from engine.messages import StartSession
+    from engine.plan import BoundaryTask, PlanRow, StepPlan
+    from workers.runner import ModelRunner
+
+    runner = ModelRunner(pipeline)
+    starts = [StartSession(session_id=f"run{i}", prompt=f"prompt {i}", seed=50 + i) for i in range(3)]
+    widths = []
+    real = pipeline.denoise_step
+
+    def counting(batch, states):
+        widths.append(len(states))
+        return real(batch, states)
+
+    pipeline.denoise_step = counting
+    try:
+        plan = StepPlan(
+            invocation=1,
+            open=starts,
+            boundaries=[BoundaryTask(s.session_id, 0, None, 0) for s in starts],
+            rows=[PlanRow(s.session_id, 0, 0, 4, 4) for s in starts],
+        )
+        result = runner.execute(plan, lambda _: False)
+    finally:
+        del pipeline.denoise_step
+    assert widths == [3, 3, 3, 3]
+    for start in starts:
+        row = result.rows[start.session_id]
+        assert row.error is None and row.steps_run == 4 and row.chunk is not None
+        state = open_session(pipeline, start.session_id + "-alone", prompt=start.prompt, seed=start.seed)
+        alone = np.frombuffer(run_chunk(pipeline, state)[0].payload, np.uint8).astype(int)
+        together = np.frombuffer(row.chunk.payload, np.uint8).astype(int)
+        assert np.abs(alone - together).max() <= 1
+        pipeline.release(state)
+    runner.execute(StepPlan(invocation=2, release=[s.session_id for s in starts]), lambda _: False)
+    ids = {s.session_id for s in starts}
+    held_by_runner, held_by_pipeline = runner.held_sessions()
+    assert not ids & set(held_by_runner) and not ids & set(held_by_pipeline)
