@@ -37,3 +37,15 @@ def test_environment_then_flags():
 def test_bad_values_exit_naming_the_option(argv, env, names):
     with pytest.raises(SystemExit, match=names):
         settings_from(parse(*argv), env)
+
+
+def test_engine_options_reach_the_engine_config():
+    from server.app import engine_config
+
+    settings = settings_from(parse("--max-batch-rows", "3", "--pipeline-options", '{"dtype": "bfloat16"}'), {})
+    config = engine_config(settings)
+    assert config.max_batch_rows == 3 and config.group_chunk_steps is True
+    assert config.pipeline.name == "tiny" and config.pipeline.options == {"dtype": "bfloat16"}
+    assert engine_config(settings_from(parse(), {})).max_batch_rows == 1
+    with pytest.raises(SystemExit, match="max_batch_rows"):
+        settings_from(parse("--max-batch-rows", "0"), {})
