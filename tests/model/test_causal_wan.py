@@ -308,3 +308,23 @@ def test_onednn_causal_conv_equals_diffusers_conv(stride):
             assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
         # Other dtypes take torch's own dispatch: bit for bit the reference.
         assert torch.equal(holder.bfloat16()[0](x.bfloat16()), reference.bfloat16()(x.bfloat16()))
+
+
+def test_a_chunks_noise_is_drawn_and_moved_once_at_its_boundary(pipeline, monkeypatch):
+    """No host-to-device copy inside the denoise steps (each would wait for the device)."""
+    state = open_session(pipeline, "noise", seed=13)
+    pipeline.prepare_next_chunk(state)
+    assert state.extra["noise"].shape == (4, *state.extra["latent_shape"])
+
+    def no_draws(*_):
+        raise AssertionError("noise drawn during the steps")
+
+    monkeypatch.setattr(pipeline, "_noise", no_draws)
+    for step in range(4):
+        batch = StepBatch((BatchRow(state.session_id, 0, step),))
+        [prediction] = pipeline.denoise_step(batch, [state])
+        pipeline.step_scheduler(state, prediction)
+    assert "noise" not in state.extra and "clean" in state.extra  # freed once the chunk is denoised
+    monkeypatch.undo()
+    pipeline.post_decode(state)
+    pipeline.release(state)

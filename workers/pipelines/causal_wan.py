@@ -120,6 +120,8 @@ class CausalWanPipeline:
         self.max_size = max_size
         self.warm_up_chunks = warm_up_chunks  # the first chunk and a cached one: both kernel paths
         self.spatial = 8 * self.transformer.config.patch_size[1]  # VAE 8x, then the patch
+        self._t_zero = torch.zeros(1, device=self.device)  # the commit forward's timestep
+        self.measure_split = False  # post_decode times commit and decode apart (syncs the device)
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._held: set[str] = set()
 
@@ -198,6 +200,7 @@ class CausalWanPipeline:
             vae_cache=self.decoder.new_cache(),
             latent_shape=(1, config.in_channels, self.latent_frames, h, w),
             timesteps=self_forcing_timesteps(g.num_inference_steps),
+            schedule=torch.tensor(self_forcing_timesteps(g.num_inference_steps), device=self.device),
             prompt=PromptBlend(self.encode_prompt(state.start.prompt)),
             noise_origin=0,  # chunk index the noise sequence counts from (moved by a reset)
             sink_chunks=[],  # clean latents of the chunks in the cache, for re-cache
@@ -223,7 +226,13 @@ class CausalWanPipeline:
         extra["conditioning"] = extra["prompt"].next_chunk()
         if extra["recache"]:
             self._recache(state)
-        extra["latent"] = self._noise(state, step=-1)
+        # Every noise draw of the chunk (the start, then one per re-noising), in one
+        # copy: a copy from pageable host memory waits for the device, so one per
+        # chunk at the boundary rather than one per step.
+        steps = len(extra["timesteps"])
+        draws = torch.stack([self._noise(state, step) for step in range(-1, steps - 1)])
+        extra["noise"] = draws.to(self.device, self.dtype)
+        extra["latent"] = extra["noise"][0]
         state.step_in_chunk = 0
 
     @torch.no_grad()
@@ -236,7 +245,8 @@ class CausalWanPipeline:
         predictions: list[torch.Tensor] = [None] * len(states)  # type: ignore[list-item]
         for indices in groups.values():
             rows = [states[i] for i in indices]
-            timesteps = [state.extra["timesteps"][batch.rows[i].step] for i, state in zip(indices, rows, strict=True)]
+            schedule = [state.extra["schedule"] for state in rows]
+            timesteps = torch.stack([schedule[k][batch.rows[i].step] for k, i in enumerate(indices)])
             latents = torch.cat([state.extra["latent"] for state in rows])
             out = self._forward(rows, latents, timesteps, commit=False)
             for i, prediction in zip(indices, out.split(1), strict=True):
@@ -251,9 +261,10 @@ class CausalWanPipeline:
         x0 = extra["latent"].float() - sigma * noise_pred.float()
         if step + 1 < len(timesteps):
             sigma_next = timesteps[step + 1] / 1000.0
-            extra["latent"] = ((1.0 - sigma_next) * x0 + sigma_next * self._noise(state, step)).to(self.dtype)
+            extra["latent"] = ((1.0 - sigma_next) * x0 + sigma_next * extra["noise"][step + 1]).to(self.dtype)
         else:
             extra["clean"] = x0.to(self.dtype)
+            del extra["noise"]
         state.step_in_chunk += 1
 
     @torch.no_grad()
@@ -262,12 +273,15 @@ class CausalWanPipeline:
         clean = extra.pop("clean")
         started = time.perf_counter()
         self._commit(state, clean)
-        committed = self._synchronized()
+        # Timing the two apart means waiting for the device in between; serving
+        # lets the decode's kernels queue up behind the commit forward instead.
+        committed = self._synchronized() if self.measure_split else started
         first = not extra["decoded_any"]
         pixels = self.decoder.decode(clean.float(), extra["vae_cache"], first=first)
         extra["decoded_any"] = True
-        decoded = self._synchronized()
-        extra["post_decode_ms"] = {"commit": (committed - started) * 1e3, "decode": (decoded - committed) * 1e3}
+        if self.measure_split:
+            decoded = self._synchronized()
+            extra["post_decode_ms"] = {"commit": (committed - started) * 1e3, "decode": (decoded - committed) * 1e3}
         frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         array = frames.cpu().numpy()
         count, height, width = array.shape[:3]
@@ -292,15 +306,19 @@ class CausalWanPipeline:
         return time.perf_counter()
 
     def _noise(self, state: PipelineState, step: int) -> torch.Tensor:
-        """Gaussian noise for (seed, chunk since the last reset, step): the same
-        session parameters always draw the same noise."""
+        """Gaussian noise for (seed, chunk since the last reset, step), drawn on
+        the CPU in fp32: the same session parameters draw the same noise on any
+        device."""
         chunk = state.chunk_index - state.extra["noise_origin"]
         generator = torch.Generator(device="cpu").manual_seed(_seed_for(state.start.seed, chunk, step))
-        noise = torch.randn(state.extra["latent_shape"], generator=generator, dtype=torch.float32)
-        return noise.to(self.device, self.dtype)
+        return torch.randn(state.extra["latent_shape"], generator=generator, dtype=torch.float32)
 
     def _forward(
-        self, states: Sequence[PipelineState], latent: torch.Tensor, timesteps: Sequence[float], commit: bool
+        self,
+        states: Sequence[PipelineState],
+        latent: torch.Tensor,
+        timesteps: torch.Tensor | Sequence[float],
+        commit: bool,
     ) -> torch.Tensor:
         """The transformer over ``latent`` (one batch row per state, in order),
         each row attending to its session's cache at its own position; a commit
@@ -314,8 +332,9 @@ class CausalWanPipeline:
         self.rope.frame_offsets = tuple(kv.frames for kv in caches)
         try:
             # fp32, as diffusers' Wan pipelines pass it: the time embedder stays fp32,
-            # and bf16 would round 937.5 to 936.
-            timestep = torch.tensor(list(timesteps), device=self.device, dtype=torch.float32)
+            # and bf16 would round 937.5 to 936. A tensor already on the device
+            # (the sessions' schedules) costs no host round trip.
+            timestep = torch.as_tensor(timesteps, device=self.device, dtype=torch.float32)
             cond = torch.cat([state.extra["conditioning"] for state in states])
             out = self.transformer(latent, timestep, encoder_hidden_states=cond, return_dict=False)[0]
             if commit:
@@ -327,7 +346,7 @@ class CausalWanPipeline:
 
     def _commit(self, state: PipelineState, clean: torch.Tensor) -> None:
         """The clean forward at t = 0 that writes the chunk into the cache."""
-        self._forward([state], clean, [0.0], commit=True)
+        self._forward([state], clean, self._t_zero, commit=True)
         extra = state.extra
         if len(extra["sink_chunks"]) * self.latent_frames < self.sink_frames:
             extra["sink_chunks"].append(clean)
@@ -341,7 +360,7 @@ class CausalWanPipeline:
         extra["recache"] = False
         extra["kv"].reset()
         for clean in extra["sink_chunks"] + extra["window_chunks"]:
-            self._forward([state], clean, [0.0], commit=True)
+            self._forward([state], clean, self._t_zero, commit=True)
 
 
 def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
