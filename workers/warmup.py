@@ -31,15 +31,16 @@ def run_one_chunk(pipeline: ChunkPipeline, state: PipelineState) -> ChunkOutput:
     return output
 
 
-def warm_up(pipeline: ChunkPipeline) -> float:
-    """Run and release the warm-up session; returns the seconds it took (0 when
-    the pipeline asks for no warm-up). Exceptions propagate: a pipeline that
-    cannot make a chunk should not say READY."""
+def warm_up(pipeline: ChunkPipeline, width: int | None = None, height: int | None = None) -> float:
+    """Run and release the warm-up session, at the pipeline's default size or
+    the one given; returns the seconds it took (0 when the pipeline asks for
+    no warm-up). Exceptions propagate: a pipeline that cannot make a chunk
+    should not say READY."""
     chunks = getattr(pipeline, "warm_up_chunks", 0)
     if chunks <= 0:
         return 0.0
     began = time.perf_counter()
-    start = StartSession(session_id=WARM_UP_SESSION, prompt="warm-up")
+    start = StartSession(session_id=WARM_UP_SESSION, prompt="warm-up", width=width, height=height)
     state = PipelineState(WARM_UP_SESSION, start, pipeline.describe(start))
     pipeline.prepare_encode(state)
     try:

@@ -192,6 +192,8 @@ def test_save_and_load_a_model_directory_offline_gives_the_same_frames(tmp_path,
     save_directory(build_tiny(), tmp_path / "model")
     loaded = build(model_dir=str(tmp_path / "model"), device="cpu")
     fresh = build("tiny", device="cpu")
+    assert loaded.warm_up_chunks == 0 and fresh.warm_up_chunks == 2  # a model directory on a CPU: no warm-up
+    assert build(model_dir=str(tmp_path / "model"), device="cpu", warm_up_chunks=1).warm_up_chunks == 1
     a, b = open_session(loaded, seed=3), open_session(fresh, seed=3)
     assert [run_chunk(loaded, a)[0].payload for _ in range(2)] == [run_chunk(fresh, b)[0].payload for _ in range(2)]
 

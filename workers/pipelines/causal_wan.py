@@ -390,6 +390,8 @@ def build(preset: str = "tiny", model_dir: str | None = None, device: str | None
     if model_dir is not None:
         target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(options.get("dtype"), target)
+        if target.type == "cpu":  # a full-size chunk takes minutes there: no warm-up unless asked
+            options.setdefault("warm_up_chunks", 0)
         return CausalWanPipeline(load_directory(model_dir, dtype), device=device, name=str(model_dir), **options)
     if preset != "tiny":
         raise ValueError(f"unknown preset {preset!r}; known: tiny")
