@@ -59,10 +59,16 @@ def run(
     vae_dtype: str | None = None,
     warm: bool = True,
     profile: str | None = None,
+    compile: bool = False,
 ) -> dict:
     built = time.perf_counter()
     pipeline = CausalWanPipeline(
-        _components(preset, device), device=device, dtype=dtype, vae_dtype=vae_dtype, warm_up_chunks=2 if warm else 0
+        _components(preset, device),
+        device=device,
+        dtype=dtype,
+        vae_dtype=vae_dtype,
+        warm_up_chunks=2 if warm else 0,
+        compile=compile,
     )
     build_s = time.perf_counter() - built
     pipeline.measure_split = True
@@ -116,6 +122,7 @@ def run(
         "vae_dtype": str(pipeline.vae_dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "compiled": compile,
         "width": state.geometry.width,
         "height": state.geometry.height,
         "steps": state.geometry.num_inference_steps,
@@ -160,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cudnn-benchmark", action="store_true", help="let cuDNN time its convolution algorithms (warm-up pays)"
     )
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (warm-up pays)")
     parser.add_argument("--profile", default=None, metavar="FILE", help="write a profiler table of one chunk")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
     args = parser.parse_args(argv)
@@ -175,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         vae_dtype=args.vae_dtype,
         warm=args.warm,
         profile=args.profile,
+        compile=args.compile,
     )
     if not args.json:
         p = summary["per_chunk_ms"]

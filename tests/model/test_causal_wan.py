@@ -330,3 +330,16 @@ def test_a_chunks_noise_is_drawn_and_moved_once_at_its_boundary(pipeline, monkey
     monkeypatch.undo()
     pipeline.post_decode(state)
     pipeline.release(state)
+
+
+def test_compiled_blocks_make_the_eager_frames():
+    """``compile``: each block through torch.compile (self-attention left eager);
+    the same chunks to float rounding. The first chunk pays the compilation."""
+    eager = build("tiny", device="cpu", warm_up_chunks=0)
+    compiled = build("tiny", device="cpu", warm_up_chunks=0, compile=True)
+    a = open_session(eager, "eager", width=16, height=16, num_inference_steps=2, seed=17)
+    b = open_session(compiled, "compiled", width=16, height=16, num_inference_steps=2, seed=17)
+    for _ in range(2):
+        _, clean_eager = run_chunk(eager, a)
+        _, clean_compiled = run_chunk(compiled, b)
+        assert (clean_eager - clean_compiled).abs().max().item() <= 1e-4 * clean_eager.abs().max().item()

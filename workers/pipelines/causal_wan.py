@@ -94,6 +94,7 @@ class CausalWanPipeline:
         max_size: int = 1280,
         warm_up_chunks: int = 2,
         max_batch_rows: int = 4,
+        compile: bool = False,
         name: str = "causal_wan",
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -110,6 +111,9 @@ class CausalWanPipeline:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
         self.context = make_causal(self.transformer, rows=max_batch_rows)
+        if compile:  # regional: each block's norms, modulation, FFN, cross-attention; self-attention stays eager
+            for block in self.transformer.blocks:
+                block.compile()
         self.rope = self.transformer.rope
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk

@@ -155,6 +155,7 @@ class CausalSelfAttnProcessor:
         self.context = context
         self.layer = layer
 
+    @torch.compiler.disable  # per-session Python state (caches, offsets): always eager, even in a compiled block
     def __call__(
         self,
         attn,
