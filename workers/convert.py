@@ -40,10 +40,10 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def convert(
-    checkpoint: str | Path, out_dir: str | Path, config: str = "wan2.1-1.3b", key: str = "generator_ema"
-) -> Path:
-    """Convert ``checkpoint`` and save ``out_dir/transformer``; ``ValueError`` says what is wrong."""
+def convert(checkpoint: str | Path, out_dir: str | Path, config: str = "wan2.1-1.3b", key: str | None = None) -> Path:
+    """Convert ``checkpoint`` and save ``out_dir/transformer``; ``ValueError`` says what is wrong.
+    ``key`` names the generator entry; by default ``generator_ema``, else
+    ``generator`` (a checkpoint saved without EMA weights, as CausVid's are)."""
     path = Path(checkpoint)
     if not path.is_file():
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
@@ -56,12 +56,15 @@ def convert(
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} does not hold a state dict")
-    if key in loaded:
-        state = loaded[key]
+    candidates = [key] if key is not None else ["generator_ema", "generator"]
+    found = next((name for name in candidates if name in loaded), None)
+    if found is not None:
+        state = loaded[found]
     elif all(isinstance(v, torch.Tensor) for v in loaded.values()):
         state = loaded  # a bare generator state dict
     else:
-        raise ValueError(f"{path} has no {key!r} entry; it has: {', '.join(sorted(loaded))}")
+        wanted = " or ".join(repr(name) for name in candidates)
+        raise ValueError(f"{path} has no {wanted} entry; it has: {', '.join(sorted(map(str, loaded)))}")
     converted = convert_wan_transformer_to_diffusers(strip_prefixes(dict(state)))
     model = WanTransformer3DModel(**{k: v for k, v in settings.items() if not k.startswith("_")})
     result = model.load_state_dict(converted, strict=False)
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a Self-Forcing .pt checkpoint")
     parser.add_argument("out_dir", help="the model directory to write transformer/ into")
     parser.add_argument("--config", default="wan2.1-1.3b", help=f"{' | '.join(CONFIGS)} | path to a config.json")
-    parser.add_argument("--key", default="generator_ema", help="which generator to take (default generator_ema)")
+    parser.add_argument("--key", default=None, help="which generator to take (default: generator_ema, else generator)")
     args = parser.parse_args(argv)
     try:
         target = convert(args.checkpoint, args.out_dir, args.config, args.key)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
@@ -86,3 +87,16 @@ def test_a_mismatched_checkpoint_is_refused_naming_keys(tmp_path):
     )
     assert result.returncode == 2
     assert "scale_shift_table" in result.stderr and "missing" in result.stderr
+
+
+def test_a_checkpoint_without_ema_weights_takes_its_generator(tmp_path):
+    torch.manual_seed(1)
+    reference = WanTransformer3DModel(**TINY_TRANSFORMER)
+    torch.save({"generator": original_layout(reference.state_dict())}, tmp_path / "causvid.pt")
+    loaded = WanTransformer3DModel.from_pretrained(convert(tmp_path / "causvid.pt", tmp_path / "model", config="tiny"))
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in reference.state_dict().items())
+    torch.save({"critic": original_layout(reference.state_dict())}, tmp_path / "critic.pt")
+    with pytest.raises(ValueError, match="no 'generator_ema' or 'generator' entry; it has: critic"):
+        convert(tmp_path / "critic.pt", tmp_path / "other", config="tiny")
+    with pytest.raises(ValueError, match="no 'ema' entry"):
+        convert(tmp_path / "causvid.pt", tmp_path / "other", config="tiny", key="ema")
