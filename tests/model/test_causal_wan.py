@@ -343,3 +343,15 @@ def test_compiled_blocks_make_the_eager_frames():
         _, clean_eager = run_chunk(eager, a)
         _, clean_compiled = run_chunk(compiled, b)
         assert (clean_eager - clean_compiled).abs().max().item() <= 1e-4 * clean_eager.abs().max().item()
+
+
+def test_roped_keys_of_a_cache_that_moved_on_are_dropped(pipeline):
+    """One session stepping at a time holds one session's roped keys, whatever the capacity."""
+    roped = pipeline.context.roped
+    a, b = open_session(pipeline, "ra", seed=1), open_session(pipeline, "rb", seed=2)
+    run_chunk(pipeline, a)
+    run_chunk(pipeline, b)
+    run_chunk(pipeline, a)  # reads a's cache (b's committed since its last read: stale)
+    assert b.extra["kv"].uid not in roped.entries and a.extra["kv"].uid in roped.entries
+    pipeline.release(a)
+    pipeline.release(b)

@@ -50,7 +50,10 @@ class RopedKeys:
     every denoise step and the commit forward of one chunk over the same
     cache, so those forwards rope the cache once instead of once each; with
     batched rows, ``capacity`` is the batch width so the rows do not evict
-    each other. ``forget`` drops a cache's keys when its session is released.
+    each other. Keys of a cache that has moved on to a newer version can never
+    be read again and are dropped at the next read, so one session stepping
+    at a time holds one session's roped keys. ``forget`` drops a cache's keys
+    when its session is released.
     """
 
     def __init__(self, rope: OffsetRotaryPosEmbed, capacity: int = 1) -> None:
@@ -62,7 +65,9 @@ class RopedKeys:
         """Layer ``layer``'s held keys of ``cache``, roped at positions 0 .. frames-1."""
         entry = self.entries.get(cache.uid)
         if entry is None or entry.version != cache.version:
-            entry = self.entries[cache.uid] = _RopedEntry(cache.version)
+            for uid in [uid for uid, held in self.entries.items() if held.version != held.cache.version]:
+                del self.entries[uid]  # stale: that cache committed or reset since
+            entry = self.entries[cache.uid] = _RopedEntry(cache, cache.version)
         self.entries.move_to_end(cache.uid)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
@@ -81,6 +86,7 @@ class RopedKeys:
 
 @dataclass
 class _RopedEntry:
+    cache: SessionKVCache
     version: int
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
