@@ -349,9 +349,10 @@ def test_roped_keys_of_a_cache_that_moved_on_are_dropped(pipeline):
     """One session stepping at a time holds one session's roped keys, whatever the capacity."""
     roped = pipeline.context.roped
     a, b = open_session(pipeline, "ra", seed=1), open_session(pipeline, "rb", seed=2)
-    run_chunk(pipeline, a)
-    run_chunk(pipeline, b)
-    run_chunk(pipeline, a)  # reads a's cache (b's committed since its last read: stale)
+    for state in (a, a, b, b):  # the second chunk of each reads its cache
+        run_chunk(pipeline, state)
+    assert b.extra["kv"].uid in roped.entries and a.extra["kv"].uid not in roped.entries
+    run_chunk(pipeline, a)  # reads a's cache; b's committed since its last read: stale
     assert b.extra["kv"].uid not in roped.entries and a.extra["kv"].uid in roped.entries
     pipeline.release(a)
     pipeline.release(b)
