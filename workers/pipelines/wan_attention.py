@@ -2,9 +2,10 @@
 
 Worker process. No fork of the transformer: two swaps after loading.
 
-- ``OffsetRotaryPosEmbed`` replaces ``model.rope``. Its ``frame_offset`` shifts
-  the temporal positions of the tokens being computed, so a chunk sits after
-  the frames in the cache. Its buffers are not saved with the weights.
+- ``OffsetRotaryPosEmbed`` replaces ``model.rope``. Its ``frame_offsets`` (one,
+  or one per batch row) shift the temporal positions of the tokens being
+  computed, so each chunk sits after the frames in its cache. Its buffers are
+  not saved with the weights.
 - ``CausalSelfAttnProcessor`` goes on every block's ``attn1``. It computes
   query, key and value as diffusers' ``WanAttnProcessor`` does, then attends
   from the chunk's queries to [cached keys, chunk keys]: a chunk sees itself
