@@ -34,6 +34,10 @@ class EngineConfig:
     supports it. The chunk boundary is never grouped (see docs/ENGINE.md)."""
     max_batch_rows: int = 1
     """Session rows one plan may carry (capped by the pipeline's own limit)."""
+    session_memory_bytes: int | None = None
+    """Device memory the open sessions' state may hold together; a start that
+    would pass it is refused (server_full). None: what the pipeline finds free
+    after its warm-up (``session_memory_budget``; unlimited on a CPU)."""
     max_transition_chunks: int = 64
     """Largest ``transition_chunks`` an interaction may ask for."""
     max_prompt_chars: int = 4000
@@ -52,6 +56,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.max_sessions >= 1, "max_sessions", "must be >= 1")
         _check(self.max_batch_rows >= 1, "max_batch_rows", "must be >= 1")
+        budget = self.session_memory_bytes
+        _check(budget is None or budget > 0, "session_memory_bytes", "must be > 0")
         _check(self.max_transition_chunks >= 1, "max_transition_chunks", "must be >= 1")
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", "must be >= 1")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")

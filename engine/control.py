@@ -63,8 +63,10 @@ class ControlPlane:
         config: EngineConfig,
         describe: Callable[[StartSession], SessionGeometry],
         send: Callable[[ResultMessage], None],
+        memory_budget: int | None = None,
     ) -> None:
         self._config = config
+        self._memory_budget = memory_budget  # bytes of device memory for sessions' state; None: unlimited
         self._describe = describe
         self._send = send
         self._lock = threading.Lock()
@@ -106,6 +108,8 @@ class ControlPlane:
             return self._reject(sid, "invalid_request", str(error))
         except Exception as error:  # a pipeline's describe must never take the control thread down
             return self._reject(sid, "invalid_request", f"{type(error).__name__}: {error}")
+        if not self._fits(geometry):
+            return self._reject(sid, "server_full", self._memory_message(geometry))
         mailbox = InteractionMailbox(start.transition_chunks, start.scheduled, time.monotonic())
         self._sessions[sid] = SessionControl(start, geometry, mailbox)
         self._send(SessionStarted(session_id=sid, geometry=geometry))
@@ -158,6 +162,20 @@ class ControlPlane:
     def _on_shutdown(self, shutdown: Shutdown) -> None:
         self._shutting_down = True
         self._to_inbox(shutdown)
+
+    def _fits(self, geometry: SessionGeometry) -> bool:
+        if self._memory_budget is None:
+            return True
+        held = sum(session.geometry.state_bytes for session in self._sessions.values())
+        return held + geometry.state_bytes <= self._memory_budget
+
+    def _memory_message(self, geometry: SessionGeometry) -> str:
+        held = sum(session.geometry.state_bytes for session in self._sessions.values())
+        free = max(0, self._memory_budget - held)
+        return (
+            f"server full: a {geometry.width}x{geometry.height} session needs {_size(geometry.state_bytes)} of "
+            f"device memory; {_size(free)} of the {_size(self._memory_budget)} for sessions is free"
+        )
 
     def _to_inbox(self, message: ControlMessage) -> None:
         self._inbox.append(message)
@@ -233,3 +251,10 @@ class ControlPlane:
     def shutting_down(self) -> bool:
         with self._lock:
             return self._shutting_down
+
+
+def _size(n: int) -> str:
+    for name, unit in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= unit:
+            return f"{n / unit:.2f} {name}"
+    return f"{n} B"

@@ -65,6 +65,7 @@ class SessionGeometry(msgspec.Struct, frozen=True, kw_only=True):
     frames_per_chunk: int  # frames decoded from every later chunk
     num_chunks: int | None  # None: runs until stopped
     transition_chunks: int  # default for interactions that name none
+    state_bytes: int = 0  # device memory the session's state holds while open (0: not counted)
 
 
 class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,6 +161,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     grouping: bool  # whether this engine groups the steps of a chunk
     max_sessions: int
     defaults: SessionGeometry  # what a start that sets nothing gets (num_chunks None)
+    session_memory_bytes: int | None = None  # device memory open sessions may hold; None: not limited
 
 
 class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):

@@ -21,6 +21,10 @@ class ServerSettings:
     max_sessions: int = 4
     """Realtime sessions and running jobs at once; beyond it: close 1013 / HTTP 503."""
     group_chunk_steps: bool = True
+    session_memory_gib: float | None = None
+    """Device memory the open sessions' state may hold together; a session that
+    would pass it is refused like a full server. Default: what the worker finds
+    free after its warm-up on a GPU (not limited on a CPU)."""
     max_batch_rows: int = 1
     """Sessions whose denoise steps may share one forward (sessions of one size;
     the pipeline may allow fewer: causal Wan 4 by default). Batching raises

@@ -9,7 +9,14 @@ import pytest
 from engine.client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 
-ENGINE_KEYS = {"max_sessions", "group_chunk_steps", "max_batch_rows", "max_transition_chunks", "max_worker_restarts"}
+ENGINE_KEYS = {
+    "max_sessions",
+    "group_chunk_steps",
+    "max_batch_rows",
+    "max_transition_chunks",
+    "max_worker_restarts",
+    "session_memory_bytes",
+}
 
 
 @pytest.fixture

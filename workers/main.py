@@ -54,7 +54,12 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     runner = ModelRunner(pipeline)
     grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
     max_rows = min(config.max_batch_rows, pipeline.max_batch_rows)
-    control = ControlPlane(config, runner.describe, sender.send)
+    budget = config.session_memory_bytes
+    if budget is None:
+        budget = pipeline.session_memory_budget()
+    if budget is not None:
+        log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
+    control = ControlPlane(config, runner.describe, sender.send, memory_budget=budget)
     loop = EngineLoop(config, control, runner, sender.send, grouping=grouping, max_rows=max_rows)
     receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
     receiver.start()
@@ -67,6 +72,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             grouping=grouping,
             max_sessions=config.max_sessions,
             defaults=pipeline.describe(StartSession(session_id="defaults", prompt="defaults")),
+            session_memory_bytes=budget,
         )
     )
     exit_code = 0

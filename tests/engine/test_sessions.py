@@ -239,3 +239,31 @@ async def test_sessions_take_turns_round_robin(make_engine):
     order = [index for _, index in calls]
     assert order[:3] == [0, 1, 2]  # after the first plan, strict rotation
     assert order == [0, 1, 2] * 3
+
+
+async def test_a_device_memory_budget_refuses_sessions_that_would_not_fit(make_engine):
+    """The stub says each 32x32 session holds 4 KiB and 10 KiB are free: two fit."""
+    gate = make_gate(chunk=0, step=0, prompt="holder")
+    engine = await make_engine(max_sessions=8, gates=[gate], memory_budget=10 * 1024)
+    assert engine.ready.session_memory_bytes == 10 * 1024
+    first = await engine.start_session(StartSession(session_id="a", prompt="holder", num_chunks=1))
+    await engine.start_session(StartSession(session_id="b", prompt="p"))
+    assert first.geometry.state_bytes == 4096
+    with pytest.raises(SessionRejectedError) as refused:
+        await engine.start_session(StartSession(session_id="c", prompt="p"))
+    assert refused.value.code == "server_full" and "needs 4.00 KiB of device memory" in refused.value.message
+    small = await engine.start_session(StartSession(session_id="small", prompt="p", width=16, height=16))
+    assert small.geometry.state_bytes == 1024
+
+    gate.release.set()
+    await collect(first)  # "a" completes; its memory frees
+    third = await engine.start_session(StartSession(session_id="c", prompt="p"))
+    assert third.geometry.width == 32
+
+
+async def test_a_configured_session_memory_overrides_the_pipelines(make_engine):
+    engine = await make_engine(memory_budget=10 * 1024, session_memory_bytes=4096)
+    assert engine.ready.session_memory_bytes == 4096
+    await engine.start_session(StartSession(session_id="a", prompt="p"))
+    with pytest.raises(SessionRejectedError, match="0 B of the 4.00 KiB"):
+        await engine.start_session(StartSession(session_id="b", prompt="p"))

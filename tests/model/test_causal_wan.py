@@ -356,3 +356,20 @@ def test_roped_keys_of_a_cache_that_moved_on_are_dropped(pipeline):
     assert b.extra["kv"].uid not in roped.entries and a.extra["kv"].uid in roped.entries
     pipeline.release(a)
     pipeline.release(b)
+
+
+@pytest.mark.parametrize("width,height", [(64, 64), (48, 32)])
+def test_state_bytes_account_for_what_a_full_session_holds(width, height):
+    """Admission counts ``geometry.state_bytes``: it must cover a session whose
+    window has filled (KV, VAE cache, latents), and not by much. Roped keys are
+    a pool of at most max_batch_rows sessions' keys, reserved apart."""
+    pipeline = build("tiny", device="cpu", warm_up_chunks=0)
+    state = open_session(pipeline, "full", width=width, height=height)
+    for _ in range(8):  # 24 latent frames: the 21-frame cache has filled and rolled
+        run_chunk(pipeline, state)
+    pipeline.prepare_next_chunk(state)
+    vae = sum(t.numel() * t.element_size() for t in state.extra["vae_cache"] if isinstance(t, torch.Tensor))
+    assert vae == pipeline.decoder.cache_bytes(height // 8, width // 8)
+    latents = _tensor_bytes({k: v for k, v in state.extra.items() if k != "vae_cache"})
+    held = state.extra["kv"].nbytes() + vae + latents
+    assert held <= state.geometry.state_bytes <= 1.1 * held

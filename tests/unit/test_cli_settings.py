@@ -32,6 +32,7 @@ def test_environment_then_flags():
         (("--stall-timeout-s", "0"), {}, "stall_timeout_s"),
         (("--pipeline-options", "[1]"), {}, "pipeline-options"),
         ((), {"RTVIDEO_GROUP_CHUNK_STEPS": "maybe"}, "group-chunk-steps"),
+        (("--session-memory-gib", "0"), {}, "session_memory_gib"),
     ],
 )
 def test_bad_values_exit_naming_the_option(argv, env, names):
@@ -47,5 +48,7 @@ def test_engine_options_reach_the_engine_config():
     assert config.max_batch_rows == 3 and config.group_chunk_steps is True
     assert config.pipeline.name == "tiny" and config.pipeline.options == {"dtype": "bfloat16"}
     assert engine_config(settings_from(parse(), {})).max_batch_rows == 1
+    assert engine_config(settings_from(parse(), {})).session_memory_bytes is None
+    assert engine_config(settings_from(parse(), {"RTVIDEO_SESSION_MEMORY_GIB": "1.5"})).session_memory_bytes == 3 << 29
     with pytest.raises(SystemExit, match="max_batch_rows"):
         settings_from(parse("--max-batch-rows", "0"), {})

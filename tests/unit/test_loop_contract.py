@@ -123,3 +123,28 @@ def test_a_release_that_raises_still_ends_the_session_and_the_loop_goes_on():
             break
     done = [m for m in sent if isinstance(m, SessionDone)]
     assert sorted(d.session_id for d in done) == ["a", "b"] and runner.states == {}
+
+
+def test_a_memory_budget_admits_sessions_while_their_state_fits():
+    """Each stub session holds 4 bytes a pixel: 32x32 = 4 KiB, 16x16 = 1 KiB."""
+    sent: list = []
+    control = ControlPlane(EngineConfig(max_sessions=8), StubPipeline().describe, sent.append, memory_budget=9 * 1024)
+    for sid in ("a", "b"):
+        control.handle(StartSession(session_id=sid, prompt="p"))
+    control.handle(StartSession(session_id="c", prompt="p"))
+    control.handle(StartSession(session_id="small", prompt="p", width=16, height=16))
+    started_a, started_b, refused, started_small = sent
+    assert [m.session_id for m in (started_a, started_b, started_small)] == ["a", "b", "small"]
+    assert refused.session_id == "c" and refused.code == "server_full"
+    assert "a 32x32 session needs 4.00 KiB of device memory; 1.00 KiB of the 9.00 KiB" in refused.message
+    control.unregister("a")  # a session ends: its memory frees
+    control.handle(StartSession(session_id="c", prompt="p"))
+    assert sent[-1].session_id == "c" and not hasattr(sent[-1], "code")
+
+
+def test_without_a_memory_budget_state_bytes_do_not_limit():
+    sent: list = []
+    control = ControlPlane(EngineConfig(max_sessions=8), StubPipeline().describe, sent.append)
+    for sid in "abcdefgh":
+        control.handle(StartSession(session_id=sid, prompt="p", width=512, height=512))
+    assert len(control.open_sessions()) == 8

@@ -108,3 +108,9 @@ class ChunkPipeline(Protocol):
     def held_sessions(self) -> tuple[str, ...]:
         """Session ids the pipeline still holds allocations for."""
         ...
+
+    def session_memory_budget(self) -> int | None:
+        """Device memory, in bytes, that open sessions' state may hold together,
+        as found after the warm-up (``SessionGeometry.state_bytes`` is what one
+        session holds); None: not limited (a CPU). Called once, before READY."""
+        ...

@@ -154,7 +154,25 @@ class CausalWanPipeline:
             frames_per_chunk=self.latent_frames * ratio,
             num_chunks=start.num_chunks,
             transition_chunks=start.transition_chunks,
+            state_bytes=self.state_bytes(width, height, steps),
         )
+
+    def state_bytes(self, width: int, height: int, steps: int) -> int:
+        """Device memory one session of this size holds: its KV cache, its VAE
+        feature cache, its latents (noise draws, the chunk, the cached chunks'
+        clean latents) and its prompt embeddings. The roped keys
+        (``RopedKeys``) are a pool of at most ``max_batch_rows`` sessions'
+        keys, not per session: the budget reserves them (its transient peak)."""
+        config = self.transformer.config
+        h, w = height // 8, width // 8
+        tokens = self.sink_frames + self.window_frames
+        tokens *= (h // config.patch_size[1]) * (w // config.patch_size[2])
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        keys = config.num_layers * tokens * config.num_attention_heads * config.attention_head_dim * item
+        latent = config.in_channels * self.latent_frames * h * w * item
+        cached_chunks = (self.sink_frames + self.window_frames) // self.latent_frames
+        prompts = 2 * self.text_length * config.text_dim * item  # the current and the target embeddings
+        return 2 * keys + self.decoder.cache_bytes(h, w) + (steps + 2 + cached_chunks) * latent + prompts
 
     # -- text ----------------------------------------------------------------------
 
@@ -300,6 +318,20 @@ class CausalWanPipeline:
 
     def held_sessions(self) -> tuple[str, ...]:
         return tuple(self._held)
+
+    def session_memory_budget(self) -> int | None:
+        """On a GPU: the memory free after the warm-up (the device's free memory
+        and what torch's allocator holds unused), less the warm-up's transient
+        peak (activations and the roped keys, beyond the model and the warm-up
+        session's state) once per batch row, less 1 GiB. None on a CPU."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        unused = torch.cuda.memory_reserved(self.device) - allocated
+        g = self.describe(StartSession(session_id="budget", prompt="budget"))
+        transient = max(0, torch.cuda.max_memory_allocated(self.device) - allocated - g.state_bytes)
+        return max(0, free + unused - transient * self.max_batch_rows - 2**30)
 
     # -- internals ---------------------------------------------------------------------
 

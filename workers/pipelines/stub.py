@@ -96,6 +96,7 @@ class StubPipeline:
         gates: Sequence[StubGate] = (),
         fail_prompt: str | None = None,
         fail_chunk: int = 0,
+        memory_budget: int | None = None,
     ) -> None:
         self.defaults = (width, height, fps, default_steps)
         self.frames_per_chunk = frames_per_chunk
@@ -108,7 +109,8 @@ class StubPipeline:
         self.gates = list(gates)
         self.fail_prompt = fail_prompt
         self.fail_chunk = fail_chunk
-        self._pool: dict[str, bytearray] = {}  # stands in for a KV-cache pool
+        self.memory_budget = memory_budget  # what session_memory_budget() reports (tests of admission)
+        self._pool: dict[str, bytearray] = {}  # stands in for a KV-cache pool: 4 bytes a pixel
 
     # -- geometry -----------------------------------------------------------
 
@@ -136,12 +138,13 @@ class StubPipeline:
             frames_per_chunk=self.frames_per_chunk,
             num_chunks=start.num_chunks,
             transition_chunks=start.transition_chunks,
+            state_bytes=4 * width * height,
         )
 
     # -- lifecycle ----------------------------------------------------------
 
     def prepare_encode(self, state: PipelineState) -> None:
-        self._pool[state.session_id] = bytearray(4096)
+        self._pool[state.session_id] = bytearray(state.geometry.state_bytes)
         state.extra.update(prompt=PromptBlend(embed(state.start.prompt)), context=np.zeros(DIM))
 
     def apply_interaction_at_chunk_boundary(self, state: PipelineState, prompt: str, transition_chunks: int) -> None:
@@ -202,6 +205,9 @@ class StubPipeline:
 
     def held_sessions(self) -> tuple[str, ...]:
         return tuple(self._pool)
+
+    def session_memory_budget(self) -> int | None:
+        return self.memory_budget
 
     # -- test hooks ---------------------------------------------------------
 

@@ -73,10 +73,36 @@ class StreamingDecoder:
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
         self.temporal_ratio = 2 ** sum(config.temperal_downsample)
+        self._layout: list[tuple[int, int, float, float, int]] | None = None
 
     def new_cache(self) -> list:
         """A fresh per-session feature cache."""
         return [None] * self.vae._cached_conv_counts["decoder"]
+
+    def cache_bytes(self, latent_height: int, latent_width: int) -> int:
+        """Bytes a session's feature cache holds at this latent size once full.
+        The layout (channels, cached frames, scale of each cached feature) is
+        read once from a decode of two 2x2 latent frames."""
+        if self._layout is None:
+            self._layout = self._probe_layout()
+        return sum(
+            channels * frames * round(latent_height * scale_h) * round(latent_width * scale_w) * itemsize
+            for channels, frames, scale_h, scale_w, itemsize in self._layout
+        )
+
+    @torch.no_grad()
+    def _probe_layout(self) -> list[tuple[int, int, float, float, int]]:
+        side = 2
+        parameter = next(self.vae.parameters())
+        latents = torch.zeros(1, self.vae.config.z_dim, 2, side, side, device=parameter.device)
+        cache = self.new_cache()
+        self.decode(latents[:, :, :1], cache, first=True)
+        self.decode(latents[:, :, 1:], cache, first=False)
+        return [
+            (t.shape[1], t.shape[2], t.shape[-2] / side, t.shape[-1] / side, t.element_size())
+            for t in cache
+            if isinstance(t, torch.Tensor)
+        ]
 
     def frames_for(self, latent_frames: int, first: bool) -> int:
         """Pixel frames decoded from ``latent_frames`` (the stream's first frame makes one)."""
