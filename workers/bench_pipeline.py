@@ -73,6 +73,8 @@ def run(
     build_s = time.perf_counter() - built
     pipeline.measure_split = True
     warm_up_s = warm_up(pipeline, width, height)  # at the measured size
+    budget = pipeline.session_memory_budget()
+    on_gpu = pipeline.device.type == "cuda"
     start = StartSession(
         session_id="bench", prompt="a red fox in the snow", width=width, height=height, num_inference_steps=steps
     )
@@ -134,6 +136,9 @@ def run(
             key: statistics.median(r[key] for r in steady)
             for key in ("denoise_ms", "commit_ms", "decode_ms", "total_ms")
         },
+        "state_bytes": state.geometry.state_bytes,
+        "session_memory_budget": budget,
+        "peak_device_bytes": torch.cuda.max_memory_allocated(pipeline.device) if on_gpu else None,
         "generated_fps": frames / seconds,
         "playback_fps": fps,
         "realtime_factor": frames / seconds / fps,

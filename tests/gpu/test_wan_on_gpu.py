@@ -18,6 +18,7 @@ def test_wan_1_3b_pipeline_on_gpu(capsys):
     print(json.dumps(summary))
     assert summary["dtype"] == "bfloat16" and summary["device"].startswith("cuda")
     assert summary["per_chunk_ms"]["total_ms"] > 0 and summary["generated_fps"] > 0
+    assert 0 < summary["state_bytes"] < summary["session_memory_budget"]
 
 
 def test_cached_forward_matches_block_causal_forward_in_bf16():
@@ -65,3 +66,17 @@ async def test_a_worker_process_serves_the_tiny_preset_on_gpu():
         assert isinstance(result.end, SessionDone) and [c.num_frames for c in result.chunks] == [9, 12, 12]
     finally:
         await client.shutdown()
+
+
+def test_the_memory_budget_on_gpu_is_what_is_free_less_the_warm_up_peak():
+    import torch
+
+    from workers.pipelines.causal_wan import build
+    from workers.warmup import warm_up
+
+    pipeline = build("tiny", device="cuda")
+    warm_up(pipeline)
+    budget = pipeline.session_memory_budget()
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < budget < total
+    assert budget <= free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

@@ -25,6 +25,7 @@ def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
     assert summary["time_to_first_chunk_s"] > 0 and summary["generated_fps"] > 0
     assert summary["playback_fps"] == 16.0
     assert summary["warm_up_s"] > 0 and summary["dtype"] == summary["vae_dtype"] == "float32"
+    assert summary["state_bytes"] > 0 and summary["session_memory_budget"] is None  # a CPU: not limited
 
 
 def test_bench_pipeline_runs_bf16_cold_and_writes_a_profile(tmp_path):
