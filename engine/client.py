@@ -131,6 +131,7 @@ class EngineClient:
         self.config = config
         self.ready: WorkerReady | None = None
         self._sessions: dict[str, asyncio.Queue] = {}
+        self._state_bytes: dict[str, int] = {}  # open sessions' device memory (geometry.state_bytes)
         self._probes: dict[int, asyncio.Future] = {}
         self._probe_ids = itertools.count(1)
         self._dead_reason: str | None = None
@@ -329,6 +330,7 @@ class EngineClient:
 
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+        self._state_bytes.pop(session_id, None)
 
     # ------------------------------------------------------------------
     # control
@@ -348,6 +350,10 @@ class EngineClient:
 
     def open_sessions(self) -> tuple[str, ...]:
         return tuple(self._sessions)
+
+    def held_state_bytes(self) -> int:
+        """Device memory the open sessions' state holds, as the worker accounts it."""
+        return sum(self._state_bytes.values())
 
     async def _send(self, message: ControlMessage) -> None:
         if self._dead_reason is not None:
@@ -372,6 +378,7 @@ class EngineClient:
             self._forget(start.session_id)
             raise
         if isinstance(first, SessionStarted):
+            self._state_bytes[start.session_id] = first.geometry.state_bytes
             return SessionHandle(self, first, queue)
         self._forget(start.session_id)
         if isinstance(first, SessionRejected):

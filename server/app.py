@@ -59,7 +59,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         await engine.start()
         app.state.engine = engine
         app.state.capacity = asyncio.Condition()
-        app.state.metrics = Metrics(worker_up=lambda: engine.alive)
+        app.state.metrics = Metrics(
+            worker_up=lambda: engine.alive,
+            memory=lambda: (engine.ready.session_memory_bytes if engine.ready else None, engine.held_state_bytes()),
+        )
         app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
         app.state.jobs = JobManager(
             engine, settings, engine.ready.pipeline, app.state.capacity, app.state.metrics, app.state.drainer

@@ -45,7 +45,11 @@ FACTOR_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 4.0, 8.0, 16.0)
 
 
 class Metrics:
-    def __init__(self, worker_up: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        worker_up: Callable[[], bool],
+        memory: Callable[[], tuple[int | None, int]] = lambda: (None, 0),
+    ) -> None:
         r = self.registry = CollectorRegistry()
         self.sessions_active = Gauge("rtvideo_sessions_active", "Realtime sessions open now", registry=r)
         self.sessions = Counter("rtvideo_sessions", "Realtime sessions ended, by outcome", ["outcome"], registry=r)
@@ -108,6 +112,14 @@ class Metrics:
         self.jobs = Counter("rtvideo_jobs", "Request-mode jobs ended, by status", ["status"], registry=r)
         up = Gauge("rtvideo_worker_up", "1 while the engine's workers are up", registry=r)
         up.set_function(lambda: 1.0 if worker_up() else 0.0)
+        budget = Gauge(
+            "rtvideo_session_memory_budget_bytes",
+            "Device memory open sessions may hold together (0: not limited)",
+            registry=r,
+        )
+        budget.set_function(lambda: float(memory()[0] or 0))
+        held = Gauge("rtvideo_session_memory_held_bytes", "Device memory open sessions hold", registry=r)
+        held.set_function(lambda: float(memory()[1]))
         # Known label values start at 0, so rates and alerts see a series from the start.
         for counter, values in (
             (self.sessions, SESSION_OUTCOMES),

@@ -36,6 +36,7 @@ FAMILIES = [
     "rtvideo_media_lead_seconds_bucket",
     "rtvideo_chunk_realtime_factor_bucket",
     "rtvideo_worker_up",
+    "rtvideo_session_memory_held_bytes",
 ]
 
 

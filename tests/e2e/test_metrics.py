@@ -25,10 +25,12 @@ def value(samples, name: str, **labels) -> float:
 
 
 async def test_metrics_follow_a_scripted_run(make_server):
-    server = make_server("--max-sessions", "1", pipeline={"step_time_s": 0.002})
+    server = make_server("--max-sessions", "1", pipeline={"step_time_s": 0.002, "memory_budget": 65536})
     before = scrape(server)
     assert value(before, "rtvideo_worker_up") == 1.0
     assert value(before, "rtvideo_sessions_active") == 0.0
+    assert value(before, "rtvideo_session_memory_budget_bytes") == 65536.0
+    assert value(before, "rtvideo_session_memory_held_bytes") == 0.0
 
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
@@ -37,6 +39,7 @@ async def test_metrics_follow_a_scripted_run(make_server):
         await client.next()
         mid = scrape(server)
         assert value(mid, "rtvideo_sessions_active") == 1.0
+        assert value(mid, "rtvideo_session_memory_held_bytes") == 4096.0  # the stub's 32x32 x 4 bytes
         async with open_realtime(server.ws) as ws2:  # the server is full
             refused = Realtime(ws2)
             await refused.send({"type": "session.start", "prompt": "p"})
@@ -64,6 +67,7 @@ async def test_metrics_follow_a_scripted_run(make_server):
         if value(after, "rtvideo_sessions_total", outcome="client_disconnected") == 1.0:
             break
     assert value(after, "rtvideo_sessions_active") == 0.0
+    assert value(after, "rtvideo_session_memory_held_bytes") == 0.0
     assert value(after, "rtvideo_sessions_total", outcome="stopped") == 1.0
     assert value(after, "rtvideo_sessions_total", outcome="client_disconnected") == 1.0
     assert value(after, "rtvideo_session_rejections_total", reason="server_full") == 1.0
