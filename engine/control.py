@@ -108,8 +108,11 @@ class ControlPlane:
             return self._reject(sid, "invalid_request", str(error))
         except Exception as error:  # a pipeline's describe must never take the control thread down
             return self._reject(sid, "invalid_request", f"{type(error).__name__}: {error}")
+        if self._memory_budget is not None and geometry.state_bytes > self._memory_budget:
+            # Never fits, even alone: asking again later would not help.
+            return self._reject(sid, "invalid_request", self._memory_message(geometry, "too large: "))
         if not self._fits(geometry):
-            return self._reject(sid, "server_full", self._memory_message(geometry))
+            return self._reject(sid, "server_full", self._memory_message(geometry, "server full: "))
         mailbox = InteractionMailbox(start.transition_chunks, start.scheduled, time.monotonic())
         self._sessions[sid] = SessionControl(start, geometry, mailbox)
         self._send(SessionStarted(session_id=sid, geometry=geometry))
@@ -169,11 +172,11 @@ class ControlPlane:
         held = sum(session.geometry.state_bytes for session in self._sessions.values())
         return held + geometry.state_bytes <= self._memory_budget
 
-    def _memory_message(self, geometry: SessionGeometry) -> str:
+    def _memory_message(self, geometry: SessionGeometry, prefix: str) -> str:
         held = sum(session.geometry.state_bytes for session in self._sessions.values())
         free = max(0, self._memory_budget - held)
         return (
-            f"server full: a {geometry.width}x{geometry.height} session needs {_size(geometry.state_bytes)} of "
+            f"{prefix}a {geometry.width}x{geometry.height} session needs {_size(geometry.state_bytes)} of "
             f"device memory; {_size(free)} of the {_size(self._memory_budget)} for sessions is free"
         )
 

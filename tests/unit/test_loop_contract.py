@@ -140,6 +140,8 @@ def test_a_memory_budget_admits_sessions_while_their_state_fits():
     control.unregister("a")  # a session ends: its memory frees
     control.handle(StartSession(session_id="c", prompt="p"))
     assert sent[-1].session_id == "c" and not hasattr(sent[-1], "code")
+    control.handle(StartSession(session_id="huge", prompt="p", width=64, height=64))  # 16 KiB: never fits
+    assert sent[-1].code == "invalid_request" and sent[-1].message.startswith("too large: a 64x64 session needs")
 
 
 def test_without_a_memory_budget_state_bytes_do_not_limit():
