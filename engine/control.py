@@ -166,15 +166,14 @@ class ControlPlane:
         self._shutting_down = True
         self._to_inbox(shutdown)
 
+    def _held_bytes(self) -> int:
+        return sum(session.geometry.state_bytes for session in self._sessions.values())
+
     def _fits(self, geometry: SessionGeometry) -> bool:
-        if self._memory_budget is None:
-            return True
-        held = sum(session.geometry.state_bytes for session in self._sessions.values())
-        return held + geometry.state_bytes <= self._memory_budget
+        return self._memory_budget is None or self._held_bytes() + geometry.state_bytes <= self._memory_budget
 
     def _memory_message(self, geometry: SessionGeometry, prefix: str) -> str:
-        held = sum(session.geometry.state_bytes for session in self._sessions.values())
-        free = max(0, self._memory_budget - held)
+        free = max(0, self._memory_budget - self._held_bytes())
         return (
             f"{prefix}a {geometry.width}x{geometry.height} session needs {_size(geometry.state_bytes)} of "
             f"device memory; {_size(free)} of the {_size(self._memory_budget)} for sessions is free"

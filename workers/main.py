@@ -1,8 +1,9 @@
 """Entry point of a worker process (spawned by ``engine.client.EngineClient``).
 
-Rank 0 builds its pipeline, warms it up (``workers.warmup``), wires the control plane, the control-receiver
-thread and the engine loop together, says READY, and runs the loop until
-shutdown. On a pipeline that cannot be built it says so
+Rank 0 builds its pipeline, warms it up (``workers.warmup``), settles the
+device memory its sessions may hold, wires the control plane, the
+control-receiver thread and the engine loop together, says READY, and runs
+the loop until shutdown. On a pipeline that cannot be built it says so
 (``WorkerStartupFailed``) and exits 1; on an engine bug it says
 ``EngineDead`` and exits 2. It ignores SIGINT and SIGTERM, which a terminal or
 a process-group kill also delivers to it: the parent decides when to stop (and
@@ -42,6 +43,9 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     try:
         pipeline = build_pipeline(config.pipeline)
         warm_up_s = warm_up(pipeline)
+        budget = config.session_memory_bytes
+        if budget is None:
+            budget = pipeline.session_memory_budget()
     except Exception as error:
         log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
@@ -54,9 +58,6 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     runner = ModelRunner(pipeline)
     grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
     max_rows = min(config.max_batch_rows, pipeline.max_batch_rows)
-    budget = config.session_memory_bytes
-    if budget is None:
-        budget = pipeline.session_memory_budget()
     if budget is not None:
         log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
     control = ControlPlane(config, runner.describe, sender.send, memory_budget=budget)

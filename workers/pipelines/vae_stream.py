@@ -73,7 +73,7 @@ class StreamingDecoder:
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
         self.temporal_ratio = 2 ** sum(config.temperal_downsample)
-        self._layout: list[tuple[int, int, float, float, int]] | None = None
+        self._layout = self._probe_layout()  # so cache_bytes is arithmetic (describe() calls it)
 
     def new_cache(self) -> list:
         """A fresh per-session feature cache."""
@@ -81,10 +81,8 @@ class StreamingDecoder:
 
     def cache_bytes(self, latent_height: int, latent_width: int) -> int:
         """Bytes a session's feature cache holds at this latent size once full.
-        The layout (channels, cached frames, scale of each cached feature) is
-        read once from a decode of two 2x2 latent frames."""
-        if self._layout is None:
-            self._layout = self._probe_layout()
+        The layout (channels, cached frames, scale of each cached feature) was
+        read at construction from a decode of two 2x2 latent frames."""
         return sum(
             channels * frames * round(latent_height * scale_h) * round(latent_width * scale_w) * itemsize
             for channels, frames, scale_h, scale_w, itemsize in self._layout
