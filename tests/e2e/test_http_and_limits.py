@@ -204,3 +204,32 @@ def test_a_key_in_the_query_string_never_reaches_the_access_log(make_server):
     logged = "".join(server.log)
     assert "/v1/models?api_key=***" in logged
     assert "topsecret-key" not in logged and "wrong-one" not in logged
+
+
+async def test_device_memory_admission_over_websocket_and_http(make_server):
+    """The stub holds 4 bytes a pixel and says 8 KiB are free: two 32x32 sessions fit;
+    a third waits (1013, or queued as a job); one that never fits is a 4xx / 1008 naming memory."""
+    server = make_server("--max-sessions", "8", pipeline={"step_time_s": 0.01, "memory_budget": 8192})
+    too_big = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1, "width": 128, "height": 128})
+    assert too_big.status_code == 422
+    assert "too large: a 128x128 session needs 64.00 KiB of device memory" in too_big.json()["error"]["message"]
+    async with open_realtime(server.ws) as ws:
+        refused = Realtime(ws)
+        await refused.send({"type": "session.start", "prompt": "p", "format": "raw", "width": 128, "height": 128})
+        got = await refused.rest(timeout=10)
+    assert got.close_code == 1008 and "too large" in got.of("error")[0]["message"]
+
+    async with open_realtime(server.ws) as ws1, open_realtime(server.ws) as ws2:
+        holders = [Realtime(ws1), Realtime(ws2)]
+        for holder in holders:
+            await holder.send({"type": "session.start", "prompt": "p", "format": "raw"})
+            await holder.until("video.start")
+        async with open_realtime(server.ws) as ws3:
+            full = Realtime(ws3)
+            await full.send({"type": "session.start", "prompt": "p", "format": "raw"})
+            got = await full.rest(timeout=10)
+        assert got.close_code == 1013 and got.of("error")[0]["code"] == "server_full"
+        assert "needs 4.00 KiB of device memory; 0 B of the 8.00 KiB" in got.of("error")[0]["message"]
+        for holder in holders:
+            await holder.send({"type": "session.stop"})
+            await holder.rest()
