@@ -26,11 +26,15 @@ def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
     assert summary["playback_fps"] == 16.0
     assert summary["warm_up_s"] > 0 and summary["dtype"] == summary["vae_dtype"] == "float32"
     assert summary["state_bytes"] > 0 and summary["session_memory_budget"] is None  # a CPU: not limited
+    assert summary["side_by_side"] is None
 
 
-def test_bench_pipeline_runs_bf16_cold_and_writes_a_profile(tmp_path):
+def test_bench_pipeline_runs_bf16_cold_writes_a_profile_and_compares_batching(tmp_path):
     profile = tmp_path / "profile.txt"
-    summary = _bench("--dtype", "bfloat16", "--vae-dtype", "float32", "--no-warm-up", "--profile", str(profile))
+    flags = ("--dtype", "bfloat16", "--vae-dtype", "float32", "--no-warm-up", "--profile", str(profile))
+    summary = _bench(*flags, "--sessions", "2")
     assert summary["dtype"] == "bfloat16" and summary["vae_dtype"] == "float32"
+    side = summary["side_by_side"]
+    assert side["sessions"] == 2 and side["one_row_fps"] > 0 and side["batched_fps"] > 0
     assert summary["warm_up_s"] == 0.0 and summary["generated_fps"] > 0
     assert "Self CPU" in profile.read_text()
