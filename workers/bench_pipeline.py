@@ -16,6 +16,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -90,20 +91,18 @@ def run(
     first_chunk_s = None
     for chunk in range(chunks):
         state.chunk_index = chunk
-        profiler = _profiler(pipeline.device) if profile and chunk == min(2, chunks - 1) else None
-        if profiler is not None:
-            profiler.__enter__()
-        t0 = pipeline._synchronized()
-        pipeline.prepare_next_chunk(state)
-        for step in range(state.geometry.num_inference_steps):
-            batch = StepBatch((BatchRow("bench", chunk, step),))
-            [prediction] = pipeline.denoise_step(batch, [state])
-            pipeline.step_scheduler(state, prediction)
-        t1 = pipeline._synchronized()
-        out = pipeline.post_decode(state)
-        t2 = pipeline._synchronized()
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
+        profiled = profile is not None and chunk == min(2, chunks - 1)
+        with _profiler(pipeline.device) if profiled else contextlib.nullcontext() as profiler:
+            t0 = pipeline._synchronized()
+            pipeline.prepare_next_chunk(state)
+            for step in range(state.geometry.num_inference_steps):
+                batch = StepBatch((BatchRow("bench", chunk, step),))
+                [prediction] = pipeline.denoise_step(batch, [state])
+                pipeline.step_scheduler(state, prediction)
+            t1 = pipeline._synchronized()
+            out = pipeline.post_decode(state)
+            t2 = pipeline._synchronized()
+        if profiled:
             _write_profile(profiler, pipeline.device, profile)
         if first_chunk_s is None:
             first_chunk_s = t2 - began
