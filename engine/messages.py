@@ -247,7 +247,9 @@ class InteractionSuperseded(_Wire, tag="interaction_superseded"):
 
 class InteractionRejected(_Wire, tag="interaction_rejected"):
     """The interaction was refused. ``code``: unknown_session, invalid_interaction,
-    event_id_conflict, interaction_too_late, session_ended."""
+    event_id_conflict, interaction_too_late, session_ended (the session is
+    stopping, or ended before a boundary took the interaction), session_failed
+    (the session failed before the interaction took effect)."""
 
     session_id: str
     event_id: str
@@ -258,8 +260,9 @@ class InteractionRejected(_Wire, tag="interaction_rejected"):
 class SessionDone(_Wire, tag="session_done"):
     """The session ended and the worker holds nothing for it any more.
 
-    ``reason``: completed, stopped (or the reason given to StopSession),
-    shutdown. ``applied`` is the replay log.
+    ``reason``: completed; else the reason given to ``StopSession`` (stopped by
+    default) or to ``Shutdown`` (shutdown by default, parent_exited when the
+    worker saw its parent die). ``applied`` is the replay log.
     """
 
     session_id: str
@@ -271,8 +274,11 @@ class SessionDone(_Wire, tag="session_done"):
 
 
 class SessionFailed(_Wire, tag="session_failed"):
-    """The session ended on an error; the worker released it. ``code``:
-    pipeline_error, worker_died, engine_dead."""
+    """The session ended on an error; nothing holds it any more. ``code``:
+    pipeline_error (sent by the worker's loop when a pipeline call failed);
+    worker_died and engine_shutdown (made by ``EngineClient`` in the API process
+    for every open session, when the worker process died, respectively when the
+    client shut down with the session still open)."""
 
     session_id: str
     code: str

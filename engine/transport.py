@@ -6,8 +6,11 @@ than ``multiprocessing`` queues:
 
 - the client side is natively asyncio (``zmq.asyncio``): no thread that blocks
   on ``Queue.get`` and hops results into the event loop;
-- messages are the msgpack bytes of ``engine.messages`` structs, sent as they
-  are: no pickling, and a large payload is handed to the socket without a copy;
+- messages are the msgpack bytes of ``engine.messages`` structs: no pickling.
+  Encoding copies a chunk's payload into the message once; the worker then
+  hands a message of 64 KiB or more to ZeroMQ by reference (``copy=False``)
+  rather than copying it again. The client's ``recv`` and the decode each copy
+  it once more, so a payload is not zero-copy end to end;
 - a pipe stays ordered per sender and survives a slow reader (high-water mark)
   without a feeder thread of its own; both ends can ``poll`` it beside other
   file descriptors (the worker watches its parent's liveness pipe that way).
