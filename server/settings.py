@@ -19,7 +19,9 @@ class ServerSettings:
     pipeline_options: dict = field(default_factory=dict)
     """Options of the pipeline (tests use them to slow or gate the stub)."""
     max_sessions: int = 4
-    """Realtime sessions and running jobs at once; beyond it: close 1013 / HTTP 503."""
+    """Realtime sessions and running jobs at once (the worker's admission limit).
+    Beyond it a new realtime session gets ``error{code: "server_full"}`` and close
+    1013; a new job is accepted and waits ``queued`` until a session ends."""
     group_chunk_steps: bool = True
     session_memory_gib: float | None = None
     """Device memory the open sessions' state may hold together; a session that
@@ -31,10 +33,13 @@ class ServerSettings:
     throughput but steps sessions in lockstep, so their chunks arrive in bursts
     and a new prompt waits up to a whole round longer: 1 favours latency."""
     api_key: str | None = None
-    """When set, every route but /health needs it (Bearer header, ``api_key`` query
-    parameter, or the WebSocket subprotocol ``rtvideo.key.<key>``)."""
+    """When set, the realtime WebSocket and every ``/v1/`` route need it (Bearer
+    header, ``api_key`` query parameter, or the WebSocket subprotocol
+    ``rtvideo.key.<key>``); ``/``, ``/health``, ``/health/live``, ``/metrics`` and
+    the OpenAPI pages stay open."""
     max_message_bytes: int = 1 << 20
-    """Largest client WebSocket message; a larger one closes the socket with 1009."""
+    """Largest client WebSocket message; a larger one closes the socket with 1009
+    (enforced by uvicorn, so under ``rtvideo serve``)."""
     start_timeout_s: float = 10.0
     """Time a new WebSocket has to send ``session.start``."""
     stall_timeout_s: float = 60.0
