@@ -7,18 +7,20 @@
 ARG VARIANT=cpu
 
 FROM python:3.11-slim-bookworm AS base-cpu
-# A CPU torch wheel: pass --build-arg PIP_EXTRA_INDEX_URL=<an index serving CPU
-# builds of torch==2.13.0>; without one, pip takes the default (CUDA) build.
+# Installs requirements/cpu.lock, which pins torch==2.13.0+cpu by its hash: pass
+# --build-arg PIP_EXTRA_INDEX_URL=<an index serving torch's CPU builds>.
 ARG PIP_EXTRA_INDEX_URL=""
-ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
+ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} \
+    RTVIDEO_LOCK=cpu
 
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS base-cuda
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv python3-dev make \
  && rm -rf /var/lib/apt/lists/*
-# scripts/install picks the CPU build only where there is no NVIDIA driver; a
-# CUDA image always wants the CUDA build.
-ENV TORCH_SPEC="torch==2.13.0"
+# The build has no driver to detect: name the lock. requirements/cuda.lock pins
+# torch 2.13.0's default build, which brings its own CUDA 13 libraries (the host
+# needs a driver that supports CUDA 13).
+ENV RTVIDEO_LOCK=cuda
 
 FROM base-${VARIANT}
 RUN (command -v make >/dev/null || (apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*)) \
@@ -26,6 +28,7 @@ RUN (command -v make >/dev/null || (apt-get update && apt-get install -y --no-in
 WORKDIR /app
 COPY pyproject.toml README.md Makefile ./
 COPY scripts ./scripts
+COPY requirements ./requirements
 COPY engine ./engine
 COPY workers ./workers
 COPY server ./server

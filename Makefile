@@ -1,11 +1,13 @@
 # Two commands for a fresh machine: `make serve` and `make test`.
-# Both install into .venv first (scripts/install decides the torch build).
+# Both install into .venv first, from the lock of this machine's platform
+# (scripts/install: requirements/cpu.lock without an NVIDIA driver, else cuda.lock).
+# `make lock` refreshes the locks after a dependency changed in pyproject.toml.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench lock clean
 
-$(VENV)/.installed: pyproject.toml scripts/install
+$(VENV)/.installed: pyproject.toml scripts/install requirements/cpu.lock requirements/cuda.lock
 	VENV=$(VENV) sh scripts/install
 	touch $@
 
@@ -20,6 +22,9 @@ test: install
 
 bench: install
 	$(VENV)/bin/rtvideo bench engine --json
+
+lock:
+	sh scripts/lock
 
 clean:
 	rm -rf $(VENV)
