@@ -71,7 +71,17 @@ class EngineStartupError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The worker is gone; nothing more can be done with this client."""
+    """No worker can take work: it died and the restart budget is spent, the
+    client is shutting down, or (``EngineRestartingError``) a fresh worker is
+    on its way."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """The worker died and a fresh one is starting: retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class SessionRejectedError(EngineError):
@@ -127,9 +137,20 @@ class SessionHandle:
 
 
 class EngineClient:
+    """States: starting (``start``), up, restarting (a worker died and a fresh one
+    is on its way: calls raise ``EngineRestartingError``), dead (the restart
+    budget is spent: calls raise ``EngineDeadError``), closed (``shutdown``).
+    ``ready`` is the READY of the latest worker that came up; it describes the
+    served model, which a restart does not change, so it is set for good once
+    ``start`` returned."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ready: WorkerReady | None = None
+        self._up = False  # the current worker process said READY and has not exited
+        self._restarting = False
+        self._startup_s = 0.0  # how long the latest worker took from spawn to READY
+        self._unanswered_probes: dict[int, float] = {}  # probe id -> when it was sent, until the loop answers
         self._sessions: dict[str, asyncio.Queue] = {}
         self._state_bytes: dict[str, int] = {}  # open sessions' device memory (geometry.state_bytes)
         self._probes: dict[int, asyncio.Future] = {}
@@ -178,6 +199,7 @@ class EngineClient:
             daemon=True,
         )
         self._exited = asyncio.Event()
+        began = time.monotonic()
         self._process.start()
         parent_alive_reader.close()
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_worker_exit)
@@ -186,6 +208,8 @@ class EngineClient:
         except BaseException:
             await self._stop_process()
             raise
+        self._startup_s = time.monotonic() - began
+        self._up = True
 
     async def _handshake(self) -> WorkerReady:
         receive = asyncio.ensure_future(self._results.recv())
@@ -246,7 +270,9 @@ class EngineClient:
     def _on_worker_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         self._exited.set()
-        if not self._closing and self.ready is not None:
+        if not self._closing and self._up:  # a death during a handshake is the handshake's to report
+            self._up = False
+            self._restarting = self._may_restart()  # decided now, so no call in between sees "dead"
             self._death_task = asyncio.create_task(self._on_worker_death())
 
     async def _on_worker_death(self) -> None:
@@ -261,7 +287,7 @@ class EngineClient:
         self._dead_reason = reason
         log.error("%s", reason)
         self._fail_all("worker_died", reason)
-        if self._may_restart():
+        if self._restarting:
             await self._restart(reason)
 
     async def settled(self) -> None:
@@ -284,7 +310,6 @@ class EngineClient:
         log.warning(
             "restarting the worker (%d in the last %g s)", len(self._restart_times), self.config.worker_restart_window_s
         )
-        self.ready = None
         self._parent_alive.close()
         try:
             await self._spawn()
@@ -292,6 +317,8 @@ class EngineClient:
             self._dead_reason = f"{reason}; restarting it failed: {error}"
             log.error("%s", self._dead_reason)
             return
+        finally:
+            self._restarting = False
         self._dead_reason = None
         self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
         log.warning("worker restarted (pid %s)", self._process.pid)
@@ -310,6 +337,9 @@ class EngineClient:
 
     def _route(self, message: ResultMessage) -> None:
         if isinstance(message, ProbeReply):
+            # The loop answers probes in order: every earlier one was answered or lost with a dead worker.
+            for probe_id in [p for p in self._unanswered_probes if p <= message.probe_id]:
+                del self._unanswered_probes[probe_id]
             future = self._probes.pop(message.probe_id, None)
             if future is not None and not future.done():
                 future.set_result(message)
@@ -327,6 +357,7 @@ class EngineClient:
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
         self._probes.clear()
+        self._unanswered_probes.clear()
 
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -338,11 +369,46 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.ready is not None and self._dead_reason is None and not self._exited.is_set()
+        """A worker is up and takes work."""
+        return self._up and self._dead_reason is None and not self._exited.is_set()
+
+    @property
+    def restarting(self) -> bool:
+        """A worker died and a fresh one is starting."""
+        return self._restarting
 
     @property
     def dead_reason(self) -> str | None:
+        """Why no worker takes work (also while restarting: why the last one died); None while up."""
         return self._dead_reason
+
+    @property
+    def retry_after_s(self) -> float:
+        """A fair wait before retrying while a restart is under way: the latest startup's duration."""
+        return max(1.0, self._startup_s)
+
+    def loop_silent_s(self) -> float:
+        """How long the worker's loop has left a probe unanswered (0 when none is waiting).
+
+        The loop answers a probe between two forwards, so this grows during one long
+        forward and without bound when the loop is wedged."""
+        if not self._unanswered_probes:
+            return 0.0
+        return time.monotonic() - min(self._unanswered_probes.values())
+
+    def unavailable(self) -> EngineDeadError | None:
+        """Why a call would be refused now (``EngineRestartingError`` while a fresh
+        worker is on its way), or None when a worker is up."""
+        if self._restarting:
+            return EngineRestartingError(
+                f"the worker is restarting ({self._dead_reason or 'it died'}); retry in {self.retry_after_s:.0f} s",
+                self.retry_after_s,
+            )
+        if self._dead_reason is not None:
+            return EngineDeadError(self._dead_reason)
+        if not self._up or self._exited.is_set():
+            return EngineDeadError("the engine is not running")
+        return None
 
     @property
     def worker_pid(self) -> int | None:
@@ -356,10 +422,8 @@ class EngineClient:
         return sum(self._state_bytes.values())
 
     async def _send(self, message: ControlMessage) -> None:
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
-        if self.ready is None or self._exited.is_set():
-            raise EngineDeadError("the engine is not running")
+        if (error := self.unavailable()) is not None:
+            raise error
         try:  # blocks only until the worker's end of the pipe is connected
             await asyncio.wait_for(self._control.send(encode_control(message)), SEND_TIMEOUT_S)
         except TimeoutError:
@@ -407,6 +471,7 @@ class EngineClient:
         self._probes[probe_id] = future
         try:
             await self._send(Probe(probe_id=probe_id))
+            self._unanswered_probes[probe_id] = time.monotonic()
             return await asyncio.wait_for(future, timeout)
         finally:
             self._probes.pop(probe_id, None)

@@ -8,6 +8,7 @@ app and shuts down with it, the job manager lives in ``app.state``.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.client import EngineClient, EngineDeadError
+from engine.client import EngineClient, EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized, redact_access_log
 from server.drain import Drainer
@@ -29,6 +30,7 @@ from server.schemas import JobRequest, RequestError
 from server.settings import ServerSettings
 
 STATIC = Path(__file__).parent / "static"
+LIVENESS_PROBE_S = 1.0  # how long /health/live waits for the worker's loop before calling it busy
 
 
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
@@ -89,6 +91,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         parts = [f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in error.errors()]
         return _error(422, "invalid_request", "; ".join(parts))
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_unavailable(request: Request, error: EngineDeadError) -> JSONResponse:
+        return engine_unavailable_response(error)
+
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
         detail = error.detail if isinstance(error.detail, dict) else {"code": "error", "message": str(error.detail)}
@@ -103,11 +109,26 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/health/live", tags=["operations"])
     async def live(request: Request) -> JSONResponse:
-        """Liveness: 503 once the workers have died (only a restart recovers);
-        200 otherwise, draining included."""
+        """Liveness: 503 only when restarting this process is what would help: the
+        worker died and the restart budget is spent (``dead``), or its loop has
+        answered no probe for ``worker_wedged_after_s`` (``wedged``). 200 otherwise:
+        ``ok``, ``busy`` (inside one long forward), ``restarting`` (a fresh worker is
+        loading, however long a real model takes), draining included."""
         engine = engine_of(request)
-        if engine.dead_reason is not None:
-            return JSONResponse({"status": "dead", "reason": engine.dead_reason}, status_code=503)
+        try:
+            await engine.probe(timeout=LIVENESS_PROBE_S)
+        except EngineRestartingError as error:
+            return JSONResponse({"status": "restarting", "reason": str(error)})
+        except EngineDeadError as error:
+            if engine.restarting:  # it died during the probe, and a fresh one is on its way
+                return JSONResponse({"status": "restarting", "reason": str(error)})
+            return JSONResponse({"status": "dead", "reason": str(error)}, status_code=503)
+        except TimeoutError:
+            silent = engine.loop_silent_s()
+            reason = f"the worker's loop has answered no probe for {silent:.1f} s"
+            if silent >= settings.worker_wedged_after_s:
+                return JSONResponse({"status": "wedged", "reason": reason}, status_code=503)
+            return JSONResponse({"status": "busy", "reason": reason})
         return JSONResponse({"status": "ok"})
 
     @app.get("/health", tags=["operations"])
@@ -117,8 +138,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         engine = engine_of(request)
         if request.app.state.drainer.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        if not engine.alive:
-            return JSONResponse({"status": "unavailable", "reason": engine.dead_reason}, status_code=503)
+        if (unavailable := engine.unavailable()) is not None:
+            status = "restarting" if isinstance(unavailable, EngineRestartingError) else "unavailable"
+            return JSONResponse({"status": status, "reason": str(unavailable)}, status_code=503)
         try:
             probe = await engine.probe(timeout=5.0)
         except (EngineDeadError, TimeoutError) as error:
@@ -193,7 +215,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         await job.finished.wait()
         request.app.state.jobs.jobs.pop(job.id, None)
         if job.status != "completed":
-            return _error(500, job.error["code"] if job.error else "failed", _job_error(job))
+            code = job.error["code"] if job.error else "failed"
+            status = 503 if code in ("engine_unavailable", "worker_died") else 500
+            return _error(status, code, _job_error(job))
         return _content(job)
 
     @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)])
@@ -249,5 +273,13 @@ def _content(job) -> Response:
     return Response(job.content, media_type=media_type, headers=headers)
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+def engine_unavailable_response(error: EngineDeadError) -> JSONResponse:
+    """503 ``engine_unavailable``; with ``Retry-After`` while a fresh worker is starting."""
+    headers = None
+    if isinstance(error, EngineRestartingError):
+        headers = {"Retry-After": str(math.ceil(error.retry_after_s))}
+    return _error(503, "engine_unavailable", str(error), headers)

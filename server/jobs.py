@@ -16,7 +16,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
+from engine.client import (
+    EngineClient,
+    EngineDeadError,
+    EngineRestartingError,
+    SessionHandle,
+    SessionRejectedError,
+    UnknownSessionError,
+)
 from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from server.drain import Drainer
 from server.metrics import Metrics
@@ -94,6 +101,8 @@ class JobManager:
         steps) refuse a bad request at once; a full engine leaves it queued."""
         if request.num_frames is None and request.num_chunks is None and request.seconds is None:
             raise RequestError("num_frames: a job needs a length (num_frames, num_chunks or seconds)")
+        if (unavailable := self.engine.unavailable()) is not None:
+            raise unavailable  # answered 503 before anything is kept
         job_id = f"video_{uuid.uuid4().hex}"
         start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False)
         handle = None
@@ -148,6 +157,8 @@ class JobManager:
             except SessionRejectedError as error:
                 if error.code != "server_full":
                     return self._fail(job, error.code, error.message)
+            except EngineRestartingError:
+                pass  # a queued job outlives a worker restart: try again once it is up
         job.status = "in_progress"
         output = SessionOutput(job.id, job.config, self.metrics)
         try:

@@ -27,7 +27,14 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from engine.client import EngineClient, EngineDeadError, SessionHandle, SessionRejectedError, UnknownSessionError
+from engine.client import (
+    EngineClient,
+    EngineDeadError,
+    EngineRestartingError,
+    SessionHandle,
+    SessionRejectedError,
+    UnknownSessionError,
+)
 from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, SessionStarted
 from server.auth import is_authorized, key_subprotocol
 from server.drain import Drainer
@@ -111,6 +118,8 @@ class RealtimeConnection:
             return
         if self.drainer.draining:
             return await self._fatal("shutting_down", "the server is shutting down", CLOSE_FULL)
+        if (unavailable := self.engine.unavailable()) is not None:
+            return await self._engine_unavailable(unavailable)
         request_id = f"rtv-{uuid.uuid4().hex}"
         defaults = self.engine.ready.defaults
         try:
@@ -123,7 +132,7 @@ class RealtimeConnection:
             code = CLOSE_FULL if error.code == "server_full" else CLOSE_POLICY
             return await self._fatal(error.code, error.message, code)
         except EngineDeadError as error:
-            return await self._fatal("engine_unavailable", str(error), CLOSE_ERROR)
+            return await self._engine_unavailable(error)
         self.output = SessionOutput(request_id, config, self.metrics, self.clock)
         self.metrics.sessions_active.inc()
         self._send(VideoStart(request_id=request_id, format=config["format"], config=config).wire())
@@ -141,6 +150,15 @@ class RealtimeConnection:
         finally:
             for task in (pump, reader, limit):
                 task.cancel()
+            # Collect what they ended with (the reader ends with _Closed when the client
+            # leaves), so no task's exception is left unretrieved.
+            await asyncio.gather(pump, reader, limit, return_exceptions=True)
+
+    async def _engine_unavailable(self, error: EngineDeadError) -> None:
+        """No worker takes the session: 1013 (try again later) while a fresh one is
+        starting, 1011 once the engine is dead for good."""
+        close = CLOSE_FULL if isinstance(error, EngineRestartingError) else CLOSE_ERROR
+        await self._fatal("engine_unavailable", str(error), close)
 
     @staticmethod
     def _reader_end(reader: asyncio.Task) -> str:

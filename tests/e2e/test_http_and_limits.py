@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
-import os
-import signal
 import time
 
 import av
@@ -151,47 +148,6 @@ async def test_stall_and_duration_limits_end_sessions_cleanly(make_server):
         got = await client.rest(timeout=15)
     done = got.of("session.done")[0]
     assert done["reason"] == "max_duration" and done["stopped"] is True and len(got.chunks) > 0
-
-
-async def kill_worker_under_a_session(server) -> None:
-    worker = server.health()["workers"][0]["pid"]
-    async with open_realtime(server.ws) as ws:
-        client = Realtime(ws)
-        await client.send({"type": "session.start", "prompt": "p", "format": "raw"})
-        await client.until("video.start")
-        await client.next()
-        os.kill(worker, signal.SIGKILL)
-        got = await client.rest(timeout=10)
-    [error] = [e for e in got.of("error") if e["fatal"]]
-    assert error["code"] == "worker_died" and got.close_code == 1011
-
-
-async def test_a_dead_worker_ends_its_sessions_and_a_fresh_one_takes_over(make_server):
-    server = make_server(pipeline={"step_time_s": 0.005})
-    await kill_worker_under_a_session(server)
-    deadline = time.monotonic() + 30
-    while (health := httpx.get(f"{server.http}/health")).status_code != 200:
-        assert time.monotonic() < deadline, health.text
-        await asyncio.sleep(0.05)
-    assert health.json()["workers"][0]["restarts"] == 1
-    async with open_realtime(server.ws) as ws:
-        client = Realtime(ws)
-        await client.send({"type": "session.start", "prompt": "again", "format": "raw", "num_chunks": 2})
-        assert (await client.rest()).of("session.done")
-
-
-async def test_without_restarts_a_dead_worker_fails_liveness_and_new_sessions(make_server):
-    server = make_server("--max-worker-restarts", "0", pipeline={"step_time_s": 0.005})
-    await kill_worker_under_a_session(server)
-    health = httpx.get(f"{server.http}/health")
-    assert health.status_code == 503 and "died" in health.json()["reason"]
-    assert httpx.get(f"{server.http}/health/live").status_code == 503  # an orchestrator restarts it
-    async with open_realtime(server.ws) as ws:
-        late = Realtime(ws)
-        await late.send({"type": "session.start", "prompt": "p"})
-        refused = await late.rest(timeout=10)
-    assert refused.of("error")[0]["code"] == "engine_unavailable" and refused.close_code == 1011
-    assert httpx.get(f"{server.http}/metrics").text.count("rtvideo_worker_up 0.0") == 1
 
 
 def test_a_key_in_the_query_string_never_reaches_the_access_log(make_server):

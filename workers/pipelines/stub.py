@@ -17,12 +17,15 @@ Knobs for tests and benchmarks (all keyword options of the constructor):
 ``spin=True`` the way a host thread spins on a GPU sync), ``gates``
 (``StubGate``: block at a chunk and step until released, to place a control
 message mid-chunk deterministically), ``fail_prompt`` / ``fail_chunk`` (raise
-in ``denoise_step`` for sessions started with that prompt).
+in ``denoise_step`` for sessions started with that prompt), ``startup_gate``
+(a path: when a FIFO lies there, construction waits until a writer opens it,
+so a test can hold a worker restart for as long as it needs).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -97,7 +100,11 @@ class StubPipeline:
         fail_prompt: str | None = None,
         fail_chunk: int = 0,
         memory_budget: int | None = None,
+        startup_gate: str | None = None,
     ) -> None:
+        if startup_gate is not None and os.path.exists(startup_gate):
+            with open(startup_gate, "rb"):  # a FIFO: blocks until the test opens its write end
+                pass
         self.defaults = (width, height, fps, default_steps)
         self.frames_per_chunk = frames_per_chunk
         self.first_chunk_frames = first_chunk_frames or frames_per_chunk
