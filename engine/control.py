@@ -7,12 +7,17 @@ Lives in worker rank 0 and is shared by two threads:
   pipeline call. Starts are admitted (or refused) and interactions land in
   their session's mailbox right here, and are acknowledged at once;
 - the loop thread calls ``drain`` / ``wait`` for the structural messages
-  (admitted starts, stops, probes, shutdown) and ``take_boundary`` at a
-  session's chunk boundary.
+  (admitted starts, stops, probes, shutdown), ``pacing_state`` for the
+  playheads its pacing decides on, and ``take_boundary`` at a session's chunk
+  boundary.
 
-One lock guards everything. Acknowledgements that depend on mailbox state are
-sent while holding it, so the client always sees ``queued`` before
-``applied``/``superseded`` of the same event.
+One lock guards everything. Whatever may change what the loop would do next
+(a message for its inbox, a playback report) bumps a wake-up count under the
+lock; the loop reads the count together with the playheads, and ``wait``
+returns at once if it moved since, so a report that arrives between the
+loop's pacing decision and its wait is never lost. Acknowledgements that
+depend on mailbox state are sent while holding it, so the client always sees
+``queued`` before ``applied``/``superseded`` of the same event.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class ControlPlane:
         self._lock = threading.Lock()
         self._inbox_ready = threading.Condition(self._lock)
         self._inbox: deque[ControlMessage] = deque()
+        self._wakeups = 0  # bumped with every notify: what arrived for the loop since it last looked
         self._sessions: dict[str, SessionControl] = {}
         self._shutting_down = False
         self._handlers: dict[type, Callable] = {
@@ -154,7 +160,7 @@ class ControlPlane:
         control = self._sessions.get(playback.session_id)
         if control is not None:
             control.playback_s = playback.position_seconds
-            self._inbox_ready.notify()
+            self._wake()
 
     def _on_stop(self, stop: StopSession) -> None:
         control = self._sessions.get(stop.session_id)
@@ -181,6 +187,10 @@ class ControlPlane:
 
     def _to_inbox(self, message: ControlMessage) -> None:
         self._inbox.append(message)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._wakeups += 1
         self._inbox_ready.notify()
 
     def _reject(self, sid: str, code: str, message: str) -> None:
@@ -200,11 +210,20 @@ class ControlPlane:
             self._inbox.clear()
         return messages
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the inbox has something (or ``timeout`` passes)."""
+    def pacing_state(self) -> tuple[int, dict[str, float | None]]:
+        """The wake-up count and every session's last reported playhead, read
+        together: the loop decides its pacing on these and hands the count to
+        ``wait``."""
         with self._lock:
-            if not self._inbox:
-                self._inbox_ready.wait(timeout)
+            return self._wakeups, {sid: control.playback_s for sid, control in self._sessions.items()}
+
+    def wait(self, seen: int, timeout: float | None = None) -> bool:
+        """Block until the inbox has something or anything arrived after the
+        ``pacing_state`` read that returned ``seen`` (so a playback report that
+        came in between that read and this call returns at once), or until
+        ``timeout`` passes. True when woken by something new, False on timeout."""
+        with self._lock:
+            return self._inbox_ready.wait_for(lambda: bool(self._inbox) or self._wakeups != seen, timeout)
 
     def take_boundary(self, session_id: str, chunk_index: int) -> TakeResult:
         """Take what applies at the boundary before ``chunk_index`` and mark that
@@ -229,11 +248,6 @@ class ControlPlane:
         an attribute read are atomic, and a stop seen one step late is fine."""
         control = self._sessions.get(session_id)
         return control is None or control.stopping
-
-    def playback_seconds(self, session_id: str) -> float | None:
-        with self._lock:
-            control = self._sessions.get(session_id)
-            return None if control is None else control.playback_s
 
     def unregister(self, session_id: str) -> list[PendingInteraction]:
         """Forget a session (its admission slot frees); returns what never applied."""

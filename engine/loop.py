@@ -16,6 +16,12 @@ Each iteration:
   boundaries, then the denoise rows; a row never crosses a chunk boundary);
 - **emit**: acknowledgements and finished chunks go out as results.
 
+With nothing to run, the loop waits on the control plane until a message, a
+playback report that may free a paced session, or the soonest time a paced
+session may run again. The wait is handed the wake-up count read together
+with the playheads it decided on, so a report that lands between the
+decision and the wait wakes it at once.
+
 Hence the guarantee: an interaction accepted while chunk k is being denoised
 (or decoded) is in the mailbox before the boundary of chunk k+1 is taken, and
 is active from chunk k+1, for any number of steps per chunk, grouped or not.
@@ -76,6 +82,7 @@ class _Iteration:
     plan: StepPlan
     boundaries: dict[str, _Boundary] = field(default_factory=dict)
     wake_in: float | None = None  # with nothing to run: when a paced session may run again
+    seen: int = 0  # the control plane's wake-up count the pacing decision was made on
 
 
 class EngineLoop:
@@ -87,8 +94,10 @@ class EngineLoop:
         send: Callable[[ResultMessage], None],
         grouping: bool,
         max_rows: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock  # the pacing clock: first emit and the real-time playhead estimate
         self.control = control
         self.runner = runner
         self.send = send
@@ -115,7 +124,7 @@ class EngineLoop:
         iteration = self.schedule()
         if iteration.plan.is_empty():
             if self._running:
-                self.control.wait(iteration.wake_in)
+                self.control.wait(iteration.seen, iteration.wake_in)
             return
         result = self.execute(iteration.plan)
         self.emit(iteration, result)
@@ -171,7 +180,7 @@ class EngineLoop:
         plan = StepPlan(invocation=self._invocation + 1)
         iteration = _Iteration(plan)
         plan.release = [sid for sid, s in self.sessions.items() if s.phase is Phase.FINISHING]
-        held, iteration.wake_in = self._paced()
+        held, iteration.wake_in, iteration.seen = self._paced()
         for session in self.scheduler.select(self.sessions.values(), held):
             if session.phase is Phase.NEW:
                 plan.open.append(session.start)
@@ -191,19 +200,21 @@ class EngineLoop:
             self._invocation = plan.invocation
         return iteration
 
-    def _paced(self) -> tuple[set[str], float | None]:
-        """Sessions held back by pacing, and the soonest one of them may run."""
-        now = time.monotonic()
+    def _paced(self) -> tuple[set[str], float | None, int]:
+        """Sessions held back by pacing, the soonest one of them may run, and the
+        control plane's wake-up count read with the playheads decided on."""
+        seen, playheads = self.control.pacing_state()
+        now = self.clock()
         held: set[str] = set()
         wake: float | None = None
         for sid, session in self.sessions.items():
-            wait = wait_seconds(session, self.control.playback_seconds(sid), now)
+            wait = wait_seconds(session, playheads.get(sid), now)
             if wait == 0.0:
                 continue
             held.add(sid)
             if wait is not None:
                 wake = wait if wake is None else min(wake, wait)
-        return held, wake
+        return held, wake, seen
 
     def boundary_work(self, session: EngineSession, iteration: _Iteration) -> None:
         """Take the mailbox for the session's next chunk and plan the boundary."""
@@ -250,19 +261,26 @@ class EngineLoop:
             self._end(sid)
         for sid, boundary in iteration.boundaries.items():
             row = result.rows.get(sid)
-            if row is None or row.error is None:
-                self._report_boundary(self.sessions[sid], boundary)
+            self._report_boundary(self.sessions[sid], boundary, None if row is None else row.error)
         for planned in plan.rows:
             row = result.rows.get(planned.session_id)
             if row is not None:
                 self._account_row(self.sessions[planned.session_id], row)
 
-    def _report_boundary(self, session: EngineSession, boundary: _Boundary) -> None:
+    def _report_boundary(self, session: EngineSession, boundary: _Boundary, error: str | None) -> None:
+        """End every interaction the boundary took: the ones it replaced are
+        superseded; the one it took is applied, or, when the session failed in
+        the invocation that crossed the boundary (its chunk will never be
+        delivered), rejected as ``session_failed``."""
         sid = session.session_id
         for old, by in boundary.superseded:
             self.send(InteractionSuperseded(session_id=sid, event_id=old.event_id, by_event_id=by))
         applied = boundary.applied
         if applied is None:
+            return
+        if error is not None:
+            message = f"the session failed at chunk {session.chunk_index} before this interaction took effect: {error}"
+            self._reject(sid, applied.event_id, "session_failed", message)
             return
         media_start = boundary.first_frame / session.geometry.fps
         session.applied.append(
@@ -322,7 +340,7 @@ class EngineLoop:
         )
         self.stats.chunks += 1
         if session.first_emit_at is None:
-            session.first_emit_at = time.monotonic()
+            session.first_emit_at = self.clock()
         self.control.chunk_finished(session.session_id)
         session.frames_done += chunk.num_frames
         session.chunks_done += 1
@@ -336,7 +354,8 @@ class EngineLoop:
     def _end(self, sid: str) -> None:
         """The runner released a finishing session: say so, with its replay log."""
         session = self.sessions.pop(sid)
-        self._reject_leftovers(sid)
+        message = "the session ended before this interaction reached a chunk boundary"
+        self._reject_leftovers(sid, "session_ended", message)
         reason = session.end_reason or "completed"
         self.send(
             SessionDone(
@@ -352,16 +371,15 @@ class EngineLoop:
     def _fail(self, session: EngineSession, error: str) -> None:
         sid = session.session_id
         self.sessions.pop(sid, None)
-        self._reject_leftovers(sid)
+        message = f"the session failed before this interaction reached a chunk boundary: {error}"
+        self._reject_leftovers(sid, "session_failed", message)
         self.send(SessionFailed(session_id=sid, code="pipeline_error", message=error))
 
-    def _reject_leftovers(self, sid: str) -> None:
+    def _reject_leftovers(self, sid: str, code: str, message: str) -> None:
+        """Reject what the session's mailbox still holds; before the session's
+        last message, which ends its stream."""
         for left in self.control.unregister(sid):
-            self.send(
-                InteractionRejected(
-                    session_id=sid,
-                    event_id=left.event_id,
-                    code="session_ended",
-                    message="the session ended before this interaction reached a chunk boundary",
-                )
-            )
+            self._reject(sid, left.event_id, code, message)
+
+    def _reject(self, sid: str, event_id: str, code: str, message: str) -> None:
+        self.send(InteractionRejected(session_id=sid, event_id=event_id, code=code, message=message))

@@ -12,8 +12,19 @@ import pytest
 
 from engine.client import EngineClient, EngineDeadError, EngineStartupError, UnknownSessionError
 from engine.config import EngineConfig, PipelineSpec
-from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, StartSession
-from tests.support import Collected, collect, read_until
+from engine.messages import (
+    ChunkReady,
+    Interaction,
+    InteractionApplied,
+    InteractionQueued,
+    InteractionRejected,
+    InteractionSuperseded,
+    ScheduledInteraction,
+    SessionDone,
+    SessionFailed,
+    StartSession,
+)
+from tests.support import Collected, collect, make_gate, read_until, wait_reached
 
 
 async def test_pipeline_error_fails_only_that_session(make_engine):
@@ -27,6 +38,43 @@ async def test_pipeline_error_fails_only_that_session(make_engine):
     assert "denoise_step failed" in bad.end.message and "injected failure at chunk 1" in bad.end.message
     assert len(bad.chunks) == 1
     assert isinstance(good.end, SessionDone) and good.end.chunks == 6
+    probe = await engine.probe()
+    assert probe.sessions == probe.runner_sessions == probe.pipeline_sessions == ()
+
+
+async def test_every_queued_interaction_ends_once_when_the_chunk_that_took_it_fails(make_engine):
+    # Chunk 1's first denoise step raises, in the invocation that crossed chunk 1's boundary.
+    during_0, during_1 = make_gate(chunk=0, step=0), make_gate(chunk=1, step=0)
+    engine = await make_engine(fail_prompt="doomed", fail_chunk=1, gates=[during_0, during_1])
+    scheduled = tuple(
+        ScheduledInteraction(at_chunk=chunk, event_id=eid, interaction=Interaction(prompt=eid))
+        for chunk, eid in ((1, "planned"), (2, "later"))
+    )
+    start = StartSession(session_id="s", prompt="doomed", num_chunks=4, scheduled=scheduled)
+    handle = await engine.start_session(start)
+    seen = Collected()
+    await wait_reached(during_0)
+    await handle.interact("e1", Interaction(prompt="first"))
+    await handle.interact("e2", Interaction(prompt="second"))  # replaces e1, and at chunk 1 the planned one
+    for _ in range(2):
+        assert (await read_until(handle, InteractionQueued, seen)).expected_chunk_index == 1
+    during_0.release.set()
+    await wait_reached(during_1)  # chunk 1's boundary took e2
+    await handle.interact("e3", Interaction(prompt="third"))
+    assert (await read_until(handle, InteractionQueued, seen)).expected_chunk_index == 2
+    during_1.release.set()
+
+    result = await collect(handle, seen)  # the stream ends at SessionFailed: anything after it is lost
+    assert isinstance(result.end, SessionFailed) and "injected failure at chunk 1" in result.end.message
+    assert [c.generation_chunk_index for c in result.chunks] == [0]
+    ends = result.of(InteractionApplied) + result.of(InteractionSuperseded) + result.of(InteractionRejected)
+    assert sorted(m.event_id for m in ends) == ["e1", "e2", "e3", "later", "planned"]  # each exactly once
+    by_id = {m.event_id: m for m in ends}
+    assert isinstance(by_id["e1"], InteractionSuperseded) and by_id["e1"].by_event_id == "e2"
+    assert isinstance(by_id["planned"], InteractionSuperseded) and by_id["planned"].by_event_id == "e2"
+    for eid in ("e2", "e3", "later"):
+        assert isinstance(by_id[eid], InteractionRejected) and by_id[eid].code == "session_failed"
+        assert "injected failure at chunk 1" in by_id[eid].message
     probe = await engine.probe()
     assert probe.sessions == probe.runner_sessions == probe.pipeline_sessions == ()
 

@@ -1,10 +1,14 @@
 """The engine loop's plans obey the boundary rule, checked on every plan of
-randomised runs (in-process: loop, control plane, runner and stub; the
-process boundary is covered by tests/engine)."""
+randomised runs, and every acknowledged interaction ends exactly once, with
+pipeline failures injected at a chunk boundary or in a denoise step
+(in-process: loop, control plane, runner and stub; the process boundary is
+covered by tests/engine)."""
 
 from __future__ import annotations
 
 import random
+from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -16,7 +20,11 @@ from engine.messages import (
     Interaction,
     InteractionApplied,
     InteractionQueued,
+    InteractionRejected,
+    InteractionSuperseded,
+    ScheduledInteraction,
     SessionDone,
+    SessionFailed,
     StartSession,
     StopSession,
     SubmitInteraction,
@@ -25,12 +33,67 @@ from engine.plan import StepPlan
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
 
+STAGES = ("apply", "prepare", "denoise")
+
+
+class FailingStub(StubPipeline):
+    """The stub, raising for a session at chunk ``chunk`` in ``stage``: applying
+    an interaction at the boundary, preparing the chunk, or its first denoise
+    step. ``before_raise`` runs first (a stand-in for the control-receiver
+    thread accepting a message while the call is in progress)."""
+
+    def __init__(self, fail: dict[str, tuple[str, int]] | None = None) -> None:
+        super().__init__()
+        self.fail = dict(fail or {})
+        self.before_raise: Callable[[], None] | None = None
+
+    def _maybe_fail(self, state, stage: str, chunk: int) -> None:
+        if self.fail.get(state.session_id) == (stage, chunk):
+            if self.before_raise is not None:
+                self.before_raise()
+            raise RuntimeError(f"injected {stage} failure at chunk {chunk}")
+
+    def apply_interaction_at_chunk_boundary(self, state, prompt, transition_chunks):
+        self._maybe_fail(state, "apply", state.chunk_index)
+        super().apply_interaction_at_chunk_boundary(state, prompt, transition_chunks)
+
+    def prepare_next_chunk(self, state):
+        self._maybe_fail(state, "prepare", state.chunk_index)
+        super().prepare_next_chunk(state)
+
+    def denoise_step(self, batch, states):
+        for row, state in zip(batch.rows, states, strict=True):
+            if row.step == 0:
+                self._maybe_fail(state, "denoise", row.chunk_index)
+        return super().denoise_step(batch, states)
+
+
+def assert_each_interaction_ends_once(sent: list) -> None:
+    """Every acknowledged interaction ends exactly once (applied, superseded or
+    rejected), before its session's last message (which ends the client's stream)."""
+    queued = {(m.session_id, m.event_id) for m in sent if isinstance(m, InteractionQueued)}
+    ended: Counter = Counter()
+    terminal: set[str] = set()
+    for m in sent:
+        if isinstance(m, InteractionApplied | InteractionSuperseded | InteractionRejected):
+            key = (m.session_id, m.event_id)
+            if key in queued:
+                assert m.session_id not in terminal, f"{m} came after its session's end"
+                ended[key] += 1
+        elif isinstance(m, SessionDone | SessionFailed):
+            assert m.session_id not in terminal, f"{m.session_id} ended twice"
+            terminal.add(m.session_id)
+    assert {key for key, count in ended.items() if count == 1} == queued, (
+        f"never ended: {sorted(queued - set(ended))}; ended more than once: "
+        f"{sorted(key for key, count in ended.items() if count > 1)}"
+    )
+
 
 class CheckingRunner(ModelRunner):
     """The real runner, asserting the plan contract before executing each plan."""
 
-    def __init__(self, grouped: bool) -> None:
-        super().__init__(StubPipeline())
+    def __init__(self, grouped: bool, fail: dict[str, tuple[str, int]] | None = None) -> None:
+        super().__init__(FailingStub(fail))
         self.grouped = grouped
         self.plans = 0
 
@@ -55,7 +118,9 @@ class CheckingRunner(ModelRunner):
 def test_every_plan_keeps_the_boundary_rule(grouped, seed):
     rng = random.Random(seed)
     config = EngineConfig(max_sessions=3)
-    runner = CheckingRunner(grouped)
+    # Session s1 may fail, at a boundary or in a denoise step, at a random chunk.
+    failure = rng.choice([None, *((stage, rng.randrange(6)) for stage in STAGES)])
+    runner = CheckingRunner(grouped, {"s1": failure} if failure else None)
     sent: list = []
     control = ControlPlane(config, runner.describe, sent.append)
     loop = EngineLoop(config, control, runner, sent.append, grouping=grouped, max_rows=rng.choice([1, 2]))
@@ -78,13 +143,59 @@ def test_every_plan_keeps_the_boundary_rule(grouped, seed):
     else:
         raise AssertionError("the sessions never ended")
     assert runner.plans > 0
-    assert sum(isinstance(m, SessionDone) for m in sent) == 3
+    assert sum(isinstance(m, SessionDone | SessionFailed) for m in sent) == 3
     assert runner.states == {} and runner.pipeline.held_sessions() == ()
+    assert_each_interaction_ends_once(sent)
     # Every acknowledged interaction that applied did so at the chunk it was promised.
     promised = {m.event_id: m.expected_chunk_index for m in sent if isinstance(m, InteractionQueued)}
     for applied in (m for m in sent if isinstance(m, InteractionApplied)):
         assert applied.generation_chunk_index == promised[applied.event_id]
     assert any(isinstance(m, ChunkReady) for m in sent)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "ungrouped"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_queued_interaction_ends_once_when_the_boundary_that_took_it_fails(grouped, stage):
+    config = EngineConfig()
+    runner = CheckingRunner(grouped, {"s": (stage, 1)})
+    sent: list = []
+    control = ControlPlane(config, runner.describe, sent.append)
+    loop = EngineLoop(config, control, runner, sent.append, grouping=grouped, max_rows=1)
+
+    def submit(event_id: str, prompt: str) -> None:
+        control.handle(SubmitInteraction(session_id="s", event_id=event_id, interaction=Interaction(prompt=prompt)))
+
+    scheduled = tuple(
+        ScheduledInteraction(at_chunk=chunk, event_id=eid, interaction=Interaction(prompt=eid))
+        for chunk, eid in ((1, "planned"), (3, "later"))
+    )
+    control.handle(StartSession(session_id="s", prompt="p", num_chunks=6, scheduled=scheduled))
+    loop.run_once()  # chunk 0 begins
+    submit("e1", "first")
+    submit("e2", "second")  # replaces e1, and at chunk 1 the planned one
+    # Accepted while chunk 1's boundary call is in progress: promised to chunk 2.
+    runner.pipeline.before_raise = lambda: submit("e3", "third")
+    for _ in range(20):
+        loop.run_once()
+        if not loop.sessions:
+            break
+
+    failed = sent[-1]
+    assert isinstance(failed, SessionFailed) and failed.code == "pipeline_error"
+    assert f"injected {stage} failure at chunk 1" in failed.message
+    assert not any(isinstance(m, ChunkReady) and m.generation_chunk_index >= 1 for m in sent)
+    assert_each_interaction_ends_once(sent)
+    ends = {
+        m.event_id: m for m in sent if isinstance(m, InteractionApplied | InteractionSuperseded | InteractionRejected)
+    }
+    assert set(ends) == {"e1", "e2", "e3", "planned", "later"}
+    assert isinstance(ends["e1"], InteractionSuperseded) and ends["e1"].by_event_id == "e2"
+    assert isinstance(ends["planned"], InteractionSuperseded) and ends["planned"].by_event_id == "e2"
+    for eid in ("e2", "e3", "later"):  # none took effect: the session failed first
+        assert isinstance(ends[eid], InteractionRejected) and ends[eid].code == "session_failed", ends[eid]
+        assert "injected" in ends[eid].message
+    assert "failed at chunk 1 before this interaction took effect" in ends["e2"].message
+    assert control.open_sessions() == () and runner.states == {} and runner.pipeline.held_sessions() == ()
 
 
 def test_a_describe_that_raises_anything_refuses_the_start_and_control_goes_on():

@@ -1,0 +1,184 @@
+"""Pacing policy (``engine.pacing``) with the clock passed in: the playhead, the
+lead, and when a session may begin its next chunk; then the loop deciding on
+an injected clock. Values are chosen exact in binary floating point."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.control import ControlPlane
+from engine.loop import EngineLoop
+from engine.messages import ChunkReady, Playback, SessionGeometry, StartSession
+from engine.pacing import EPSILON_S, lead_seconds, playhead_seconds, wait_seconds
+from engine.session import EngineSession, Phase
+from workers.pipelines.stub import StubPipeline
+from workers.runner import ModelRunner
+
+GEOMETRY = SessionGeometry(
+    width=32,
+    height=32,
+    fps=16.0,
+    num_inference_steps=4,
+    first_chunk_frames=4,
+    frames_per_chunk=4,
+    num_chunks=None,
+    transition_chunks=0,
+)
+CHUNK_S = 4 / 16.0
+
+
+def session(
+    frames_done: int = 0,
+    first_emit_at: float | None = None,
+    budget: float | None = 0.5,
+    phase: Phase = Phase.BOUNDARY,
+) -> EngineSession:
+    return EngineSession(
+        "s",
+        GEOMETRY,
+        phase=phase,
+        frames_done=frames_done,
+        first_emit_at=first_emit_at,
+        max_lead_seconds=budget,
+    )
+
+
+# -- playhead ---------------------------------------------------------------
+
+
+def test_the_playhead_is_zero_before_the_first_chunk_without_a_report():
+    assert playhead_seconds(session(), None, now=123.0) == 0.0
+
+
+def test_without_a_report_the_playhead_runs_in_real_time_from_the_first_emit():
+    s = session(frames_done=8, first_emit_at=100.0)
+    assert playhead_seconds(s, None, now=100.0) == 0.0
+    assert playhead_seconds(s, None, now=100.375) == 0.375
+
+
+def test_a_reported_playhead_wins_over_the_real_time_estimate():
+    s = session(frames_done=8, first_emit_at=100.0)
+    assert playhead_seconds(s, 0.125, now=200.0) == 0.125
+    assert playhead_seconds(session(), 2.0, now=0.0) == 2.0  # even before the first chunk
+
+
+# -- lead -------------------------------------------------------------------
+
+
+def test_the_lead_is_media_done_minus_the_playhead():
+    s = session(frames_done=8, first_emit_at=100.0)  # 0.5 s of media
+    assert lead_seconds(s, None, now=100.0) == 0.5
+    assert lead_seconds(s, None, now=100.125) == 0.375
+    assert lead_seconds(s, 0.25, now=500.0) == 0.25
+    assert lead_seconds(s, 0.75, now=100.0) == -0.25  # the viewer is past what was generated
+
+
+# -- wait_seconds -----------------------------------------------------------
+
+
+def test_no_budget_never_holds_back():
+    s = session(frames_done=16 * 60, first_emit_at=100.0, budget=None)  # a minute ahead
+    assert wait_seconds(s, 0.0, now=100.0) == 0.0
+    assert wait_seconds(s, None, now=100.0) == 0.0
+
+
+@pytest.mark.parametrize("phase", [Phase.NEW, Phase.DENOISING, Phase.FINISHING])
+def test_only_a_session_between_chunks_is_held(phase):
+    s = session(frames_done=16, first_emit_at=100.0, phase=phase)  # 1 s of media, budget 0.5
+    assert wait_seconds(s, 0.0, now=100.0) == 0.0
+    assert wait_seconds(s, None, now=100.0) == 0.0
+
+
+def test_under_budget_runs_now():
+    s = session(frames_done=4, first_emit_at=100.0)  # lead 0.25 < 0.5
+    assert wait_seconds(s, 0.0, now=100.0) == 0.0
+    assert wait_seconds(s, None, now=100.0) == 0.0
+    assert wait_seconds(session(frames_done=0), None, now=100.0) == 0.0  # nothing emitted yet
+
+
+def test_over_budget_with_a_report_waits_for_the_next_report():
+    s = session(frames_done=16, first_emit_at=100.0)  # 1 s of media
+    assert wait_seconds(s, 0.25, now=100.0) is None  # lead 0.75: only a report frees it
+    assert wait_seconds(s, 0.25, now=10_000.0) is None  # time alone does not move a reported playhead
+    assert wait_seconds(s, 0.5, now=100.0) is None  # exactly at the budget: held
+    assert wait_seconds(s, 0.625, now=100.0) == 0.0  # the viewer moved: under budget
+
+
+def test_over_budget_without_a_report_waits_until_real_time_catches_up_plus_epsilon():
+    s = session(frames_done=16, first_emit_at=8.0)  # 1 s of media, budget 0.5
+    assert wait_seconds(s, None, now=8.25) == 0.25 + EPSILON_S  # lead 0.75: 0.25 over
+    # Exactly at the budget is still held, for EPSILON: a wake-up a little after, never a little before.
+    assert wait_seconds(s, None, now=8.5) == EPSILON_S
+    assert wait_seconds(s, None, now=8.25 + wait_seconds(s, None, now=8.25)) == 0.0
+    assert wait_seconds(s, None, now=8.5 + EPSILON_S) == 0.0
+
+
+# -- the loop on an injected clock ------------------------------------------
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _loop(clock: FakeClock) -> tuple[EngineLoop, ControlPlane, list]:
+    sent: list = []
+    config = EngineConfig()
+    runner = ModelRunner(StubPipeline())
+    control = ControlPlane(config, runner.describe, sent.append)
+    return EngineLoop(config, control, runner, sent.append, grouping=True, max_rows=1, clock=clock), control, sent
+
+
+def _chunks(sent: list) -> list[int]:
+    return [m.generation_chunk_index for m in sent if isinstance(m, ChunkReady)]
+
+
+def test_the_loop_paces_on_its_clock_from_the_first_emit():
+    clock = FakeClock(100.0)
+    loop, control, sent = _loop(clock)
+    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=0.5))
+    loop.run_once()
+    loop.run_once()
+    assert _chunks(sent) == [0, 1] and loop.sessions["s"].first_emit_at == 100.0
+
+    # 0.5 s ahead of a playhead still at 0: held, to wake just after the budget allows.
+    held = loop.schedule()
+    assert held.plan.is_empty() and held.wake_in == EPSILON_S
+    clock.now = 100.0 + EPSILON_S
+    loop.run_once()
+    assert _chunks(sent) == [0, 1, 2]
+    held = loop.schedule()  # 0.75 s of media at playhead 0.001: 0.249 over
+    assert held.plan.is_empty() and held.wake_in == pytest.approx(0.25)
+
+    clock.now = 100.125  # not yet: 0.125 over
+    held = loop.schedule()
+    assert held.plan.is_empty() and held.wake_in == pytest.approx(0.125 + EPSILON_S)
+    clock.now = 100.25 + EPSILON_S
+    loop.run_once()
+    assert _chunks(sent) == [0, 1, 2, 3]
+
+
+def test_a_report_overrides_the_clock_and_frees_exactly_what_it_allows():
+    clock = FakeClock(100.0)
+    loop, control, sent = _loop(clock)
+    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=0.5))
+    loop.run_once()
+    loop.run_once()
+    control.handle(Playback(session_id="s", position_seconds=0.0))
+    clock.now = 1_000.0  # real time is far ahead; the report is what counts
+    held = loop.schedule()
+    assert held.plan.is_empty() and held.wake_in is None  # only a report frees it
+
+    control.handle(Playback(session_id="s", position_seconds=CHUNK_S))  # frees one chunk
+    loop.run_once()
+    assert loop.schedule().plan.is_empty()
+    assert _chunks(sent) == [0, 1, 2]
+    control.handle(Playback(session_id="s", position_seconds=3 * CHUNK_S))  # frees two
+    loop.run_once()
+    loop.run_once()
+    assert loop.schedule().plan.is_empty()
+    assert _chunks(sent) == [0, 1, 2, 3, 4]
