@@ -10,6 +10,7 @@ import av
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.media import split_jpeg_payload
 from tests.e2e.client import Realtime, interaction, open_realtime
@@ -124,18 +125,43 @@ async def test_a_stopped_endless_session_replays_bit_for_bit(server):
     assert frames.size == done["frames"] * 24 * 32 * 3
 
 
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.http}/metrics", timeout=10).text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
 async def test_client_disconnect_mid_chunk_frees_the_session(make_server):
-    server = make_server(pipeline={"step_time_s": 0.05})  # 200 ms chunks: leave inside one
+    # 1 s chunks (four 0.25 s steps); a stop cuts a chunk short between two steps.
+    server = make_server(pipeline={"step_time_s": 0.25})
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
         await client.send({**START, "format": "raw"})
-        await client.next()  # video.start
-        await client.next()  # chunk 0; chunk 1 is being denoised
-    # The socket is gone; the engine frees the session at its next loop iteration.
-    for _ in range(200):
-        health = server.health()
-        if health["sessions"] == 0:
-            break
-        await asyncio.sleep(0.05)
+        await client.until("video.start")
+        first = await client.next()
+        assert first.metadata["generation_chunk_index"] == 0
+        # The worker's acknowledgement names the chunk in progress when it arrived: chunk 1 is.
+        await client.send(interaction("a storm", "mid"))
+        queued = await client.until("session.interaction.queued")
+        assert (queued["in_progress_chunk_index"], queued["expected_chunk_index"]) == (1, 2)
+        # (No /health here: the worker answers probes between loop iterations, after this chunk.)
+    # The socket closed with chunk 1 in progress.
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while metric(after := scrape(server), "rtvideo_sessions_total", outcome="client_disconnected") != 1.0:
+        assert asyncio.get_running_loop().time() < deadline, "the disconnected session never ended"
+    # Chunk 1 never finished: the disconnect reached the worker while it was in progress, and cut it short.
+    assert metric(after, "rtvideo_chunks_delivered_total") == 1.0
+    assert metric(after, "rtvideo_interactions_total", outcome="queued") == 1.0
+    assert metric(after, "rtvideo_interactions_total", outcome="rejected") == 1.0  # "mid" ended, never applied
+    assert metric(after, "rtvideo_interactions_total", outcome="applied") == 0.0
+    assert metric(after, "rtvideo_sessions_active") == 0.0
+    health = server.health()  # the worker released everything the session held
     assert health["sessions"] == 0
     assert health["runner_sessions"] == [] and health["pipeline_sessions"] == []
