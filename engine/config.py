@@ -38,10 +38,6 @@ class EngineConfig:
     """Device memory the open sessions' state may hold together; a start that
     would pass it is refused (server_full). None: what the pipeline finds free
     after its warm-up (``session_memory_budget``; unlimited on a CPU)."""
-    max_transition_chunks: int = 64
-    """Largest ``transition_chunks`` an interaction may ask for."""
-    max_prompt_chars: int = 4000
-    """Longest prompt accepted, in characters."""
     startup_timeout_s: float = 120.0
     """How long the client waits for a worker's READY before giving up."""
     shutdown_timeout_s: float = 10.0
@@ -58,8 +54,6 @@ class EngineConfig:
         _check(self.max_batch_rows >= 1, "max_batch_rows", "must be >= 1")
         budget = self.session_memory_bytes
         _check(budget is None or budget > 0, "session_memory_bytes", "must be > 0")
-        _check(self.max_transition_chunks >= 1, "max_transition_chunks", "must be >= 1")
-        _check(self.max_prompt_chars >= 1, "max_prompt_chars", "must be >= 1")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.shutdown_timeout_s > 0, "shutdown_timeout_s", "must be > 0")
         _check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")

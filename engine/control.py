@@ -108,7 +108,7 @@ class ControlPlane:
             limit = self._config.max_sessions
             return self._reject(sid, "server_full", f"server full: max_sessions={limit} are open")
         try:
-            check_start(start, self._config)
+            check_start(start)
             geometry = self._describe(start)
         except ValueError as error:
             return self._reject(sid, "invalid_request", str(error))
@@ -132,7 +132,7 @@ class ControlPlane:
         if control.stopping:
             return self._reject_interaction(sid, eid, "session_ended", "the session is stopping")
         try:
-            check_interaction(submit.interaction, self._config)
+            check_interaction(submit.interaction)
         except ValueError as error:
             return self._reject_interaction(sid, eid, "invalid_interaction", str(error))
         last = control.geometry.num_chunks

@@ -7,38 +7,38 @@ limits (sizes, step counts) are checked by the pipeline's ``describe``.
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.limits import MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
 from engine.messages import Interaction, StartSession
 
-MAX_SEED = 2**63 - 1
 
-
-def check_prompt(prompt: str, field: str, config: EngineConfig) -> None:
+def check_prompt(prompt: str, field: str) -> None:
     if not prompt.strip():
         raise ValueError(f"{field} must not be empty")
-    if len(prompt) > config.max_prompt_chars:
-        raise ValueError(f"{field} is longer than {config.max_prompt_chars} characters")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"{field} is longer than {MAX_PROMPT_CHARS} characters")
 
 
-def check_transition(value: int | None, field: str, config: EngineConfig) -> None:
-    if value is not None and not 0 <= value <= config.max_transition_chunks:
-        raise ValueError(f"{field} must be between 0 and {config.max_transition_chunks}, got {value}")
+def check_transition(value: int | None, field: str) -> None:
+    if value is not None and not 0 <= value <= MAX_TRANSITION_CHUNKS:
+        raise ValueError(f"{field} must be between 0 and {MAX_TRANSITION_CHUNKS}, got {value}")
 
 
-def check_interaction(interaction: Interaction, config: EngineConfig) -> None:
-    check_prompt(interaction.prompt, "interaction.prompt", config)
-    check_transition(interaction.transition_chunks, "interaction.transition_chunks", config)
+def check_interaction(interaction: Interaction) -> None:
+    check_prompt(interaction.prompt, "interaction.prompt")
+    check_transition(interaction.transition_chunks, "interaction.transition_chunks")
 
 
-def check_start(start: StartSession, config: EngineConfig) -> None:
+def check_start(start: StartSession) -> None:
     if not start.session_id:
         raise ValueError("session_id must not be empty")
-    check_prompt(start.prompt, "prompt", config)
+    check_prompt(start.prompt, "prompt")
     if not 0 <= start.seed <= MAX_SEED:
         raise ValueError(f"seed must be between 0 and {MAX_SEED}, got {start.seed}")
+    if start.prompt_change not in PROMPT_CHANGE_MODES:
+        raise ValueError(f"prompt_change must be one of {', '.join(PROMPT_CHANGE_MODES)}, got {start.prompt_change!r}")
     if start.num_chunks is not None and start.num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {start.num_chunks}")
-    check_transition(start.transition_chunks, "transition_chunks", config)
+    check_transition(start.transition_chunks, "transition_chunks")
     if start.max_lead_seconds is not None and not start.max_lead_seconds > 0:
         raise ValueError(f"max_lead_seconds must be > 0 or null, got {start.max_lead_seconds}")
     seen_chunks: set[int] = set()
@@ -55,5 +55,5 @@ def check_start(start: StartSession, config: EngineConfig) -> None:
             raise ValueError(f"{where}.event_id must be present and unique")
         seen_chunks.add(item.at_chunk)
         seen_ids.add(item.event_id)
-        check_prompt(item.interaction.prompt, f"{where}.prompt", config)
-        check_transition(item.interaction.transition_chunks, f"{where}.transition_chunks", config)
+        check_prompt(item.interaction.prompt, f"{where}.prompt")
+        check_transition(item.interaction.transition_chunks, f"{where}.transition_chunks")

@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engine.limits import MAX_INFERENCE_STEPS, MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
 from engine.messages import Interaction, ScheduledInteraction, SessionGeometry, StartSession
 from server.settings import ServerSettings
 
-MAX_PROMPT = 4000
 FORMAT_ALIASES = {"m4s": "fmp4"}
 
 
@@ -29,20 +29,22 @@ class VideoRequest(_Strict):
     """What a client asks for. Lengths: at most one of ``num_frames``,
     ``num_chunks``, ``seconds``; none means "until stopped" (realtime only)."""
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = None
-    negative_prompt: str = Field("", max_length=MAX_PROMPT)
-    seed: int = Field(0, ge=0, le=2**63 - 1)
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    """Only for a model that samples with classifier-free guidance; the models served
+    today do not, and refuse a non-blank one (null or "" is no negative prompt)."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     width: int | None = Field(None, ge=2)
     height: int | None = Field(None, ge=2)
     fps: float | None = Field(None, gt=0, le=120)
     num_frames: int | None = Field(None, ge=1)
     num_chunks: int | None = Field(None, ge=1)
     seconds: float | None = Field(None, gt=0)
-    num_inference_steps: int | None = Field(None, ge=1, le=64)
+    num_inference_steps: int | None = Field(None, ge=1, le=MAX_INFERENCE_STEPS)
     format: Literal["fmp4", "m4s", "jpeg", "raw"] = "fmp4"
-    transition_chunks: int = Field(0, ge=0, le=64)
-    prompt_change: Literal["soft", "recache", "reset"] = "soft"
+    transition_chunks: int = Field(0, ge=0, le=MAX_TRANSITION_CHUNKS)
+    prompt_change: Literal[PROMPT_CHANGE_MODES] = "soft"
     max_lead_seconds: float | None = Field(2.0, gt=0)
 
     @model_validator(mode="after")
@@ -57,8 +59,8 @@ class VideoRequest(_Strict):
 
 class ScheduledPrompt(_Strict):
     at_chunk: int = Field(ge=0)
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
-    transition_chunks: int | None = Field(None, ge=0, le=64)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    transition_chunks: int | None = Field(None, ge=0, le=MAX_TRANSITION_CHUNKS)
 
 
 class JobRequest(VideoRequest):
@@ -75,13 +77,13 @@ class SessionStartEvent(VideoRequest):
 
 
 class InteractionBody(_Strict):
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
 
 
 class InteractionPayload(_Strict):
     event_id: str | None = Field(None, min_length=1, max_length=200)
     event: InteractionBody
-    transition_chunks: int | None = Field(None, ge=0, le=64)
+    transition_chunks: int | None = Field(None, ge=0, le=MAX_TRANSITION_CHUNKS)
 
 
 class SessionInteractionEvent(_Strict):
@@ -164,7 +166,7 @@ def resolve(
     start = StartSession(
         session_id=session_id,
         prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
+        negative_prompt=request.negative_prompt or "",
         seed=request.seed,
         width=width,
         height=height,
@@ -179,7 +181,7 @@ def resolve(
     config = {
         "model": model,
         "prompt": request.prompt,
-        "negative_prompt": request.negative_prompt,
+        "negative_prompt": request.negative_prompt or "",
         "seed": request.seed,
         "width": width,
         "height": height,

@@ -13,7 +13,6 @@ ENGINE_KEYS = {
     "max_sessions",
     "group_chunk_steps",
     "max_batch_rows",
-    "max_transition_chunks",
     "max_worker_restarts",
     "session_memory_bytes",
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 
 from tests.e2e.client import Realtime, interaction, open_realtime
@@ -35,6 +36,9 @@ FIRST_MESSAGE_CASES = [
     (json.dumps({**START, "num_frames": 10**9}), "invalid_request", "num_frames"),
     (json.dumps({**START, "num_frames": 4, "seconds": 2}), "invalid_event", "num_frames"),
     (json.dumps({**START, "colour": "blue"}), "invalid_event", "colour"),
+    (json.dumps({**START, "negative_prompt": "blurry"}), "invalid_request", "negative_prompt"),
+    (json.dumps({**START, "prompt_change": "melt"}), "invalid_event", "prompt_change"),
+    (json.dumps({**START, "transition_chunks": 65}), "invalid_event", "transition_chunks"),
     (
         json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "x"}}}),
         "start_required",
@@ -143,3 +147,22 @@ async def test_no_start_in_time_is_an_error_then_1008(make_server):
     async with open_realtime(server.ws) as ws:
         got = await Realtime(ws).rest()
     assert got.of("error")[0]["code"] == "start_timeout" and got.close_code == 1008
+
+
+@pytest.mark.parametrize("negative", [None, "", "  "])
+async def test_a_blank_negative_prompt_is_no_negative_prompt(server, negative):
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({**START, "num_chunks": 1, "negative_prompt": negative})
+        started = await client.until("video.start")
+        got = await client.rest()
+    assert started["config"]["negative_prompt"] == (negative or "")
+    assert got.of("session.done") and not got.of("error")
+
+
+def test_a_job_with_a_negative_prompt_is_refused_naming_the_field(server):
+    body = {"prompt": "a lantern", "num_chunks": 1, "format": "raw", "negative_prompt": "blurry"}
+    refused = httpx.post(f"{server.http}/v1/videos", json=body)
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_request"
+    assert refused.json()["error"]["message"].startswith("negative_prompt: ")
+    assert "classifier-free guidance" in refused.json()["error"]["message"]

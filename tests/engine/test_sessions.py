@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.client import SessionRejectedError
+from engine.limits import MAX_TRANSITION_CHUNKS
 from engine.messages import (
     ChunkReady,
     Interaction,
@@ -193,13 +194,13 @@ async def test_invalid_starts_are_refused_naming_the_field(make_engine, start, f
 
 async def test_bad_interactions_are_rejected_and_the_session_goes_on(make_engine):
     gate = make_gate(chunk=1, step=0)
-    engine = await make_engine(gates=[gate], max_transition_chunks=8)
+    engine = await make_engine(gates=[gate])
     handle = await engine.start_session(StartSession(session_id="s", prompt="p", num_chunks=2))
     await wait_reached(gate)  # chunk 1, the last one, has begun
     seen = Collected()
     for event_id, interaction in [
         ("empty", Interaction(prompt="")),
-        ("long", Interaction(prompt="p", transition_chunks=9)),
+        ("long", Interaction(prompt="p", transition_chunks=MAX_TRANSITION_CHUNKS + 1)),
         ("late", Interaction(prompt="too late")),
     ]:
         await handle.interact(event_id, interaction)

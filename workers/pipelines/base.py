@@ -55,6 +55,17 @@ class StepBatch(NamedTuple):
     rows: tuple[BatchRow, ...]
 
 
+def refuse_negative_prompt(start: StartSession, model: str) -> None:
+    """For a pipeline that samples without classifier-free guidance (``describe``
+    calls it): a negative prompt could change nothing, so it is refused with a
+    ``ValueError`` naming the field, never accepted and ignored. Blank is fine."""
+    if start.negative_prompt.strip():
+        raise ValueError(
+            f"negative_prompt: the {model!r} model samples without classifier-free guidance, "
+            "so a negative prompt would have no effect; leave it out"
+        )
+
+
 @runtime_checkable
 class ChunkPipeline(Protocol):
     name: ClassVar[str]

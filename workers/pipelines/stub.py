@@ -36,7 +36,7 @@ import numpy as np
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
-from workers.pipelines.base import PipelineState, StepBatch
+from workers.pipelines.base import PipelineState, StepBatch, refuse_negative_prompt
 from workers.pipelines.conditioning import PromptBlend
 
 DIM = 8
@@ -122,6 +122,7 @@ class StubPipeline:
     # -- geometry -----------------------------------------------------------
 
     def describe(self, start: StartSession) -> SessionGeometry:
+        refuse_negative_prompt(start, self.name)
         width, height, fps, steps = self.defaults
         width = start.width if start.width is not None else width
         height = start.height if start.height is not None else height
@@ -134,8 +135,6 @@ class StubPipeline:
             raise ValueError(f"num_inference_steps must be between 1 and {self.max_steps}, got {steps}")
         if not 1.0 <= fps <= 120.0:
             raise ValueError(f"fps must be between 1 and 120, got {fps}")
-        if start.prompt_change not in ("soft", "recache", "reset"):  # accepted; the stub keeps no cache
-            raise ValueError(f"prompt_change must be soft, recache or reset, got {start.prompt_change!r}")
         return SessionGeometry(
             width=width,
             height=height,

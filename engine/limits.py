@@ -1,0 +1,26 @@
+"""The request limits and vocabularies every process agrees on, in one place.
+
+Pure constants. The API process's schema (``server.schemas``) builds its
+field bounds from them and the worker's control plane checks the same values
+(``engine.validation``), so a request the schema admits is never refused for
+the same rule by the engine, and a change here changes both.
+"""
+
+from __future__ import annotations
+
+MAX_PROMPT_CHARS = 4000
+"""Longest prompt (and scheduled or interactive prompt), in characters."""
+
+MAX_TRANSITION_CHUNKS = 64
+"""Largest ``transition_chunks``: chunks over which a new prompt is blended in."""
+
+MAX_INFERENCE_STEPS = 64
+"""Most denoise steps per chunk a request may name; each pipeline's ``describe``
+refuses more than it takes itself (causal Wan: 4)."""
+
+MAX_SEED = 2**63 - 1
+"""Largest ``seed`` (a non-negative 63-bit integer)."""
+
+PROMPT_CHANGE_MODES = ("soft", "recache", "reset")
+"""What a prompt change does to the model's cache: ``soft`` keeps it, ``recache``
+re-encodes it under the new prompt, ``reset`` starts afresh."""

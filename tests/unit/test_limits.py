@@ -1,0 +1,61 @@
+"""One source for each limit: the API schema and the engine's checks agree at every bound."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from engine.limits import MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
+from engine.messages import Interaction, StartSession
+from engine.validation import check_interaction, check_start
+from server.schemas import InteractionPayload, ScheduledPrompt, VideoRequest
+
+
+def engine_admits(**start) -> bool:
+    try:
+        check_start(StartSession(session_id="s", **{"prompt": "p", **start}))
+    except ValueError:
+        return False
+    return True
+
+
+def schema_admits(model, **fields) -> bool:
+    try:
+        model.model_validate(fields)
+    except ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("field", "at_bound", "past_bound"),
+    [
+        ("prompt", "p" * MAX_PROMPT_CHARS, "p" * (MAX_PROMPT_CHARS + 1)),
+        ("transition_chunks", MAX_TRANSITION_CHUNKS, MAX_TRANSITION_CHUNKS + 1),
+        ("seed", MAX_SEED, MAX_SEED + 1),
+    ],
+)
+def test_a_start_at_a_bound_is_admitted_by_both_and_one_past_it_by_neither(field, at_bound, past_bound):
+    base = {"prompt": "p"}
+    assert schema_admits(VideoRequest, **{**base, field: at_bound}) and engine_admits(**{field: at_bound})
+    assert not schema_admits(VideoRequest, **{**base, field: past_bound})
+    assert not engine_admits(**{field: past_bound})
+
+
+@pytest.mark.parametrize("mode", [*PROMPT_CHANGE_MODES, "melt"])
+def test_prompt_change_modes_are_one_list(mode):
+    known = mode in PROMPT_CHANGE_MODES
+    assert schema_admits(VideoRequest, prompt="p", prompt_change=mode) is known
+    assert engine_admits(prompt_change=mode) is known
+
+
+def test_interactions_share_the_limits():
+    long_prompt = "p" * (MAX_PROMPT_CHARS + 1)
+    assert not schema_admits(InteractionPayload, event={"prompt": long_prompt})
+    assert not schema_admits(ScheduledPrompt, at_chunk=0, prompt=long_prompt)
+    assert not schema_admits(InteractionPayload, event={"prompt": "p"}, transition_chunks=MAX_TRANSITION_CHUNKS + 1)
+    with pytest.raises(ValueError, match="interaction.prompt"):
+        check_interaction(Interaction(prompt=long_prompt))
+    with pytest.raises(ValueError, match="interaction.transition_chunks"):
+        check_interaction(Interaction(prompt="p", transition_chunks=MAX_TRANSITION_CHUNKS + 1))
+    check_interaction(Interaction(prompt="p" * MAX_PROMPT_CHARS, transition_chunks=MAX_TRANSITION_CHUNKS))
