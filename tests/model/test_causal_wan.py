@@ -198,6 +198,37 @@ def test_save_and_load_a_model_directory_offline_gives_the_same_frames(tmp_path,
     assert [run_chunk(loaded, a)[0].payload for _ in range(2)] == [run_chunk(fresh, b)[0].payload for _ in range(2)]
 
 
+def test_a_loaded_model_computes_from_aligned_memory_of_its_own_on_a_cpu(tmp_path):
+    """``from_pretrained`` leaves tensors as views into the mapped safetensors
+    files at offsets only 4- or 8-byte aligned, and a one-row ``Linear`` (the
+    timestep embedding) sums in another order from a misaligned weight: that
+    made a loaded directory's frames one grey level off the preset's. The
+    pipeline copies such tensors into memory of their own, tied weights kept tied."""
+    from workers.pipelines.causal_wan import _own_aligned_memory
+
+    save_directory(build_tiny(), tmp_path / "model")
+    raw = load_directory(tmp_path / "model", torch.float32)
+    loaded = build(model_dir=str(tmp_path / "model"), device="cpu")
+    for model in (loaded.transformer, loaded.vae, loaded.text_encoder):
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            assert tensor.data_ptr() % 64 == 0, name
+    assert loaded.text_encoder.shared.weight is loaded.text_encoder.encoder.embed_tokens.weight
+    for name, tensor in raw.transformer.state_dict().items():
+        assert torch.equal(loaded.transformer.state_dict()[name], tensor), name
+
+    linear = torch.nn.Linear(8, 4)
+    storage = torch.zeros(linear.weight.numel() + 2)
+    storage[2:] = linear.weight.detach().flatten()
+    expected = linear.weight.detach().clone()
+    linear.weight.data = storage[2:].view(4, 8)  # 8 bytes past an aligned start
+    shared = torch.nn.Sequential(linear, linear)
+    assert linear.weight.data_ptr() % 64 == 8
+    assert _own_aligned_memory(shared) == 1
+    assert linear.weight.data_ptr() % 64 == 0 and torch.equal(linear.weight, expected)
+    assert shared[0].weight is shared[1].weight
+    assert _own_aligned_memory(shared) == 0
+
+
 @pytest.mark.parametrize("missing", ["transformer", "vae", "text_encoder", "tokenizer"])
 def test_a_broken_model_directory_names_what_is_missing(tmp_path, missing):
     save_directory(build_tiny(), tmp_path / "model")

@@ -401,10 +401,19 @@ class CausalWanPipeline:
 
 def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Move ``model`` to ``device`` in ``dtype``, keeping the modules its class pins
-    to fp32 (RoPE tables, time embedder, norms) in fp32."""
+    to fp32 (RoPE tables, time embedder, norms) in fp32; on a CPU, every tensor
+    then sits in an allocation of its own (``_own_aligned_memory``)."""
     model = model.to(device)
     if dtype == torch.float32:
-        return model.float()
+        model = model.float()
+    else:
+        _to_dtype_keeping_pinned(model, dtype)
+    if device.type == "cpu":
+        _own_aligned_memory(model)
+    return model
+
+
+def _to_dtype_keeping_pinned(model: torch.nn.Module, dtype: torch.dtype) -> None:
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
 
     def pinned(name: str) -> bool:  # diffusers' rule: any dotted part of the full name
@@ -418,7 +427,40 @@ def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> t
             full = f"{module_name}.{tensor_name}" if module_name else tensor_name
             if tensor.is_floating_point() and "freqs" not in tensor_name and not pinned(full):
                 module._buffers[tensor_name] = tensor.to(dtype)
-    return model
+
+
+_CPU_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every new tensor
+
+
+def _own_aligned_memory(model: torch.nn.Module) -> int:
+    """Copy every CPU parameter and buffer of ``model`` that does not start on a
+    64-byte boundary into fresh memory; returns how many were copied.
+
+    ``from_pretrained`` (diffusers 0.42) leaves a loaded model's tensors as
+    zero-copy views into the memory-mapped safetensors file, at the file's
+    offsets, which are only 4- or 8-byte aligned. The CPU matrix-vector product
+    of a one-row ``Linear`` (the timestep embedding: one row per batch row)
+    sums in another order when its weight is misaligned, so the same weights
+    loaded from a directory gave the timestep embedding, hence every block's
+    modulation, a last-bit difference, and frames one grey level off the same
+    weights built in memory. Owned, aligned copies compute exactly as a built
+    model does. A tensor shared by several modules (tied weights) stays shared."""
+    copied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, copy); originals kept alive
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is None or tensor.device.type != "cpu":
+                    continue
+                if id(tensor) in copied:
+                    store[name] = copied[id(tensor)][1]
+                elif tensor.data_ptr() % _CPU_ALIGNMENT:
+                    if isinstance(tensor, torch.nn.Parameter):  # in place: every module holding it sees the copy
+                        tensor.data = tensor.data.clone(memory_format=torch.preserve_format)
+                        copied[id(tensor)] = (tensor, tensor)
+                    else:
+                        copied[id(tensor)] = (tensor, tensor.clone(memory_format=torch.preserve_format))
+                        store[name] = copied[id(tensor)][1]
+    return len(copied)
 
 
 def build(preset: str = "tiny", model_dir: str | None = None, device: str | None = None, **options: Any):
