@@ -7,6 +7,9 @@ generator (``generator_ema`` by default), strip wrapper prefixes (``model.``,
 own ``convert_wan_transformer_to_diffusers`` (which also swaps norm2/norm3),
 load into a ``WanTransformer3DModel`` of the given configuration strictly —
 any missing or unexpected key is an error that names it — and save it.
+It also records the attention span the generator was trained with
+(``sink_frames``, ``window_frames``; Self-Forcing's by default) in the
+directory's ``rtvideo.json``, keeping any other key already there.
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-from workers.pipelines.presets import TINY_TRANSFORMER, WAN_1_3B_TRANSFORMER
+from workers.pipelines.presets import (
+    SELF_FORCING_SINK_FRAMES,
+    SELF_FORCING_WINDOW_FRAMES,
+    TINY_TRANSFORMER,
+    WAN_1_3B_TRANSFORMER,
+    write_rtvideo_json,
+)
 
 CONFIGS = {"wan2.1-1.3b": WAN_1_3B_TRANSFORMER, "tiny": TINY_TRANSFORMER}
 PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "module.", "model.")
@@ -40,10 +49,21 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def convert(checkpoint: str | Path, out_dir: str | Path, config: str = "wan2.1-1.3b", key: str | None = None) -> Path:
+def convert(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    config: str = "wan2.1-1.3b",
+    key: str | None = None,
+    sink_frames: int = SELF_FORCING_SINK_FRAMES,
+    window_frames: int = SELF_FORCING_WINDOW_FRAMES,
+) -> Path:
     """Convert ``checkpoint`` and save ``out_dir/transformer``; ``ValueError`` says what is wrong.
     ``key`` names the generator entry; by default ``generator_ema``, else
-    ``generator`` (a checkpoint saved without EMA weights, as CausVid's are)."""
+    ``generator`` (a checkpoint saved without EMA weights, as CausVid's are).
+    ``sink_frames`` and ``window_frames`` (latent frames the KV cache holds
+    besides the chunk) go into ``out_dir/rtvideo.json``."""
+    if sink_frames < 0 or window_frames < 1:
+        raise ValueError(f"need sink_frames >= 0 and window_frames >= 1, got {sink_frames} and {window_frames}")
     path = Path(checkpoint)
     if not path.is_file():
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
@@ -75,6 +95,7 @@ def convert(checkpoint: str | Path, out_dir: str | Path, config: str = "wan2.1-1
         )
     target = Path(out_dir) / "transformer"
     model.save_pretrained(target)
+    write_rtvideo_json(out_dir, sink_frames=sink_frames, window_frames=window_frames)
     return target
 
 
@@ -84,9 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="the model directory to write transformer/ into")
     parser.add_argument("--config", default="wan2.1-1.3b", help=f"{' | '.join(CONFIGS)} | path to a config.json")
     parser.add_argument("--key", default=None, help="which generator to take (default: generator_ema, else generator)")
+    parser.add_argument(
+        "--sink-frames",
+        type=int,
+        default=SELF_FORCING_SINK_FRAMES,
+        help=f"latent frames kept as attention sinks (default {SELF_FORCING_SINK_FRAMES}, Self-Forcing's)",
+    )
+    parser.add_argument(
+        "--window-frames",
+        type=int,
+        default=SELF_FORCING_WINDOW_FRAMES,
+        help=f"latent frames of the rolling window (default {SELF_FORCING_WINDOW_FRAMES}, Self-Forcing's)",
+    )
     args = parser.parse_args(argv)
     try:
-        target = convert(args.checkpoint, args.out_dir, args.config, args.key)
+        target = convert(args.checkpoint, args.out_dir, args.config, args.key, args.sink_frames, args.window_frames)
     except ValueError as error:
         print(f"rtvideo convert: {error}", file=sys.stderr)
         return 2

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from engine.messages import StartSession
 from workers.pipelines.base import BatchRow, PipelineState, StepBatch
 from workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
-from workers.pipelines.presets import build_tiny, load_directory, save_directory
+from workers.pipelines.presets import build_tiny, load_directory, save_directory, write_rtvideo_json
 from workers.pipelines.wan_attention import apply_rope
 
 
@@ -229,6 +231,67 @@ def test_a_loaded_model_computes_from_aligned_memory_of_its_own_on_a_cpu(tmp_pat
     assert _own_aligned_memory(shared) == 0
 
 
+def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkeypatch):
+    """Self-Forcing attends to 21 latent frames, its chunk's 3 and 18 cached (3
+    sinks + a window of 15): the default of the preset and of a model
+    directory (its rtvideo.json says so; one without the keys gets it too)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    preset = build("tiny", device="cpu", warm_up_chunks=0)
+    assert (preset.sink_frames, preset.window_frames) == (3, 15)
+
+    from workers.pipelines import wan_attention
+
+    state = open_session(preset, "span", width=16, height=16, num_inference_steps=1)
+    for _ in range(8):  # 24 latent frames: the window has rolled
+        run_chunk(preset, state)
+    kv = state.extra["kv"]
+    assert kv.frames == 18
+    attended = []  # key tokens of every self-attention call
+    real = wan_attention.dispatch_attention_fn
+    spy = lambda q, k, *a, **kw: attended.append(k.shape[1]) or real(q, k, *a, **kw)  # noqa: E731
+    monkeypatch.setattr(wan_attention, "dispatch_attention_fn", spy)
+    offsets = []  # the chunk's RoPE position: cache-relative, after the 18 held frames, not the absolute 24
+    hook = preset.rope.register_forward_hook(lambda module, args, out: offsets.append(module.frame_offsets))
+    run_chunk(preset, state)
+    hook.remove()
+    monkeypatch.setattr(wan_attention, "dispatch_attention_fn", real)
+    assert attended and set(attended) == {21 * kv.tokens_per_frame}
+    assert set(offsets) == {(18,)} and kv.committed_frames == 27
+    preset.release(state)
+
+    model = tmp_path / "model"
+    save_directory(build_tiny(), model)
+    written = json.loads((model / "rtvideo.json").read_text())
+    assert (written["sink_frames"], written["window_frames"]) == (3, 15)
+    components = load_directory(model, torch.float32)
+    assert (components.sink_frames, components.window_frames) == (3, 15)
+    loaded = build(model_dir=str(model), device="cpu")
+    assert (loaded.sink_frames, loaded.window_frames) == (3, 15)
+
+    write_rtvideo_json(model, sink_frames=6, window_frames=12)  # weights trained on another span
+    other = build(model_dir=str(model), device="cpu")
+    assert (other.sink_frames, other.window_frames) == (6, 12)
+    assert json.loads((model / "rtvideo.json").read_text())["text_length"] == 64  # other keys kept
+
+    (model / "rtvideo.json").write_text(json.dumps({"text_length": 64, "default_size": [64, 64]}))
+    unsaid = build(model_dir=str(model), device="cpu")
+    assert (unsaid.sink_frames, unsaid.window_frames) == (3, 15)
+
+    # Pipeline options still override either.
+    assert build("tiny", device="cpu", sink_frames=0, window_frames=18).window_frames == 18
+    overridden = build(model_dir=str(model), device="cpu", sink_frames=3, window_frames=18)
+    assert (overridden.sink_frames, overridden.window_frames) == (3, 18)
+    assert open_session(overridden, "wide").extra["kv"].capacity == 21
+
+
+@pytest.mark.parametrize("bad", ["15", -3, 1.5, True])
+def test_a_bad_span_in_rtvideo_json_is_named(tmp_path, bad):
+    save_directory(build_tiny(), tmp_path / "model")
+    write_rtvideo_json(tmp_path / "model", window_frames=bad)
+    with pytest.raises(ValueError, match="window_frames must be a whole number"):
+        load_directory(tmp_path / "model", torch.float32)
+
+
 @pytest.mark.parametrize("missing", ["transformer", "vae", "text_encoder", "tokenizer"])
 def test_a_broken_model_directory_names_what_is_missing(tmp_path, missing):
     save_directory(build_tiny(), tmp_path / "model")
@@ -396,7 +459,7 @@ def test_state_bytes_account_for_what_a_full_session_holds(width, height):
     a pool of at most max_batch_rows sessions' keys, reserved apart."""
     pipeline = build("tiny", device="cpu", warm_up_chunks=0)
     state = open_session(pipeline, "full", width=width, height=height)
-    for _ in range(8):  # 24 latent frames: the 21-frame cache has filled and rolled
+    for _ in range(8):  # 24 latent frames: the 18-frame cache has filled and rolled
         run_chunk(pipeline, state)
     pipeline.prepare_next_chunk(state)
     vae = sum(t.numel() * t.element_size() for t in state.extra["vae_cache"] if isinstance(t, torch.Tensor))

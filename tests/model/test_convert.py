@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,29 @@ def test_a_checkpoint_without_ema_weights_takes_its_generator(tmp_path):
         convert(tmp_path / "critic.pt", tmp_path / "other", config="tiny")
     with pytest.raises(ValueError, match="no 'ema' entry"):
         convert(tmp_path / "causvid.pt", tmp_path / "other", config="tiny", key="ema")
+
+
+def test_convert_records_the_trained_attention_span_in_rtvideo_json(tmp_path):
+    """Self-Forcing's span (3 sinks + a window of 15) unless told; keys already there are kept."""
+    torch.manual_seed(2)
+    original = original_layout(WanTransformer3DModel(**TINY_TRANSFORMER).state_dict())
+    torch.save({"generator_ema": original}, tmp_path / "self_forcing_dmd.pt")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "rtvideo.json").write_text(json.dumps({"text_length": 512, "default_size": [832, 480]}))
+    convert(tmp_path / "self_forcing_dmd.pt", tmp_path / "model", config="tiny")
+    written = json.loads((tmp_path / "model" / "rtvideo.json").read_text())
+    assert written == {"text_length": 512, "default_size": [832, 480], "sink_frames": 3, "window_frames": 15}
+
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "convert", str(tmp_path / "self_forcing_dmd.pt"), str(tmp_path / "other")]
+        + ["--config", "tiny", "--sink-frames", "0", "--window-frames", "12"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    written = json.loads((tmp_path / "other" / "rtvideo.json").read_text())
+    assert (written["sink_frames"], written["window_frames"]) == (0, 12)
+    with pytest.raises(ValueError, match="window_frames >= 1"):
+        convert(tmp_path / "self_forcing_dmd.pt", tmp_path / "third", config="tiny", window_frames=0)

@@ -88,8 +88,8 @@ class CausalWanPipeline:
         dtype: str | None = None,
         vae_dtype: str | None = None,
         latent_frames_per_chunk: int = 3,
-        sink_frames: int = 3,
-        window_frames: int = 18,
+        sink_frames: int | None = None,
+        window_frames: int | None = None,
         fps: float = 16.0,
         max_size: int = 1280,
         warm_up_chunks: int = 2,
@@ -117,8 +117,13 @@ class CausalWanPipeline:
         self.rope = self.transformer.rope
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk
+        # The attention span is the weights' (the preset's, or the model directory's rtvideo.json); options override.
+        sink_frames = components.sink_frames if sink_frames is None else sink_frames
+        window_frames = components.window_frames if window_frames is None else window_frames
         if sink_frames % latent_frames_per_chunk or window_frames % latent_frames_per_chunk:
             raise ValueError("sink_frames and window_frames must be multiples of latent_frames_per_chunk")
+        if sink_frames < 0 or window_frames < latent_frames_per_chunk:
+            raise ValueError("need sink_frames >= 0 and window_frames >= latent_frames_per_chunk")
         self.sink_frames, self.window_frames = sink_frames, window_frames
         self.fps = fps
         self.max_size = max_size

@@ -6,7 +6,10 @@ tokenizer, and a model directory is read with ``local_files_only``.
 
 A model directory has the Wan2.1 diffusers layout: ``transformer/`` (the
 causal generator, converted by ``rtvideo convert``), ``vae/``,
-``text_encoder/`` (UMT5) and ``tokenizer/``.
+``text_encoder/`` (UMT5) and ``tokenizer/``, and optionally ``rtvideo.json``
+with what the layout has no place for: ``text_length``, ``default_size`` and
+the attention span the generator was trained with, ``sink_frames`` and
+``window_frames`` (Self-Forcing's when absent).
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from transformers import AutoTokenizer, ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer")
+
+# Self-Forcing's attention span, the one it is trained on, in latent frames: a chunk attends to 21, its own 3 and
+# the 18 the KV cache holds, which are 3 sinks (the stream's first frames) and a rolling window of the 15 latest.
+SELF_FORCING_SINK_FRAMES = 3
+SELF_FORCING_WINDOW_FRAMES = 15
 
 TINY_TRANSFORMER = dict(
     patch_size=(1, 2, 2),
@@ -71,6 +79,9 @@ class Components:
     tokenizer: Any
     text_length: int  # tokens per prompt (padded)
     default_size: tuple[int, int]  # width, height
+    # The KV cache a chunk attends to besides itself, in latent frames: the span the weights were trained with.
+    sink_frames: int = SELF_FORCING_SINK_FRAMES
+    window_frames: int = SELF_FORCING_WINDOW_FRAMES
 
 
 def build_tiny(seed: int = 0) -> Components:
@@ -83,7 +94,16 @@ def build_tiny(seed: int = 0) -> Components:
         text_encoder = UMT5EncoderModel(UMT5Config(**TINY_TEXT))
     finally:
         torch.random.set_rng_state(generator_state)
-    return Components(transformer, vae, text_encoder, ByT5Tokenizer(), text_length=64, default_size=(64, 64))
+    return Components(
+        transformer,
+        vae,
+        text_encoder,
+        ByT5Tokenizer(),
+        text_length=64,
+        default_size=(64, 64),
+        sink_frames=SELF_FORCING_SINK_FRAMES,
+        window_frames=SELF_FORCING_WINDOW_FRAMES,
+    )
 
 
 def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
@@ -116,6 +136,8 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
         tokenizer,
         text_length=int(extra.get("text_length", 512)),
         default_size=tuple(extra.get("default_size", (832, 480))),
+        sink_frames=_frames(extra, "sink_frames", SELF_FORCING_SINK_FRAMES, root),
+        window_frames=_frames(extra, "window_frames", SELF_FORCING_WINDOW_FRAMES, root),
     )
 
 
@@ -127,9 +149,21 @@ def save_directory(components: Components, path: str | Path) -> None:
     components.vae.save_pretrained(root / "vae")
     components.text_encoder.save_pretrained(root / "text_encoder")
     components.tokenizer.save_pretrained(root / "tokenizer")
-    (root / "rtvideo.json").write_text(
-        json.dumps({"text_length": components.text_length, "default_size": list(components.default_size)})
+    write_rtvideo_json(
+        root,
+        text_length=components.text_length,
+        default_size=list(components.default_size),
+        sink_frames=components.sink_frames,
+        window_frames=components.window_frames,
     )
+
+
+def write_rtvideo_json(root: str | Path, **settings: Any) -> Path:
+    """Set ``settings`` in ``root/rtvideo.json``, keeping the keys it already has."""
+    file = Path(root) / "rtvideo.json"
+    merged = {**_read_rtvideo_json(Path(root)), **settings}
+    file.write_text(json.dumps(merged, indent=2) + "\n")
+    return file
 
 
 def _read_rtvideo_json(root: Path) -> dict:
@@ -137,6 +171,16 @@ def _read_rtvideo_json(root: Path) -> dict:
     if not file.is_file():
         return {}
     try:
-        return json.loads(file.read_text())
+        data = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return data
+
+
+def _frames(extra: dict, key: str, default: int, root: Path) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{root / 'rtvideo.json'}: {key} must be a whole number of latent frames, got {value!r}")
+    return value
