@@ -54,16 +54,17 @@ def test_geometry_first_chunk_9_frames_then_12(pipeline):
     assert state.geometry.first_chunk_frames == 9 and state.geometry.frames_per_chunk == 12
 
 
-def test_cached_chunks_equal_one_block_causal_forward(pipeline):
-    """Chunk 0 committed at t=0, then chunk 1 at t through the cache, equals one
-    forward over both chunks with a block-causal mask and per-token timesteps."""
-    torch.manual_seed(0)
-    model = pipeline.transformer
-    state = open_session(pipeline)
+def cached_and_block_causal(pipeline, t: float = 937.5, seed: int = 0):
+    """Chunk 0 committed at t=0, then chunk 1 at ``t`` through the cache; and one
+    forward over both chunks with a block-causal mask and per-token timesteps.
+    Returns ((cached chunk 0, cached chunk 1), (full chunk 0, full chunk 1)),
+    on the pipeline's device in its dtype. The chunks are drawn on the CPU."""
+    model, device = pipeline.transformer, pipeline.device
+    state = open_session(pipeline, f"block-causal-{seed}")
     state.extra["conditioning"] = state.extra["prompt"].target
     shape = state.extra["latent_shape"]
-    chunk0, chunk1 = torch.randn(shape), torch.randn(shape)
-    t = 937.5
+    generator = torch.Generator().manual_seed(seed)
+    chunk0, chunk1 = (torch.randn(shape, generator=generator).to(device, pipeline.dtype) for _ in range(2))
     with torch.no_grad():
         out0 = pipeline._forward([state], chunk0, [0.0], commit=True)
         out1 = pipeline._forward([state], chunk1, [t], commit=False)
@@ -71,7 +72,7 @@ def test_cached_chunks_equal_one_block_causal_forward(pipeline):
         both = torch.cat([chunk0, chunk1], dim=2)
         per_frame = shape[3] * shape[4] // 4  # tokens per latent frame after the 1x2x2 patch
         tokens = 2 * shape[2] * per_frame
-        chunk_of = torch.arange(tokens) // (shape[2] * per_frame)
+        chunk_of = torch.arange(tokens, device=device) // (shape[2] * per_frame)
         mask = chunk_of[None, :] <= chunk_of[:, None]
         timesteps = torch.where(chunk_of == 0, 0.0, t)[None, :]
         pipeline.context.mask = mask
@@ -79,8 +80,16 @@ def test_cached_chunks_equal_one_block_causal_forward(pipeline):
             full = model(both, timesteps, encoder_hidden_states=state.extra["conditioning"], return_dict=False)[0]
         finally:
             pipeline.context.mask = None
-    assert torch.allclose(full[:, :, :3], out0, atol=1e-5, rtol=0)
-    assert (full[:, :, 3:] - out1).abs().max().item() <= 1e-5
+    pipeline.release(state)
+    return (out0, out1), (full[:, :, : shape[2]], full[:, :, shape[2] :])
+
+
+def test_cached_chunks_equal_one_block_causal_forward(pipeline):
+    """Chunk 0 committed at t=0, then chunk 1 at t through the cache, equals one
+    forward over both chunks with a block-causal mask and per-token timesteps."""
+    (out0, out1), (full0, full1) = cached_and_block_causal(pipeline)
+    assert torch.allclose(full0, out0, atol=1e-5, rtol=0)
+    assert (full1 - out1).abs().max().item() <= 1e-5
 
 
 def test_streaming_decode_equals_one_shot_decode(pipeline):

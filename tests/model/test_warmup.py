@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.messages import StartSession
 from tests.model.test_causal_wan import open_session, run_chunk
 from workers.pipelines.causal_wan import build
 from workers.pipelines.stub import StubPipeline
@@ -9,11 +10,25 @@ from workers.warmup import WARM_UP_SESSION, warm_up
 
 
 def test_warm_up_runs_its_chunks_then_holds_nothing():
+    """Counted while ``warm_up`` runs, nothing called after it: one prompt
+    encoded (left in the prompt cache), every forward of its chunks (each
+    chunk: its denoise steps, then the commit) at the default size, each
+    chunk decoded; then its session released, roped keys included."""
     warmed = build("tiny", device="cpu")
-    assert warmed.warm_up_chunks == 2
+    assert warmed.warm_up_chunks == 2 and not warmed._prompts
+    encoded, forwards, decoded = [], [], []
+    warmed.text_encoder.register_forward_hook(lambda module, args, out: encoded.append(args[0].shape))
+    warmed.transformer.register_forward_hook(lambda module, args, out: forwards.append(tuple(args[0].shape)))
+    decode = warmed.decoder.decode
+    warmed.decoder.decode = lambda latents, cache, first: decoded.append(first) or decode(latents, cache, first)
+
     assert warm_up(warmed) > 0
-    assert warmed.held_sessions() == ()
-    assert warmed.encode_prompt("warm-up") is warmed._prompts["warm-up"]  # it did encode (and ran) a prompt
+
+    assert list(warmed._prompts) == ["warm-up"] and len(encoded) == 1
+    steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
+    assert forwards == [(1, 16, 3, 8, 8)] * (warmed.warm_up_chunks * (steps + 1))  # 64x64: 8x8 latents
+    assert decoded == [True, False]  # the stream's first chunk, then a cached one
+    assert warmed.held_sessions() == () and not warmed.context.roped.entries
 
 
 def test_a_session_after_warm_up_equals_one_on_a_cold_pipeline():
