@@ -476,3 +476,10 @@ def test_state_bytes_account_for_what_a_full_session_holds(width, height):
     latents = _tensor_bytes({k: v for k, v in state.extra.items() if k != "vae_cache"})
     held = state.extra["kv"].nbytes() + vae + latents
     assert held <= state.geometry.state_bytes <= 1.1 * held
+
+
+def test_a_negative_prompt_is_refused_not_ignored(pipeline):
+    """Self-Forcing samples without classifier-free guidance: a negative prompt could change nothing."""
+    with pytest.raises(ValueError, match="^negative_prompt: .*classifier-free guidance"):
+        pipeline.describe(StartSession(session_id="s", prompt="a red fox", negative_prompt="blurry"))
+    assert pipeline.describe(StartSession(session_id="s", prompt="a red fox", negative_prompt=" ")).width == 64

@@ -37,14 +37,13 @@ import torch
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
-from workers.pipelines.base import PipelineState, StepBatch
+from workers.pipelines.base import PipelineState, StepBatch, refuse_negative_prompt
 from workers.pipelines.conditioning import PromptBlend
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.vae_stream import StreamingDecoder
 from workers.pipelines.wan_attention import make_causal
 
-PROMPT_CHANGE_MODES = ("soft", "recache", "reset")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
@@ -137,6 +136,10 @@ class CausalWanPipeline:
     # -- geometry ----------------------------------------------------------------
 
     def describe(self, start: StartSession) -> SessionGeometry:
+        """The session's geometry; ``ValueError`` names a field this model cannot serve.
+        (Model-independent fields, ``prompt_change`` among them, are the engine's
+        to check: ``engine.validation``.)"""
+        refuse_negative_prompt(start, self.name)
         width = start.width if start.width is not None else self.default_size[0]
         height = start.height if start.height is not None else self.default_size[1]
         for name, value in (("width", width), ("height", height)):
@@ -147,8 +150,6 @@ class CausalWanPipeline:
         fps = start.fps if start.fps is not None else self.fps
         if not 1.0 <= fps <= 60.0:
             raise ValueError(f"fps must be between 1 and 60, got {fps}")
-        if start.prompt_change not in PROMPT_CHANGE_MODES:
-            raise ValueError(f"prompt_change must be one of {', '.join(PROMPT_CHANGE_MODES)}")
         ratio = self.decoder.temporal_ratio
         return SessionGeometry(
             width=width,
