@@ -162,6 +162,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     max_sessions: int
     defaults: SessionGeometry  # what a start that sets nothing gets (num_chunks None)
     session_memory_bytes: int | None = None  # device memory open sessions may hold; None: not limited
+    max_batch_rows: int = 1  # session rows one forward may carry (EngineConfig.max_batch_rows)
 
 
 class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):

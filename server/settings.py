@@ -28,8 +28,9 @@ class ServerSettings:
     would pass it is refused like a full server. Default: what the worker finds
     free after its warm-up on a GPU (not limited on a CPU)."""
     max_batch_rows: int = 1
-    """Sessions whose denoise steps may share one forward (sessions of one size;
-    the pipeline may allow fewer: causal Wan 4 by default). Batching raises
+    """Sessions whose denoise steps may share one forward (sessions of one size).
+    The one knob for it: the worker builds its pipeline for this many rows, so the
+    attention buffers and the memory reserved for a forward follow. Batching raises
     throughput but steps sessions in lockstep, so their chunks arrive in bursts
     and a new prompt waits up to a whole round longer: 1 favours latency."""
     api_key: str | None = None

@@ -41,7 +41,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     context = zmq.Context()
     sender = ResultSender(context, endpoints.results)
     try:
-        pipeline = build_pipeline(config.pipeline)
+        pipeline = build_pipeline(config.pipeline, config.max_batch_rows)
         warm_up_s = warm_up(pipeline)
         budget = config.session_memory_bytes
         if budget is None:
@@ -57,11 +57,10 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
         log.info("pipeline %r warmed up in %.2f s", pipeline.name, warm_up_s)
     runner = ModelRunner(pipeline)
     grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
-    max_rows = min(config.max_batch_rows, pipeline.max_batch_rows)
     if budget is not None:
         log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
     control = ControlPlane(config, runner.describe, sender.send, memory_budget=budget)
-    loop = EngineLoop(config, control, runner, sender.send, grouping=grouping, max_rows=max_rows)
+    loop = EngineLoop(config, control, runner, sender.send, grouping=grouping, max_rows=pipeline.max_batch_rows)
     receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
     receiver.start()
     sender.send(
@@ -74,6 +73,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             max_sessions=config.max_sessions,
             defaults=pipeline.describe(StartSession(session_id="defaults", prompt="defaults")),
             session_memory_bytes=budget,
+            max_batch_rows=pipeline.max_batch_rows,
         )
     )
     exit_code = 0

@@ -165,3 +165,13 @@ async def test_a_pipeline_that_cannot_warm_up_is_a_clear_startup_error():
     client = EngineClient(EngineConfig(pipeline=spec, startup_timeout_s=120))
     with pytest.raises(EngineStartupError, match="width must be a multiple of 16 up to 32, got 64"):
         await client.start()
+
+
+async def test_batch_rows_have_one_knob(make_engine):
+    """The worker builds its pipeline for EngineConfig.max_batch_rows; the same
+    option given to the pipeline is refused at startup, naming the server's flag."""
+    engine = await make_engine(max_batch_rows=3)
+    assert engine.ready.max_batch_rows == 3
+    client = EngineClient(EngineConfig(pipeline=PipelineSpec("stub", {"max_batch_rows": 2}), startup_timeout_s=60))
+    with pytest.raises(EngineStartupError, match="max_batch_rows: set it as the server's --max-batch-rows"):
+        await client.start()

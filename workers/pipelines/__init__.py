@@ -15,11 +15,17 @@ REGISTRY: dict[str, str] = {
 }
 
 
-def build_pipeline(spec: PipelineSpec) -> ChunkPipeline:
-    """Construct the pipeline ``spec`` names; ``ValueError`` for an unknown name."""
+def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
+    """Construct the pipeline ``spec`` names, for forwards of up to ``max_batch_rows``
+    session rows (the engine's knob; a pipeline option of that name is refused so
+    there is one). ``ValueError`` names an unknown pipeline or a refused option."""
     target = REGISTRY.get(spec.name)
     if target is None:
         raise ValueError(f"unknown pipeline {spec.name!r}; known: {', '.join(sorted(REGISTRY))}")
+    if "max_batch_rows" in spec.options:
+        raise ValueError(
+            "pipeline option max_batch_rows: set it as the server's --max-batch-rows (RTVIDEO_MAX_BATCH_ROWS)"
+        )
     module, _, attr = target.partition(":")
     factory = getattr(importlib.import_module(module), attr)
-    return factory(**spec.options)
+    return factory(**spec.options, max_batch_rows=max_batch_rows)

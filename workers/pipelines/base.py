@@ -73,8 +73,10 @@ class ChunkPipeline(Protocol):
     """Whether several denoise steps of a chunk may run in one runner invocation."""
     supports_micro_step_execution: ClassVar[bool]
     """Whether the pipeline implements temporal-PP micro-steps (not yet used)."""
-    max_batch_rows: ClassVar[int]
-    """How many session rows one ``denoise_step`` forward may carry."""
+    max_batch_rows: int
+    """How many session rows one ``denoise_step`` forward may carry. A worker builds
+    its pipeline with ``EngineConfig.max_batch_rows`` (``--max-batch-rows``), the one
+    knob for it; sizes that depend on it (attention buffers, memory) follow."""
     warm_up_chunks: int
     """Chunks of a throwaway session the worker runs before READY (``workers.warmup``); 0: none."""
 

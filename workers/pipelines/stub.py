@@ -79,7 +79,6 @@ class StubPipeline:
     name: ClassVar[str] = "stub"
     supports_chunk_step_grouping: ClassVar[bool] = True
     supports_micro_step_execution: ClassVar[bool] = False
-    max_batch_rows: ClassVar[int] = 8
     warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
 
     def __init__(
@@ -101,10 +100,14 @@ class StubPipeline:
         fail_chunk: int = 0,
         memory_budget: int | None = None,
         startup_gate: str | None = None,
+        max_batch_rows: int = 8,
     ) -> None:
         if startup_gate is not None and os.path.exists(startup_gate):
             with open(startup_gate, "rb"):  # a FIFO: blocks until the test opens its write end
                 pass
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        self.max_batch_rows = max_batch_rows
         self.defaults = (width, height, fps, default_steps)
         self.frames_per_chunk = frames_per_chunk
         self.first_chunk_frames = first_chunk_frames or frames_per_chunk
