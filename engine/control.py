@@ -189,6 +189,13 @@ class ControlPlane:
         self._inbox.append(message)
         self._wake()
 
+    def wake(self) -> None:
+        """Wake the loop's ``wait`` from another thread: the executor calls it when
+        a micro-step's result is ready (the wake-up count carries it, so it is
+        never lost)."""
+        with self._lock:
+            self._wake()
+
     def _wake(self) -> None:
         self._wakeups += 1
         self._inbox_ready.notify()

@@ -1,26 +1,28 @@
 """The engine loop of worker rank 0.
 
-Each iteration:
+The loop plans one forward at a time and never runs one itself: it hands
+each ``MicroStep`` to an executor (``engine.plan.Executor``) and goes on while
+it runs. Each iteration:
 
-    drain control  ->  schedule  ->  boundary work  ->  execute  ->  emit
+    collect  ->  drain control  ->  boundary work + schedule  ->  submit  ->  wait
 
+- **collect**: the micro-steps the executor finished, in order; their chunks,
+  acknowledgements and session ends are emitted (``emit``);
 - **drain control**: admitted starts, stops, probes and shutdown, off the
   control plane's inbox (interactions are already in their mailboxes);
-- **schedule**: the sessions that run this iteration (``ChunkScheduler``),
-  skipping those pacing holds back (``engine.pacing``);
-- **boundary work**: for each of them that sits between chunks, take what its
-  mailbox holds for the next chunk. This happens after the drain, in a fresh
-  iteration, and only for sessions about to run, so a session that waits
-  keeps collecting interactions for its next chunk;
-- **execute**: one runner invocation runs the plan (release, open,
-  boundaries, then the denoise rows; a row never crosses a chunk boundary);
-- **emit**: acknowledgements and finished chunks go out as results.
-
-With nothing to run, the loop waits on the control plane until a message, a
-playback report that may free a paced session, or the soonest time a paced
-session may run again. The wait is handed the wake-up count read together
-with the playheads it decided on, so a report that lands between the
-decision and the wait wakes it at once.
+- **boundary work + schedule**: the sessions with a row in the next
+  micro-step (``ChunkScheduler``), skipping those pacing holds back
+  (``engine.pacing``). For each that sits between chunks, take what its
+  mailbox holds for the next chunk: after the drain, in a fresh iteration,
+  once the previous chunk came back, and only for sessions about to run, so
+  a session that waits keeps collecting interactions for its next chunk;
+- **submit**: up to the executor's depth, so the next micro-step is planned
+  while the current one runs (grouped steps of a chunk go out back to back);
+- **wait**: on the control plane, until a result (the executor wakes it), a
+  control message, a playback report that may free a paced session, or the
+  soonest time a paced session may run again. The wait is handed the wake-up
+  count read before anything was collected or decided, so nothing that lands
+  in between is slept through.
 
 Hence the guarantee: an interaction accepted while chunk k is being denoised
 (or decoded) is in the mailbox before the boundary of chunk k+1 is taken, and
@@ -31,11 +33,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
-from engine.mailbox import PendingInteraction
 from engine.messages import (
     AppliedInteraction,
     ChunkReady,
@@ -53,36 +54,18 @@ from engine.messages import (
     StopSession,
 )
 from engine.pacing import wait_seconds
-from engine.plan import BoundaryTask, PlanResult, PlanRow, RowResult, Runner, StepPlan
+from engine.plan import BoundaryTask, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
-from engine.session import EngineSession, Phase
+from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase
 
 
 @dataclass
 class LoopStats:
-    iterations: int = 0  # iterations that executed a plan
-    busy_s: float = 0.0  # wall time of those iterations, schedule to emit
+    iterations: int = 0  # micro-steps executed
+    busy_s: float = 0.0  # wall time with work planned or in flight
     pipeline_s: float = 0.0  # of which inside pipeline calls
     steps: int = 0
     chunks: int = 0
-
-
-@dataclass
-class _Boundary:
-    """A boundary decided in this iteration, reported once the runner ran it."""
-
-    applied: PendingInteraction | None
-    superseded: list[tuple[PendingInteraction, str]]
-    taken_at: float
-    first_frame: int
-
-
-@dataclass
-class _Iteration:
-    plan: StepPlan
-    boundaries: dict[str, _Boundary] = field(default_factory=dict)
-    wake_in: float | None = None  # with nothing to run: when a paced session may run again
-    seen: int = 0  # the control plane's wake-up count the pacing decision was made on
 
 
 class EngineLoop:
@@ -90,7 +73,7 @@ class EngineLoop:
         self,
         config: EngineConfig,
         control: ControlPlane,
-        runner: Runner,
+        executor: Executor,
         send: Callable[[ResultMessage], None],
         grouping: bool,
         max_rows: int,
@@ -99,13 +82,14 @@ class EngineLoop:
         self.config = config
         self.clock = clock  # the pacing clock: first emit and the real-time playhead estimate
         self.control = control
-        self.runner = runner
+        self.executor = executor
         self.send = send
         self.scheduler = ChunkScheduler(grouping, max_rows)
         self.sessions: dict[str, EngineSession] = {}
         self.stats = LoopStats()
         self._running = True
-        self._invocation = 0
+        self._number = 0  # of the latest micro-step planned
+        self._busy_since: float | None = None
         self._handlers: dict[type, Callable] = {
             StartSession: self._on_start,
             StopSession: self._on_stop,
@@ -115,21 +99,33 @@ class EngineLoop:
 
     def run(self) -> None:
         """Iterate until shutdown, and until every session was released."""
-        while self._running or self.sessions:
-            self.run_once()
+        try:
+            while self._running or self.sessions or self.executor.in_flight():
+                self.run_once()
+        finally:
+            self.executor.close()
 
     def run_once(self) -> None:
-        started = time.perf_counter()
+        seen, playheads = self.control.pacing_state()
+        self.collect()
         self.drain_control()
-        iteration = self.schedule()
-        if iteration.plan.is_empty():
-            if self._running:
-                self.control.wait(iteration.seen, iteration.wake_in)
-            return
-        result = self.execute(iteration.plan)
-        self.emit(iteration, result)
-        self.stats.iterations += 1
-        self.stats.busy_s += time.perf_counter() - started
+        wake_in = self.submit(playheads)
+        self.collect()  # what finished meanwhile (at once, with an executor that runs inline)
+        if self._running or self.sessions or self.executor.in_flight():
+            self.control.wait(seen, None if self.executor.in_flight() else wake_in)
+
+    # ------------------------------------------------------------------
+    # collect
+    # ------------------------------------------------------------------
+
+    def collect(self) -> None:
+        for result in self.executor.results():
+            self.stats.iterations += 1
+            self.stats.pipeline_s += result.pipeline_s
+            self.emit(result)
+        if self._busy_since is not None and not self.executor.in_flight():
+            self.stats.busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
 
     # ------------------------------------------------------------------
     # drain control
@@ -156,7 +152,7 @@ class EngineLoop:
             session.finish(shutdown.reason)
 
     def _on_probe(self, probe: Probe) -> None:
-        runner_held, pipeline_held = self.runner.held_sessions()
+        runner_held, pipeline_held = self.executor.held_sessions()
         s = self.stats
         self.send(
             ProbeReply(
@@ -169,41 +165,51 @@ class EngineLoop:
                 pipeline_s=s.pipeline_s,
                 steps=s.steps,
                 chunks=s.chunks,
+                executing_s=self.executor.executing_s(),
             )
         )
 
     # ------------------------------------------------------------------
-    # schedule + boundary work
+    # boundary work + schedule, submit
     # ------------------------------------------------------------------
 
-    def schedule(self) -> _Iteration:
-        plan = StepPlan(invocation=self._invocation + 1)
-        iteration = _Iteration(plan)
-        plan.release = [sid for sid, s in self.sessions.items() if s.phase is Phase.FINISHING]
-        held, iteration.wake_in, iteration.seen = self._paced()
+    def submit(self, playheads: dict[str, float | None]) -> float | None:
+        """Plan and submit micro-steps while the executor has room; returns when
+        a paced session may run again (None: no session is waiting on time)."""
+        wake_in = None
+        while self.executor.in_flight() < self.executor.depth:
+            step, wake_in = self.plan(playheads)
+            if step.is_empty():
+                break
+            if self._busy_since is None:
+                self._busy_since = time.perf_counter()
+            self.executor.submit(step)
+        return wake_in
+
+    def plan(self, playheads: dict[str, float | None]) -> tuple[MicroStep, float | None]:
+        """The next micro-step: sessions to release and open, boundaries, and one
+        row per scheduled session."""
+        step = MicroStep(number=self._number + 1)
+        for sid, session in self.sessions.items():
+            if session.phase is Phase.FINISHING and not session.release_planned:
+                step.release.append(sid)
+                session.release_planned = True
+        held, wake_in = self._paced(playheads)
         for session in self.scheduler.select(self.sessions.values(), held):
             if session.phase is Phase.NEW:
-                plan.open.append(session.start)
+                step.open.append(session.start)
                 session.phase = Phase.BOUNDARY
             if session.phase is Phase.BOUNDARY:
-                self.boundary_work(session, iteration)
-            plan.rows.append(
-                PlanRow(
-                    session_id=session.session_id,
-                    chunk_index=session.chunk_index,
-                    first_step=session.step_in_chunk,
-                    num_steps=self.scheduler.steps_for(session),
-                    steps_per_chunk=session.steps_per_chunk,
-                )
-            )
-        if not plan.is_empty():
-            self._invocation = plan.invocation
-        return iteration
+                step.boundaries.append(self.boundary_work(session, step.number))
+            chunk = session.chunk
+            step.ranks[0].append(chunk.next_row(session.session_id))
+            chunk.planned += 1
+        if not step.is_empty():
+            self._number = step.number
+        return step, wake_in
 
-    def _paced(self) -> tuple[set[str], float | None, int]:
-        """Sessions held back by pacing, the soonest one of them may run, and the
-        control plane's wake-up count read with the playheads decided on."""
-        seen, playheads = self.control.pacing_state()
+    def _paced(self, playheads: dict[str, float | None]) -> tuple[set[str], float | None]:
+        """Sessions held back by pacing, and the soonest one of them may run."""
         now = self.clock()
         held: set[str] = set()
         wake: float | None = None
@@ -214,79 +220,75 @@ class EngineLoop:
             held.add(sid)
             if wait is not None:
                 wake = wait if wake is None else min(wake, wait)
-        return held, wake, seen
+        return held, wake
 
-    def boundary_work(self, session: EngineSession, iteration: _Iteration) -> None:
-        """Take the mailbox for the session's next chunk and plan the boundary."""
-        chunk = session.chunk_index
-        taken = self.control.take_boundary(session.session_id, chunk)
+    def boundary_work(self, session: EngineSession, number: int) -> BoundaryTask:
+        """Take the mailbox for the session's next chunk and open its record
+        (the boundary runs in micro-step ``number``)."""
+        index = session.chunk_index
+        taken = self.control.take_boundary(session.session_id, index)
         applied = taken.applied
-        iteration.plan.boundaries.append(
-            BoundaryTask(
-                session_id=session.session_id,
-                chunk_index=chunk,
-                prompt=None if applied is None else applied.prompt,
-                transition_chunks=0 if applied is None else applied.transition_chunks,
-            )
-        )
-        iteration.boundaries[session.session_id] = _Boundary(
-            applied, taken.superseded, time.monotonic(), session.frames_done
-        )
-        session.chunk_events = session.events.begin_chunk(
-            chunk,
-            None if applied is None else (applied.event_id, applied.transition_chunks),
-            taken.retired,
+        session.chunk = ChunkInFlight(
+            index=index,
+            steps=session.steps_per_chunk,
+            first_frame=session.frames_done,
+            events=session.events.begin_chunk(
+                index,
+                None if applied is None else (applied.event_id, applied.transition_chunks),
+                taken.retired,
+            ),
+            boundary=BoundaryTaken(applied, taken.superseded, time.monotonic()),
+            boundary_step=number,
         )
         session.phase = Phase.DENOISING
-        session.step_in_chunk = 0
-        session.boundary_ms = session.denoise_ms = 0.0
-        session.step_calls = []
-
-    # ------------------------------------------------------------------
-    # execute
-    # ------------------------------------------------------------------
-
-    def execute(self, plan: StepPlan) -> PlanResult:
-        result = self.runner.execute(plan, self.control.is_stopping)
-        self.stats.pipeline_s += result.pipeline_s
-        return result
+        return BoundaryTask(
+            session_id=session.session_id,
+            chunk_index=index,
+            prompt=None if applied is None else applied.prompt,
+            transition_chunks=0 if applied is None else applied.transition_chunks,
+        )
 
     # ------------------------------------------------------------------
     # emit
     # ------------------------------------------------------------------
 
-    def emit(self, iteration: _Iteration, result: PlanResult) -> None:
-        plan = iteration.plan
-        for sid in plan.release:
-            self._end(sid)
-        for sid, boundary in iteration.boundaries.items():
-            row = result.rows.get(sid)
-            self._report_boundary(self.sessions[sid], boundary, None if row is None else row.error)
-        for planned in plan.rows:
-            row = result.rows.get(planned.session_id)
-            if row is not None:
-                self._account_row(self.sessions[planned.session_id], row)
+    def emit(self, result: StepResult) -> None:
+        """Account one finished micro-step: its rows' progress, the boundaries it
+        crossed, chunks that finished, sessions it released or that failed."""
+        for sid in result.released:
+            if sid in self.sessions:
+                self._end(sid)
+        for sid, row in result.rows.items():
+            session = self.sessions.get(sid)
+            if session is None:
+                continue  # ended earlier (failed in a micro-step before this one)
+            chunk = session.chunk
+            if chunk is not None and chunk.boundary is not None and result.number >= chunk.boundary_step:
+                # This micro-step crossed the chunk's boundary (or failed first): end what it took.
+                self._report_boundary(session, chunk, row.error)
+                chunk.boundary = None
+            self._account_row(session, row, result.number)
 
-    def _report_boundary(self, session: EngineSession, boundary: _Boundary, error: str | None) -> None:
+    def _report_boundary(self, session: EngineSession, chunk: ChunkInFlight, error: str | None) -> None:
         """End every interaction the boundary took: the ones it replaced are
         superseded; the one it took is applied, or, when the session failed in
-        the invocation that crossed the boundary (its chunk will never be
+        the micro-step that crossed the boundary (its chunk will never be
         delivered), rejected as ``session_failed``."""
         sid = session.session_id
-        for old, by in boundary.superseded:
+        taken = chunk.boundary
+        for old, by in taken.superseded:
             self.send(InteractionSuperseded(session_id=sid, event_id=old.event_id, by_event_id=by))
-        applied = boundary.applied
+        applied = taken.applied
         if applied is None:
             return
         if error is not None:
-            message = f"the session failed at chunk {session.chunk_index} before this interaction took effect: {error}"
+            message = f"the session failed at chunk {chunk.index} before this interaction took effect: {error}"
             self._reject(sid, applied.event_id, "session_failed", message)
             return
-        media_start = boundary.first_frame / session.geometry.fps
         session.applied.append(
             AppliedInteraction(
                 event_id=applied.event_id,
-                at_chunk=session.chunk_index,
+                at_chunk=chunk.index,
                 prompt=applied.prompt,
                 transition_chunks=applied.transition_chunks,
             )
@@ -295,61 +297,69 @@ class EngineLoop:
             InteractionApplied(
                 session_id=sid,
                 event_id=applied.event_id,
-                generation_chunk_index=session.chunk_index,
-                first_frame_index=boundary.first_frame,
-                media_start_seconds=media_start,
-                queued_to_applied_ms=(boundary.taken_at - applied.queued_at) * 1000.0,
+                generation_chunk_index=chunk.index,
+                first_frame_index=chunk.first_frame,
+                media_start_seconds=chunk.first_frame / session.geometry.fps,
+                queued_to_applied_ms=(taken.taken_at - applied.queued_at) * 1000.0,
                 transition_chunks=applied.transition_chunks,
             )
         )
 
-    def _account_row(self, session: EngineSession, row: RowResult) -> None:
+    def _account_row(self, session: EngineSession, row: RowResult, number: int) -> None:
         if row.error is not None:
             self._fail(session, row.error)
             return
-        self.stats.steps += row.steps_run
-        session.step_in_chunk += row.steps_run
-        session.boundary_ms += row.boundary_ms
-        session.denoise_ms += row.denoise_ms
-        session.step_calls.extend(row.step_calls)
-        if row.chunk is None:
+        chunk = session.chunk
+        if chunk is None:
             return
-        chunk = row.chunk
-        events = session.chunk_events
+        chunk.boundary_ms += row.boundary_ms
+        if row.cancelled:
+            return  # its session is stopping: the chunk is discarded with it
+        if not row.stepped:
+            return
+        self.stats.steps += 1
+        chunk.done += 1
+        chunk.denoise_ms += row.denoise_ms
+        chunk.micro_steps.append(number)
+        if row.chunk is not None:
+            self._chunk_ready(session, chunk, row)
+
+    def _chunk_ready(self, session: EngineSession, chunk: ChunkInFlight, row: RowResult) -> None:
+        output = row.chunk
         self.send(
             ChunkReady(
                 session_id=session.session_id,
-                generation_chunk_index=session.chunk_index,
-                num_frames=chunk.num_frames,
-                first_frame_index=session.frames_done,
+                generation_chunk_index=chunk.index,
+                num_frames=output.num_frames,
+                first_frame_index=chunk.first_frame,
                 media_start_seconds=session.media_seconds_done,
-                width=chunk.width,
-                height=chunk.height,
-                started_event_ids=events.started,
-                active_event_ids=events.active,
-                completed_event_ids=events.completed,
+                width=output.width,
+                height=output.height,
+                started_event_ids=chunk.events.started,
+                active_event_ids=chunk.events.active,
+                completed_event_ids=chunk.events.completed,
                 timing=ChunkTiming(
-                    boundary_ms=session.boundary_ms,
-                    denoise_ms=session.denoise_ms,
+                    boundary_ms=chunk.boundary_ms,
+                    denoise_ms=chunk.denoise_ms,
                     decode_ms=row.decode_ms,
-                    steps=session.step_in_chunk,
-                    runner_calls=tuple(session.step_calls),
+                    steps=chunk.done,
+                    runner_calls=tuple(chunk.micro_steps),
                 ),
-                payload=chunk.payload,
+                payload=output.payload,
             )
         )
         self.stats.chunks += 1
         if session.first_emit_at is None:
             session.first_emit_at = self.clock()
         self.control.chunk_finished(session.session_id)
-        session.frames_done += chunk.num_frames
+        session.frames_done += output.num_frames
         session.chunks_done += 1
-        if session.is_last_chunk(session.chunk_index):
-            session.finish("completed")
-        else:
-            session.phase = Phase.BOUNDARY
+        session.chunk = None
         session.chunk_index += 1
-        session.step_in_chunk = 0
+        if session.is_last_chunk(chunk.index):
+            session.finish("completed")
+        elif session.phase is Phase.DENOISING:
+            session.phase = Phase.BOUNDARY
 
     def _end(self, sid: str) -> None:
         """The runner released a finishing session: say so, with its replay log."""

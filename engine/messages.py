@@ -303,11 +303,12 @@ class ProbeReply(_Wire, tag="probe_reply"):
     sessions: tuple[str, ...]  # admitted and not yet done
     runner_sessions: tuple[str, ...]
     pipeline_sessions: tuple[str, ...]
-    iterations: int  # loop iterations that executed a plan
-    busy_s: float  # time spent in those iterations
+    iterations: int  # micro-steps executed
+    busy_s: float  # wall time the engine had work planned or in flight
     pipeline_s: float  # of which inside pipeline calls
     steps: int  # denoise steps run
     chunks: int  # chunks finished
+    executing_s: float = 0.0  # how long the micro-step running now has run (0: none); a stuck forward grows it
 
 
 ResultMessage = (

@@ -1,14 +1,16 @@
-"""The step plan: what one loop iteration asks the runner to do, and what comes back.
+"""Micro-step plans: what the engine asks for one forward, and what comes back.
 
-The engine loop (``engine.loop``) builds one ``StepPlan`` per iteration, after
-draining the control queue; the runner (``workers.runner.ModelRunner``)
-executes it in one invocation, in field order: release, open, boundaries,
-rows. Plain dataclasses; they stay inside the worker process.
+The engine loop (``engine.loop``) plans one ``MicroStep`` at a time, after
+draining the control queue, and hands it to an executor (``Executor``); the
+executor runs it on the workers (``workers.executor.LocalExecutor``: one rank,
+in process, on a thread of its own) and returns a ``StepResult`` later, while
+the loop goes on draining control and planning. A micro-step is executed in
+field order: release, open, boundaries, then one forward over its rows.
+Plain dataclasses; they stay inside the worker process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,7 +20,8 @@ from engine.messages import SessionGeometry, StartSession
 @dataclass(frozen=True)
 class BoundaryTask:
     """Begin chunk ``chunk_index`` of a session: apply ``prompt`` (if any), then
-    prepare the chunk. Always computed after the latest control drain."""
+    prepare the chunk. Always planned after the latest control drain, and only
+    once the session's previous chunk has come back."""
 
     session_id: str
     chunk_index: int
@@ -27,30 +30,40 @@ class BoundaryTask:
 
 
 @dataclass(frozen=True)
-class PlanRow:
-    """Denoise steps ``first_step .. first_step + num_steps - 1`` of one session's
-    current chunk. When the last of them is the chunk's last step, the runner
-    also runs ``post_decode`` and returns the chunk."""
+class StepRow:
+    """One row of a forward: chunk ``chunk_index`` of one session at denoise step
+    ``step`` (0-based). After the chunk's last step the executor also commits
+    the chunk and decodes it, and the row's result carries the frames."""
 
     session_id: str
     chunk_index: int
-    first_step: int  # step_in_chunk before this invocation
-    num_steps: int  # steps this invocation may run (1 ungrouped; the rest of the chunk grouped)
+    step: int
     steps_per_chunk: int
+
+    @property
+    def last(self) -> bool:
+        """The chunk's last denoise step: commit and decode follow."""
+        return self.step == self.steps_per_chunk - 1
 
 
 @dataclass
-class StepPlan:
-    """One loop iteration's work for the runner."""
+class MicroStep:
+    """One forward's worth of work for the executor."""
 
-    invocation: int  # increasing runner invocation number
-    release: list[str] = field(default_factory=list)  # session ids whose state the runner frees
+    number: int  # increasing per worker; results come back in this order
+    release: list[str] = field(default_factory=list)  # session ids whose state is freed
     open: list[StartSession] = field(default_factory=list)  # sessions to encode (prepare_encode)
     boundaries: list[BoundaryTask] = field(default_factory=list)
-    rows: list[PlanRow] = field(default_factory=list)
+    ranks: list[list[StepRow]] = field(default_factory=lambda: [[]])
+    """Per rank, the rows it runs in this micro-step (one rank today: one list)."""
+
+    @property
+    def rows(self) -> list[StepRow]:
+        """Every row of the micro-step, rank by rank."""
+        return [row for rank in self.ranks for row in rank]
 
     def is_empty(self) -> bool:
-        return not (self.release or self.open or self.boundaries or self.rows)
+        return not (self.release or self.open or self.boundaries or any(self.ranks))
 
 
 @dataclass(frozen=True)
@@ -65,24 +78,25 @@ class ChunkOutput:
 
 @dataclass
 class RowResult:
-    """What happened to one session in an invocation."""
+    """What happened to one session in a micro-step."""
 
     session_id: str
-    steps_run: int = 0
-    step_calls: list[int] = field(default_factory=list)  # invocation number per step run
-    chunk: ChunkOutput | None = None  # set when the chunk finished in this invocation
-    boundary_ms: float = 0.0
-    denoise_ms: float = 0.0
-    decode_ms: float = 0.0
-    cancelled: bool = False  # stopped between steps; the partial chunk is discarded
+    stepped: bool = False  # its denoise step ran
+    chunk: ChunkOutput | None = None  # set when its chunk finished (last step, commit, decode)
+    boundary_ms: float = 0.0  # open and boundary calls
+    denoise_ms: float = 0.0  # its share of the forward, and its sampler update
+    decode_ms: float = 0.0  # commit and decode
+    cancelled: bool = False  # its session was stopping: the step did not run
     error: str | None = None  # the session failed; the runner already released it
 
 
 @dataclass
-class PlanResult:
-    """Per-session results of one invocation, and the time spent inside the pipeline."""
+class StepResult:
+    """Per-session results of one micro-step, and the time spent inside the pipeline."""
 
+    number: int  # the micro-step's number
     rows: dict[str, RowResult] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)  # sessions whose state it freed
     pipeline_s: float = 0.0
 
     def row(self, session_id: str) -> RowResult:
@@ -92,18 +106,52 @@ class PlanResult:
 
 
 class Runner(Protocol):
-    """The mechanism side of the loop; implemented by ``workers.runner.ModelRunner``."""
+    """The mechanism that runs one micro-step; implemented by ``workers.runner.ModelRunner``."""
 
     def describe(self, start: StartSession) -> SessionGeometry:
         """Effective geometry of ``start``; raises ``ValueError`` naming the bad field.
         Called on the control-receiver thread: must not touch session state."""
         ...
 
-    def execute(self, plan: StepPlan, is_cancelled: Callable[[str], bool]) -> PlanResult:
-        """Run ``plan``; between two denoise steps of a row, a row whose session
-        ``is_cancelled`` stops early. Errors are caught per session."""
+    def execute(self, step: MicroStep) -> StepResult:
+        """Run ``step``; errors are caught per session (that session fails, the
+        others go on)."""
         ...
 
     def held_sessions(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(sessions the runner holds state for, sessions the pipeline holds state for)."""
+        ...
+
+
+class Executor(Protocol):
+    """Where micro-steps run, asynchronously to the loop: ``submit`` returns at
+    once; results come back in submission order through ``results``, and the
+    executor wakes the loop (the ``on_result`` callback it was built with) each
+    time one is ready. Rows of a session that is stopping by the time its
+    micro-step starts are not run (``RowResult.cancelled``)."""
+
+    depth: int
+    """Micro-steps it holds at once (running and queued); the loop plans ahead up to it."""
+
+    def submit(self, step: MicroStep) -> None: ...
+
+    def results(self) -> list[StepResult]:
+        """The results finished since the last call, in submission order. Raises
+        what the runner itself raised (a bug: the loop fails with it)."""
+        ...
+
+    def in_flight(self) -> int:
+        """Micro-steps submitted whose result ``results`` has not returned yet."""
+        ...
+
+    def executing_s(self) -> float:
+        """How long the micro-step now running has been running (0 when idle)."""
+        ...
+
+    def held_sessions(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The runner's and the pipeline's held sessions, as of the latest micro-step."""
+        ...
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the executor."""
         ...

@@ -1,20 +1,23 @@
-"""The chunk scheduler: which sessions run in the next plan, and for how many steps.
+"""The chunk scheduler: which sessions get a row in the next micro-step.
 
-Policy only (loop thread of worker rank 0). Sessions take turns round-robin:
-each plan carries up to ``max_rows`` sessions, starting after the last one
-served, so no session waits more than ``ceil(n / max_rows)`` plans. With
-grouping a row runs every remaining step of its chunk (one chunk per turn);
-without, one step (one step per turn). A row never runs past the end of its
-chunk, so the boundary always falls between two plans.
+Policy only (loop thread of worker rank 0). A micro-step carries up to
+``max_rows`` rows, one per session: the next denoise step of its chunk, or
+the first step of a new chunk (its boundary planned with it). Sessions take
+turns round-robin, starting after the last one served, so no session waits
+more than ``ceil(n / max_rows)`` micro-steps for its turn.
+
+With grouping, a chunk once begun runs its steps back to back: the sessions
+in the middle of a chunk take their rows first, and only the rows left over
+begin other chunks. Without grouping every step is a turn of its own. Either
+way a row never runs past the end of its chunk, and the next chunk's boundary
+is planned only once the previous chunk came back (``EngineSession.plannable``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.session import EngineSession, Phase
-
-RUNNABLE = (Phase.NEW, Phase.BOUNDARY, Phase.DENOISING)
+from engine.session import EngineSession
 
 
 class ChunkScheduler:
@@ -26,19 +29,17 @@ class ChunkScheduler:
         self._last_served: str | None = None
 
     def select(self, sessions: Iterable[EngineSession], held: set[str] = frozenset()) -> list[EngineSession]:
-        """The sessions that run next, in round-robin order after the last served;
-        ``held`` sessions (paced) are skipped."""
-        runnable = [s for s in sessions if s.phase in RUNNABLE and s.session_id not in held]
-        if not runnable:
-            return []
-        ids = [s.session_id for s in runnable]
+        """The sessions that get a row in the next micro-step; ``held`` sessions
+        (paced) are skipped."""
+        pool = list(sessions)
+        ids = [s.session_id for s in pool]
         start = ids.index(self._last_served) + 1 if self._last_served in ids else 0
-        ordered = runnable[start:] + runnable[:start]
+        ordered = [s for s in pool[start:] + pool[:start] if s.plannable() and s.session_id not in held]
+        if not ordered:
+            return []
+        if self.grouping:
+            begun = [s for s in ordered if s.chunk is not None and s.chunk.begun]
+            ordered = begun + [s for s in ordered if s not in begun]
         chosen = ordered[: self.max_rows]
         self._last_served = chosen[-1].session_id
         return chosen
-
-    def steps_for(self, session: EngineSession) -> int:
-        """Denoise steps the session's row may run in this plan (>= 1)."""
-        remaining = session.steps_per_chunk - session.step_in_chunk
-        return remaining if self.grouping else 1

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.mailbox import PendingInteraction
 from engine.messages import AppliedInteraction, SessionGeometry, StartSession
+from engine.plan import StepRow
 
 
 class Phase(Enum):
@@ -60,25 +62,61 @@ class EventTracker:
 
 
 @dataclass
+class ChunkInFlight:
+    """The engine's one record of a chunk being made: which, how far, what it
+    applied, and what it cost. Plans refer to it by (session, chunk, step)."""
+
+    index: int
+    steps: int  # denoise steps of the chunk
+    first_frame: int  # frame index of its first frame in the session
+    events: ChunkEvents
+    boundary: BoundaryTaken | None  # reported once the micro-step that crossed it came back
+    boundary_step: int  # number of that micro-step
+    planned: int = 0  # denoise steps handed to the executor
+    done: int = 0  # denoise steps whose result came back
+    boundary_ms: float = 0.0
+    denoise_ms: float = 0.0
+    micro_steps: list[int] = field(default_factory=list)  # number of the micro-step of each step run
+
+    def next_row(self, session_id: str) -> StepRow:
+        """The row of this chunk's next step to plan."""
+        return StepRow(session_id, self.index, self.planned, self.steps)
+
+    @property
+    def begun(self) -> bool:
+        """A step of it was planned: grouping runs the rest back to back."""
+        return self.planned > 0
+
+    @property
+    def all_planned(self) -> bool:
+        return self.planned >= self.steps
+
+
+@dataclass(frozen=True)
+class BoundaryTaken:
+    """What a chunk's boundary took from the mailbox, to report once it ran."""
+
+    applied: PendingInteraction | None
+    superseded: list[tuple[PendingInteraction, str]]
+    taken_at: float  # time.monotonic() when taken
+
+
+@dataclass
 class EngineSession:
     session_id: str
     geometry: SessionGeometry
     start: StartSession | None = None  # the request, until the runner opened it
     phase: Phase = Phase.NEW
-    chunk_index: int = 0  # the chunk in progress (DENOISING) or next to begin (BOUNDARY)
-    step_in_chunk: int = 0
+    chunk_index: int = 0  # the chunk in flight (DENOISING) or next to begin (BOUNDARY)
+    chunk: ChunkInFlight | None = None  # the chunk in flight, DENOISING only
     chunks_done: int = 0
     frames_done: int = 0
     end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
+    release_planned: bool = False  # FINISHING: the micro-step that frees its state was submitted
     max_lead_seconds: float | None = None  # pacing budget; None: never held back
     first_emit_at: float | None = None  # time.monotonic() when chunk 0 was emitted
     events: EventTracker = field(default_factory=EventTracker)
-    chunk_events: ChunkEvents = field(default_factory=ChunkEvents)
     applied: list[AppliedInteraction] = field(default_factory=list)
-    # Cost of the chunk in progress, accumulated over invocations.
-    boundary_ms: float = 0.0
-    denoise_ms: float = 0.0
-    step_calls: list[int] = field(default_factory=list)
 
     @property
     def steps_per_chunk(self) -> int:
@@ -87,6 +125,14 @@ class EngineSession:
     @property
     def media_seconds_done(self) -> float:
         return self.frames_done / self.geometry.fps
+
+    def plannable(self) -> bool:
+        """Whether a row of it may go into the next micro-step: it is new, between
+        chunks, or has a step of its chunk left to plan. A chunk's boundary is
+        planned only once the previous chunk came back (``chunk`` is None then)."""
+        if self.phase in (Phase.NEW, Phase.BOUNDARY):
+            return True
+        return self.phase is Phase.DENOISING and self.chunk is not None and not self.chunk.all_planned
 
     def is_last_chunk(self, chunk: int) -> bool:
         total = self.geometry.num_chunks

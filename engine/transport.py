@@ -20,7 +20,9 @@ The client binds, workers connect. Encoding and decoding happen here only.
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ import msgspec
 import zmq
 
 from engine.messages import ControlMessage, ResultMessage
+
+log = logging.getLogger(__name__)
 
 _control_encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)
@@ -74,24 +78,38 @@ class Endpoints:
 
 
 class ResultSender:
-    """Worker side of the results pipe; safe to call from several threads.
+    """Worker side of the results pipe, with an output thread of its own.
 
-    The lock orders sends from the control-receiver thread and the loop
-    thread on one socket, so a message sent while holding another lock (the
-    mailbox's) reaches the client before anything sent after that lock.
+    ``send`` may be called from any thread and returns at once: the output
+    thread encodes each message (a chunk's payload is megabytes) and sends it,
+    in the order ``send`` was called, so neither the loop nor the control
+    receiver ever waits on encoding or on the socket. One FIFO for every
+    caller keeps the order a caller relies on: a message sent while holding a
+    lock (the mailbox's) reaches the client before anything sent after it.
+    The socket is used by the output thread alone.
     """
 
     def __init__(self, context: zmq.Context, endpoint: str) -> None:
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 2000)
         self._socket.connect(endpoint)
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[ResultMessage | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="result-sender", daemon=True)
+        self._thread.start()
 
     def send(self, message: ResultMessage) -> None:
-        data = encode_result(message)
-        with self._lock:
-            self._socket.send(data, copy=len(data) < 65536)
+        self._queue.put(message)
 
-    def close(self) -> None:
-        with self._lock:
-            self._socket.close()
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what was queued, then close the socket."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._socket.close()
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                data = encode_result(message)
+                self._socket.send(data, copy=len(data) < 65536)
+            except Exception:  # keep sending the rest: one bad message must not silence the worker
+                log.exception("could not send %s", type(message).__name__)

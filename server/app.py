@@ -30,7 +30,7 @@ from server.schemas import JobRequest, RequestError
 from server.settings import ServerSettings
 
 STATIC = Path(__file__).parent / "static"
-LIVENESS_PROBE_S = 1.0  # how long /health/live waits for the worker's loop before calling it busy
+LIVENESS_PROBE_S = 1.0  # how long /health/live waits for the loop; a forward this long is "busy"
 
 
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
@@ -110,13 +110,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.get("/health/live", tags=["operations"])
     async def live(request: Request) -> JSONResponse:
         """Liveness: 503 only when restarting this process is what would help: the
-        worker died and the restart budget is spent (``dead``), or its loop has
-        answered no probe for ``worker_wedged_after_s`` (``wedged``). 200 otherwise:
-        ``ok``, ``busy`` (inside one long forward), ``restarting`` (a fresh worker is
-        loading, however long a real model takes), draining included."""
+        worker died and the restart budget is spent (``dead``), or one forward has
+        run, or the loop has answered no probe, for ``worker_wedged_after_s``
+        (``wedged``). 200 otherwise: ``ok``, ``busy`` (inside one long forward),
+        ``restarting`` (a fresh worker is loading, however long a real model
+        takes), draining included."""
         engine = engine_of(request)
         try:
-            await engine.probe(timeout=LIVENESS_PROBE_S)
+            reply = await engine.probe(timeout=LIVENESS_PROBE_S)
         except EngineRestartingError as error:
             return JSONResponse({"status": "restarting", "reason": str(error)})
         except EngineDeadError as error:
@@ -128,6 +129,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
             reason = f"the worker's loop has answered no probe for {silent:.1f} s"
             if silent >= settings.worker_wedged_after_s:
                 return JSONResponse({"status": "wedged", "reason": reason}, status_code=503)
+            return JSONResponse({"status": "busy", "reason": reason})
+        reason = f"one forward has run for {reply.executing_s:.1f} s"
+        if reply.executing_s >= settings.worker_wedged_after_s:
+            return JSONResponse({"status": "wedged", "reason": reason}, status_code=503)
+        if reply.executing_s >= LIVENESS_PROBE_S:
             return JSONResponse({"status": "busy", "reason": reason})
         return JSONResponse({"status": "ok"})
 

@@ -81,3 +81,13 @@ async def read_until(handle: SessionHandle, kind: type, into: Collected, timeout
             return message
         if isinstance(message, (SessionDone, SessionFailed)):
             raise AssertionError(f"session ended before a {kind.__name__}: {message}")
+
+
+def inline_loop(config, control, runner, send, **options):
+    """An ``EngineLoop`` over ``runner`` whose executor runs each micro-step inside
+    ``submit`` (the local executor, unthreaded): one micro-step per ``run_once``."""
+    from engine.loop import EngineLoop
+    from workers.executor import LocalExecutor
+
+    executor = LocalExecutor(runner, control.is_stopping, control.wake, threaded=False)
+    return EngineLoop(config, control, executor, send, **options)

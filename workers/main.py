@@ -27,6 +27,7 @@ from engine.loop import EngineLoop
 from engine.messages import EngineDead, StartSession, WorkerReady, WorkerStartupFailed
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
+from workers.executor import LocalExecutor
 from workers.pipelines import build_pipeline
 from workers.runner import ModelRunner
 from workers.warmup import warm_up
@@ -60,7 +61,8 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     if budget is not None:
         log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
     control = ControlPlane(config, runner.describe, sender.send, memory_budget=budget)
-    loop = EngineLoop(config, control, runner, sender.send, grouping=grouping, max_rows=pipeline.max_batch_rows)
+    executor = LocalExecutor(runner, control.is_stopping, control.wake)
+    loop = EngineLoop(config, control, executor, sender.send, grouping=grouping, max_rows=pipeline.max_batch_rows)
     receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
     receiver.start()
     sender.send(

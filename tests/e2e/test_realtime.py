@@ -150,7 +150,6 @@ async def test_client_disconnect_mid_chunk_frees_the_session(make_server):
         await client.send(interaction("a storm", "mid"))
         queued = await client.until("session.interaction.queued")
         assert (queued["in_progress_chunk_index"], queued["expected_chunk_index"]) == (1, 2)
-        # (No /health here: the worker answers probes between loop iterations, after this chunk.)
     # The socket closed with chunk 1 in progress.
 
     deadline = asyncio.get_running_loop().time() + 30

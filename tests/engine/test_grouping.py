@@ -1,12 +1,12 @@
-"""Grouping merges the denoise steps of a chunk into one runner invocation and
-changes nothing else: same frames, and the boundary never joins the group."""
+"""Grouping issues a chunk's micro-steps back to back and changes nothing else:
+same frames, and the boundary never joins the group."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.messages import Interaction, InteractionApplied, ScheduledInteraction, SessionDone, StartSession
-from tests.support import collect
+from tests.support import collect, make_gate, wait_reached
 
 CHUNKS = 4
 
@@ -42,12 +42,25 @@ async def test_grouped_and_ungrouped_runs_give_identical_outputs(make_engine, st
 
 
 @pytest.mark.parametrize("steps", [2, 3])
-async def test_call_pattern_one_invocation_per_chunk_grouped_one_per_step_ungrouped(make_engine, steps):
-    grouped = await _run(make_engine, steps, grouped=True)
-    ungrouped = await _run(make_engine, steps, grouped=False)
-    # Invocation numbers count non-empty plans from 1; a lone session runs in all of them.
-    assert [c.timing.runner_calls for c in grouped.chunks] == [(k + 1,) * steps for k in range(CHUNKS)]
-    assert [c.timing.runner_calls for c in ungrouped.chunks] == [
-        tuple(range(k * steps + 1, (k + 1) * steps + 1)) for k in range(CHUNKS)
-    ]
-    assert all(c.timing.steps == steps for c in grouped.chunks + ungrouped.chunks)
+async def test_grouped_chunks_run_their_micro_steps_back_to_back_ungrouped_take_turns(make_engine, steps):
+    """Two sessions, one row a forward: grouped, each chunk's steps are consecutive
+    micro-steps; ungrouped, the sessions alternate step by step while both run."""
+    for grouped in (True, False):
+        gate = make_gate(chunk=0, step=0, prompt="first")
+        engine = await make_engine(group_chunk_steps=grouped, gates=[gate])
+        starts = [
+            StartSession(session_id=sid, prompt=sid, num_chunks=CHUNKS, num_inference_steps=steps)
+            for sid in ("first", "second")
+        ]
+        first = await engine.start_session(starts[0])
+        await wait_reached(gate)
+        second = await engine.start_session(starts[1])  # admitted while the first one's step 0 runs
+        gate.release.set()
+        results = [await collect(h) for h in (first, second)]
+        for result in results:
+            assert isinstance(result.end, SessionDone) and all(c.timing.steps == steps for c in result.chunks)
+            calls = [c.timing.runner_calls for c in result.chunks]
+            if grouped:
+                assert all(c == tuple(range(c[0], c[0] + steps)) for c in calls), calls
+            else:  # chunk 1 of either session runs while the other one runs too
+                assert calls[1] == tuple(range(calls[1][0], calls[1][0] + 2 * steps, 2)), calls

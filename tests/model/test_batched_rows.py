@@ -126,12 +126,12 @@ def test_a_commit_forward_carries_one_row(pipeline):
 
 
 def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
-    """The worker's real runner over the real pipeline: one plan, three sessions,
-    four forwards of three rows each, and the chunks each session makes alone."""
+    """The worker's real runner over the real pipeline: four micro-steps of three
+    sessions, one forward of three rows each, and the chunks each session makes alone."""
     import numpy as np
 
     from engine.messages import StartSession
-    from engine.plan import BoundaryTask, PlanRow, StepPlan
+    from engine.plan import BoundaryTask, MicroStep, StepRow
     from workers.runner import ModelRunner
 
     runner = ModelRunner(pipeline)
@@ -145,25 +145,27 @@ def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
 
     pipeline.denoise_step = counting
     try:
-        plan = StepPlan(
-            invocation=1,
-            open=starts,
-            boundaries=[BoundaryTask(s.session_id, 0, None, 0) for s in starts],
-            rows=[PlanRow(s.session_id, 0, 0, 4, 4) for s in starts],
-        )
-        result = runner.execute(plan, lambda _: False)
+        results = []
+        for step in range(4):
+            micro = MicroStep(number=step + 1, ranks=[[StepRow(s.session_id, 0, step, 4) for s in starts]])
+            if step == 0:
+                micro.open = starts
+                micro.boundaries = [BoundaryTask(s.session_id, 0, None, 0) for s in starts]
+            results.append(runner.execute(micro))
     finally:
         del pipeline.denoise_step
     assert widths == [3, 3, 3, 3]
     for start in starts:
-        row = result.rows[start.session_id]
-        assert row.error is None and row.steps_run == 4 and row.chunk is not None
+        rows = [result.rows[start.session_id] for result in results]
+        assert all(row.error is None and row.stepped for row in rows)
+        assert [row.chunk is not None for row in rows] == [False, False, False, True]
+        row = rows[-1]
         state = open_session(pipeline, start.session_id + "-alone", prompt=start.prompt, seed=start.seed)
         alone = np.frombuffer(run_chunk(pipeline, state)[0].payload, np.uint8).astype(int)
         together = np.frombuffer(row.chunk.payload, np.uint8).astype(int)
         assert np.abs(alone - together).max() <= 1
         pipeline.release(state)
-    runner.execute(StepPlan(invocation=2, release=[s.session_id for s in starts]), lambda _: False)
+    runner.execute(MicroStep(number=5, release=[s.session_id for s in starts]))
     ids = {s.session_id for s in starts}
     held_by_runner, held_by_pipeline = runner.held_sessions()
     assert not ids & set(held_by_runner) and not ids & set(held_by_pipeline)

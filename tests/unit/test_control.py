@@ -8,8 +8,8 @@ import threading
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
-from engine.loop import EngineLoop
 from engine.messages import ChunkReady, Playback, Probe, StartSession
+from tests.support import inline_loop
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
 
@@ -65,8 +65,9 @@ def test_a_playback_report_that_lands_between_the_pacing_decision_and_the_wait_i
     config = EngineConfig()
     runner = ModelRunner(StubPipeline())
     control = ReportBeforeWait(config, runner.describe, sent.append)
-    loop = EngineLoop(config, control, runner, sent.append, grouping=True, max_rows=1)
-    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=CHUNK_S))
+    loop = inline_loop(config, control, runner, sent.append, grouping=True, max_rows=1)
+    # One denoise step a chunk: one micro-step, one run_once.
+    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=CHUNK_S, num_inference_steps=1))
     control.handle(Playback(session_id="s", position_seconds=0.0))
     loop.run_once()
     assert [m.generation_chunk_index for m in sent if isinstance(m, ChunkReady)] == [0]

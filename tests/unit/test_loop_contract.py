@@ -14,7 +14,6 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
-from engine.loop import EngineLoop
 from engine.messages import (
     ChunkReady,
     Interaction,
@@ -29,7 +28,8 @@ from engine.messages import (
     StopSession,
     SubmitInteraction,
 )
-from engine.plan import StepPlan
+from engine.plan import MicroStep
+from tests.support import inline_loop
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
 
@@ -90,27 +90,39 @@ def assert_each_interaction_ends_once(sent: list) -> None:
 
 
 class CheckingRunner(ModelRunner):
-    """The real runner, asserting the plan contract before executing each plan."""
+    """The real runner, asserting the plan contract before executing each micro-step:
+    one row a session; a chunk begins with its boundary, only after the previous
+    chunk's last step ran; the steps of a chunk run in order, one a micro-step;
+    with grouping, a begun chunk's next step is in every micro-step until it ends."""
 
     def __init__(self, grouped: bool, fail: dict[str, tuple[str, int]] | None = None) -> None:
         super().__init__(FailingStub(fail))
         self.grouped = grouped
         self.plans = 0
+        self.last_ran: dict[str, tuple[int, int, int]] = {}  # session -> (chunk, step, steps) of its latest row
+        self.stopping: Callable[[str], bool] = lambda session_id: False  # the control plane's, once it exists
 
-    def execute(self, plan: StepPlan, is_cancelled):
+    def execute(self, step: MicroStep):
         self.plans += 1
-        boundaries = {b.session_id: b.chunk_index for b in plan.boundaries}
-        for row in plan.rows:
-            assert row.first_step + row.num_steps <= row.steps_per_chunk, "a row crosses its chunk's end"
-            expected = row.steps_per_chunk - row.first_step if self.grouped else 1
-            assert row.num_steps == expected
+        boundaries = {b.session_id: b.chunk_index for b in step.boundaries}
+        rows = step.rows
+        assert len({r.session_id for r in rows}) == len(rows), "a session has two rows in one forward"
+        if self.grouped:
+            begun = {sid for sid, (_, s, n) in self.last_ran.items() if s + 1 < n and sid in self.states}
+            ending = set(step.release) | {sid for sid in begun if self.stopping(sid)}  # a stop cuts a chunk
+            assert begun - ending <= {r.session_id for r in rows}, "grouping left a begun chunk out of a micro-step"
+        for row in rows:
+            assert 0 <= row.step < row.steps_per_chunk, "a row past its chunk's end"
+            before = self.last_ran.get(row.session_id)
             if row.session_id in boundaries:
-                # The boundary opens this row's chunk: nothing of the previous chunk shares the plan.
-                assert (row.chunk_index, row.first_step) == (boundaries[row.session_id], 0)
+                # The boundary opens this row's chunk, once the previous chunk's last step ran.
+                assert (row.chunk_index, row.step) == (boundaries[row.session_id], 0)
+                assert before is None or (before[0] + 1, before[1] + 1) == (row.chunk_index, before[2])
             else:
-                assert row.first_step > 0, "a chunk began without its boundary"
-        assert not set(plan.release) & {r.session_id for r in plan.rows}
-        return super().execute(plan, is_cancelled)
+                assert before is not None and before[:2] == (row.chunk_index, row.step - 1), "steps out of order"
+            self.last_ran[row.session_id] = (row.chunk_index, row.step, row.steps_per_chunk)
+        assert not set(step.release) & {r.session_id for r in rows}
+        return super().execute(step)
 
 
 @pytest.mark.parametrize("grouped", [True, False])
@@ -123,7 +135,8 @@ def test_every_plan_keeps_the_boundary_rule(grouped, seed):
     runner = CheckingRunner(grouped, {"s1": failure} if failure else None)
     sent: list = []
     control = ControlPlane(config, runner.describe, sent.append)
-    loop = EngineLoop(config, control, runner, sent.append, grouping=grouped, max_rows=rng.choice([1, 2]))
+    runner.stopping = control.is_stopping
+    loop = inline_loop(config, control, runner, sent.append, grouping=grouped, max_rows=rng.choice([1, 2]))
     for i in range(3):
         steps = rng.randint(1, 4)
         control.handle(StartSession(session_id=f"s{i}", prompt=f"p{i}", num_chunks=6, num_inference_steps=steps))
@@ -160,7 +173,7 @@ def test_every_queued_interaction_ends_once_when_the_boundary_that_took_it_fails
     runner = CheckingRunner(grouped, {"s": (stage, 1)})
     sent: list = []
     control = ControlPlane(config, runner.describe, sent.append)
-    loop = EngineLoop(config, control, runner, sent.append, grouping=grouped, max_rows=1)
+    loop = inline_loop(config, control, runner, sent.append, grouping=grouped, max_rows=1)
 
     def submit(event_id: str, prompt: str) -> None:
         control.handle(SubmitInteraction(session_id="s", event_id=event_id, interaction=Interaction(prompt=prompt)))
@@ -175,7 +188,7 @@ def test_every_queued_interaction_ends_once_when_the_boundary_that_took_it_fails
     submit("e2", "second")  # replaces e1, and at chunk 1 the planned one
     # Accepted while chunk 1's boundary call is in progress: promised to chunk 2.
     runner.pipeline.before_raise = lambda: submit("e3", "third")
-    for _ in range(20):
+    for _ in range(100):
         loop.run_once()
         if not loop.sessions:
             break
@@ -225,10 +238,10 @@ def test_a_release_that_raises_still_ends_the_session_and_the_loop_goes_on():
     sent: list = []
     config = EngineConfig()
     control = ControlPlane(config, runner.describe, sent.append)
-    loop = EngineLoop(config, control, runner, sent.append, grouping=True, max_rows=1)
+    loop = inline_loop(config, control, runner, sent.append, grouping=True, max_rows=1)
     control.handle(StartSession(session_id="a", prompt="p", num_chunks=1))
     control.handle(StartSession(session_id="b", prompt="q", num_chunks=2))
-    for _ in range(20):
+    for _ in range(100):
         loop.run_once()
         if not loop.sessions and not control.open_sessions():
             break

@@ -12,6 +12,7 @@ from engine.loop import EngineLoop
 from engine.messages import ChunkReady, Playback, SessionGeometry, StartSession
 from engine.pacing import EPSILON_S, lead_seconds, playhead_seconds, wait_seconds
 from engine.session import EngineSession, Phase
+from tests.support import inline_loop
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
 
@@ -130,7 +131,16 @@ def _loop(clock: FakeClock) -> tuple[EngineLoop, ControlPlane, list]:
     config = EngineConfig()
     runner = ModelRunner(StubPipeline())
     control = ControlPlane(config, runner.describe, sent.append)
-    return EngineLoop(config, control, runner, sent.append, grouping=True, max_rows=1, clock=clock), control, sent
+    loop = inline_loop(config, control, runner, sent.append, grouping=True, max_rows=1, clock=clock)
+    return loop, control, sent
+
+
+def _held(loop: EngineLoop) -> float | None:
+    """Plan as the loop would now; the plan must be empty (every session held).
+    Returns when a held session may run again (None: only a report frees it)."""
+    step, wake_in = loop.plan(loop.control.pacing_state()[1])
+    assert step.is_empty(), step
+    return wake_in
 
 
 def _chunks(sent: list) -> list[int]:
@@ -140,23 +150,20 @@ def _chunks(sent: list) -> list[int]:
 def test_the_loop_paces_on_its_clock_from_the_first_emit():
     clock = FakeClock(100.0)
     loop, control, sent = _loop(clock)
-    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=0.5))
+    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=0.5, num_inference_steps=1))
     loop.run_once()
     loop.run_once()
     assert _chunks(sent) == [0, 1] and loop.sessions["s"].first_emit_at == 100.0
 
     # 0.5 s ahead of a playhead still at 0: held, to wake just after the budget allows.
-    held = loop.schedule()
-    assert held.plan.is_empty() and held.wake_in == EPSILON_S
+    assert _held(loop) == EPSILON_S
     clock.now = 100.0 + EPSILON_S
     loop.run_once()
     assert _chunks(sent) == [0, 1, 2]
-    held = loop.schedule()  # 0.75 s of media at playhead 0.001: 0.249 over
-    assert held.plan.is_empty() and held.wake_in == pytest.approx(0.25)
+    assert _held(loop) == pytest.approx(0.25)  # 0.75 s of media at playhead 0.001: 0.249 over
 
     clock.now = 100.125  # not yet: 0.125 over
-    held = loop.schedule()
-    assert held.plan.is_empty() and held.wake_in == pytest.approx(0.125 + EPSILON_S)
+    assert _held(loop) == pytest.approx(0.125 + EPSILON_S)
     clock.now = 100.25 + EPSILON_S
     loop.run_once()
     assert _chunks(sent) == [0, 1, 2, 3]
@@ -165,20 +172,19 @@ def test_the_loop_paces_on_its_clock_from_the_first_emit():
 def test_a_report_overrides_the_clock_and_frees_exactly_what_it_allows():
     clock = FakeClock(100.0)
     loop, control, sent = _loop(clock)
-    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=0.5))
+    control.handle(StartSession(session_id="s", prompt="p", max_lead_seconds=0.5, num_inference_steps=1))
     loop.run_once()
     loop.run_once()
     control.handle(Playback(session_id="s", position_seconds=0.0))
     clock.now = 1_000.0  # real time is far ahead; the report is what counts
-    held = loop.schedule()
-    assert held.plan.is_empty() and held.wake_in is None  # only a report frees it
+    assert _held(loop) is None  # only a report frees it
 
     control.handle(Playback(session_id="s", position_seconds=CHUNK_S))  # frees one chunk
     loop.run_once()
-    assert loop.schedule().plan.is_empty()
+    _held(loop)
     assert _chunks(sent) == [0, 1, 2]
     control.handle(Playback(session_id="s", position_seconds=3 * CHUNK_S))  # frees two
     loop.run_once()
     loop.run_once()
-    assert loop.schedule().plan.is_empty()
+    _held(loop)
     assert _chunks(sent) == [0, 1, 2, 3, 4]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.messages import SessionGeometry
 from engine.scheduler import ChunkScheduler
-from engine.session import EngineSession, Phase
+from engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase
 
 GEOMETRY = SessionGeometry(
     width=8,
@@ -38,8 +38,26 @@ def test_round_robin_with_several_rows_and_a_finishing_session():
     assert scheduler.select([]) == []
 
 
-def test_grouping_grants_the_rest_of_the_chunk_and_ungrouped_one_step():
-    [session] = sessions("a")
-    session.step_in_chunk = 1
-    assert ChunkScheduler(grouping=True, max_rows=1).steps_for(session) == 2
-    assert ChunkScheduler(grouping=False, max_rows=1).steps_for(session) == 1
+def _begin(session: EngineSession, planned: int) -> None:
+    """Give ``session`` a chunk in flight with ``planned`` of its 3 steps planned."""
+    session.phase = Phase.DENOISING
+    session.chunk = ChunkInFlight(
+        index=0, steps=3, first_frame=0, events=ChunkEvents(), boundary=None, boundary_step=1, planned=planned
+    )
+
+
+def test_grouping_runs_a_begun_chunk_back_to_back_and_ungrouped_takes_turns():
+    grouped, ungrouped = ChunkScheduler(grouping=True, max_rows=1), ChunkScheduler(grouping=False, max_rows=1)
+    for scheduler in (grouped, ungrouped):
+        pool = sessions("a", "b")
+        _begin(pool[0], planned=1)  # a's chunk has begun
+        assert scheduler.select(pool)[0].session_id == "a"
+        pool[0].chunk.planned += 1
+        second = scheduler.select(pool)[0].session_id
+        assert second == ("a" if scheduler.grouping else "b")
+
+
+def test_a_chunk_whose_steps_are_all_planned_waits_for_its_results():
+    pool = sessions("a")
+    _begin(pool[0], planned=3)
+    assert ChunkScheduler(grouping=True, max_rows=2).select(pool) == []  # its boundary waits for chunk 0 to return

@@ -1,0 +1,142 @@
+"""The local executor: one rank, in process, on a thread of its own.
+
+Worker rank 0. Implements ``engine.plan.Executor``: the engine loop submits
+micro-steps and goes on draining control and planning while this thread runs
+them, one after the other in submission order, through the ``ModelRunner``.
+Each finished micro-step's result is queued for the loop, and ``on_result``
+wakes it. Before a micro-step starts, rows of sessions that are stopping are
+taken out (reported cancelled), so a stop cuts a grouped chunk between two
+steps. This is the one-rank case of the executor seam; the ring of several
+ranks plugs in at the same seam.
+
+``threaded=False`` runs each micro-step inside ``submit``, on the caller's
+thread, through the same runner: in-process tests drive the loop one
+micro-step per ``run_once`` that way, deterministically.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from engine.plan import MicroStep, StepResult
+from workers.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class LocalExecutor:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        is_cancelled: Callable[[str], bool],
+        on_result: Callable[[], None],
+        depth: int = 2,
+        threaded: bool = True,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.depth = depth if threaded else 1
+        self._runner = runner
+        self._is_cancelled = is_cancelled
+        self._on_result = on_result
+        self._lock = threading.Condition()
+        self._queue: deque[MicroStep] = deque()
+        self._done: deque[StepResult] = deque()
+        self._failure: BaseException | None = None
+        self._submitted = 0
+        self._returned = 0
+        self._running_since: float | None = None
+        self._held = runner.held_sessions()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="executor", daemon=True)
+            self._thread.start()
+
+    # -- engine.plan.Executor -------------------------------------------------
+
+    def submit(self, step: MicroStep) -> None:
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the executor is closed")
+            self._queue.append(step)
+            self._submitted += 1
+            self._lock.notify_all()
+        if self._thread is None:
+            self._run_queued()
+
+    def results(self) -> list[StepResult]:
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            done = list(self._done)
+            self._done.clear()
+            self._returned += len(done)
+            return done
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._submitted - self._returned
+
+    def executing_s(self) -> float:
+        with self._lock:
+            return 0.0 if self._running_since is None else time.monotonic() - self._running_since
+
+    def held_sessions(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        with self._lock:
+            return self._held
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the executor thread ---------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+            if not self._run_queued():
+                return
+
+    def _run_queued(self) -> bool:
+        """Run the oldest queued micro-step; False when the runner raised (the loop
+        gets the error from ``results``)."""
+        with self._lock:
+            step = self._queue.popleft()
+            self._running_since = time.monotonic()
+        try:
+            result = self._execute(step)
+        except BaseException as error:  # a runner bug: hand it to the loop, which fails with it
+            log.exception("micro-step %d failed", step.number)
+            with self._lock:
+                self._failure = error
+                self._running_since = None
+            self._on_result()
+            return False
+        held = self._runner.held_sessions()
+        with self._lock:
+            self._done.append(result)
+            self._held = held
+            self._running_since = None
+        self._on_result()
+        return True
+
+    def _execute(self, step: MicroStep) -> StepResult:
+        cancelled = [row for row in step.rows if self._is_cancelled(row.session_id)]
+        if cancelled:
+            gone = {row.session_id for row in cancelled}
+            step.ranks = [[row for row in rank if row.session_id not in gone] for rank in step.ranks]
+        result = self._runner.execute(step)
+        for row in cancelled:
+            result.row(row.session_id).cancelled = True
+        return result
