@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import shutil
 import time
+from enum import Enum
 from typing import Any
 
 import zmq
@@ -136,10 +137,20 @@ class SessionHandle:
         await self._client.stop(self.session_id, reason)
 
 
+class WorkerState(Enum):
+    """Where the client's worker is (``EngineClient.state``)."""
+
+    STARTING = "starting"  # spawned, READY not yet received (the first start)
+    UP = "up"  # said READY and has not exited
+    RESTARTING = "restarting"  # died; a fresh one is starting (calls raise EngineRestartingError)
+    DEAD = "dead"  # died and the restart budget is spent, or a restart failed (calls raise EngineDeadError)
+    CLOSING = "closing"  # shutdown() was called
+
+
 class EngineClient:
-    """States: starting (``start``), up, restarting (a worker died and a fresh one
-    is on its way: calls raise ``EngineRestartingError``), dead (the restart
-    budget is spent: calls raise ``EngineDeadError``), closed (``shutdown``).
+    """The API process's handle on worker rank 0: its lifecycle (``state``),
+    the control messages sent to it, and its results routed by type (probe
+    replies to their waiters, everything else to its session's stream).
     ``ready`` is the READY of the latest worker that came up; it describes the
     served model, which a restart does not change, so it is set for good once
     ``start`` returned."""
@@ -147,8 +158,8 @@ class EngineClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ready: WorkerReady | None = None
-        self._up = False  # the current worker process said READY and has not exited
-        self._restarting = False
+        self.state = WorkerState.STARTING
+        self._routes: dict[type, Any] = {ProbeReply: self._on_probe_reply, EngineDead: self._on_engine_dead}
         self._startup_s = 0.0  # how long the latest worker took from spawn to READY
         self._unanswered_probes: dict[int, float] = {}  # probe id -> when it was sent, until the loop answers
         self._sessions: dict[str, asyncio.Queue] = {}
@@ -156,7 +167,6 @@ class EngineClient:
         self._probes: dict[int, asyncio.Future] = {}
         self._probe_ids = itertools.count(1)
         self._dead_reason: str | None = None
-        self._closing = False
         self._process: Any = None
         self._exited = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
@@ -209,7 +219,7 @@ class EngineClient:
             await self._stop_process()
             raise
         self._startup_s = time.monotonic() - began
-        self._up = True
+        self.state = WorkerState.UP
 
     async def _handshake(self) -> WorkerReady:
         receive = asyncio.ensure_future(self._results.recv())
@@ -232,12 +242,12 @@ class EngineClient:
     async def shutdown(self) -> None:
         """End every session (``SessionDone(reason="shutdown")``) and stop the worker.
         Idempotent; kills the worker if it does not exit within ``shutdown_timeout_s``."""
-        if self._closing or self._process is None:
+        if self.state is WorkerState.CLOSING or self._process is None:
             return
-        self._closing = True
+        self.state = WorkerState.CLOSING
         if self._dead_reason is None and self._process.is_alive():
             with contextlib.suppress(EngineError, zmq.ZMQError):
-                await self._send(Shutdown())
+                await self._transmit(Shutdown())
         await self._stop_process()
         if self._pump_task is not None:
             self._pump_task.cancel()
@@ -270,9 +280,9 @@ class EngineClient:
     def _on_worker_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         self._exited.set()
-        if not self._closing and self._up:  # a death during a handshake is the handshake's to report
-            self._up = False
-            self._restarting = self._may_restart()  # decided now, so no call in between sees "dead"
+        if self.state is WorkerState.UP:  # a death during a handshake is the handshake's to report
+            # Decided now, so no call in between sees the wrong state.
+            self.state = WorkerState.RESTARTING if self._may_restart() else WorkerState.DEAD
             self._death_task = asyncio.create_task(self._on_worker_death())
 
     async def _on_worker_death(self) -> None:
@@ -287,7 +297,7 @@ class EngineClient:
         self._dead_reason = reason
         log.error("%s", reason)
         self._fail_all("worker_died", reason)
-        if self._restarting:
+        if self.state is WorkerState.RESTARTING:
             await self._restart(reason)
 
     async def settled(self) -> None:
@@ -300,7 +310,7 @@ class EngineClient:
         now = time.monotonic()
         window = self.config.worker_restart_window_s
         self._restart_times = [t for t in self._restart_times if now - t < window]
-        return not self._closing and len(self._restart_times) < self.config.max_worker_restarts
+        return len(self._restart_times) < self.config.max_worker_restarts
 
     async def _restart(self, reason: str) -> None:
         """A fresh worker (fresh device context) on the same sockets; the sessions
@@ -316,9 +326,9 @@ class EngineClient:
         except EngineStartupError as error:
             self._dead_reason = f"{reason}; restarting it failed: {error}"
             log.error("%s", self._dead_reason)
+            if self.state is WorkerState.RESTARTING:
+                self.state = WorkerState.DEAD
             return
-        finally:
-            self._restarting = False
         self._dead_reason = None
         self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
         log.warning("worker restarted (pid %s)", self._process.pid)
@@ -336,19 +346,25 @@ class EngineClient:
             self._route(decode_result(await self._results.recv()))
 
     def _route(self, message: ResultMessage) -> None:
-        if isinstance(message, ProbeReply):
-            # The loop answers probes in order: every earlier one was answered or lost with a dead worker.
-            for probe_id in [p for p in self._unanswered_probes if p <= message.probe_id]:
-                del self._unanswered_probes[probe_id]
-            future = self._probes.pop(message.probe_id, None)
-            if future is not None and not future.done():
-                future.set_result(message)
-        elif isinstance(message, EngineDead):
-            self._dead_reason = f"engine dead: {message.reason}"
-        elif hasattr(message, "session_id"):
-            queue = self._sessions.get(message.session_id)
-            if queue is not None:
-                queue.put_nowait(message)
+        """Dispatch one result by type: probe replies and engine deaths here,
+        everything else to its session's stream."""
+        self._routes.get(type(message), self._to_session)(message)
+
+    def _on_probe_reply(self, reply: ProbeReply) -> None:
+        # The loop answers probes in order: every earlier one was answered or lost with a dead worker.
+        for probe_id in [p for p in self._unanswered_probes if p <= reply.probe_id]:
+            del self._unanswered_probes[probe_id]
+        future = self._probes.pop(reply.probe_id, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def _on_engine_dead(self, dead: EngineDead) -> None:
+        self._dead_reason = f"engine dead: {dead.reason}"  # the worker exits next; its sentinel says so
+
+    def _to_session(self, message: ResultMessage) -> None:
+        queue = self._sessions.get(getattr(message, "session_id", None))
+        if queue is not None:
+            queue.put_nowait(message)
 
     def _fail_all(self, code: str, reason: str) -> None:
         for session_id, queue in self._sessions.items():
@@ -370,12 +386,12 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         """A worker is up and takes work."""
-        return self._up and self._dead_reason is None and not self._exited.is_set()
+        return self.state is WorkerState.UP and self._dead_reason is None and not self._exited.is_set()
 
     @property
     def restarting(self) -> bool:
         """A worker died and a fresh one is starting."""
-        return self._restarting
+        return self.state is WorkerState.RESTARTING
 
     @property
     def dead_reason(self) -> str | None:
@@ -399,14 +415,14 @@ class EngineClient:
     def unavailable(self) -> EngineDeadError | None:
         """Why a call would be refused now (``EngineRestartingError`` while a fresh
         worker is on its way), or None when a worker is up."""
-        if self._restarting:
+        if self.state is WorkerState.RESTARTING:
             return EngineRestartingError(
                 f"the worker is restarting ({self._dead_reason or 'it died'}); retry in {self.retry_after_s:.0f} s",
                 self.retry_after_s,
             )
         if self._dead_reason is not None:
             return EngineDeadError(self._dead_reason)
-        if not self._up or self._exited.is_set():
+        if self.state is not WorkerState.UP or self._exited.is_set():
             return EngineDeadError("the engine is not running")
         return None
 
@@ -424,6 +440,9 @@ class EngineClient:
     async def _send(self, message: ControlMessage) -> None:
         if (error := self.unavailable()) is not None:
             raise error
+        await self._transmit(message)
+
+    async def _transmit(self, message: ControlMessage) -> None:
         try:  # blocks only until the worker's end of the pipe is connected
             await asyncio.wait_for(self._control.send(encode_control(message)), SEND_TIMEOUT_S)
         except TimeoutError:
