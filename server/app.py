@@ -273,8 +273,8 @@ def _job_error(job) -> str:
 
 def _content(job) -> Response:
     c = job.config
-    media_type = CONTENT_TYPES[c["format"]]
-    suffix = "mp4" if c["format"] == "fmp4" else "bin"
+    media_type = CONTENT_TYPES[c.format]
+    suffix = "mp4" if c.format == "fmp4" else "bin"
     headers = {"Content-Disposition": f'attachment; filename="{job.id}.{suffix}"'}
     return Response(job.content, media_type=media_type, headers=headers)
 

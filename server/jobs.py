@@ -28,7 +28,7 @@ from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from server.drain import Drainer
 from server.metrics import Metrics
 from server.output import SessionOutput
-from server.schemas import JobRequest, RequestError, resolve
+from server.schemas import EffectiveConfig, JobRequest, RequestError, resolve
 from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ CAPACITY_RETRY_S = 1.0  # a queued job retries its start at least this often
 class Job:
     id: str
     request: JobRequest
-    config: dict[str, Any]
+    config: EffectiveConfig
     created_at: float = field(default_factory=time.time)
     status: str = "queued"  # queued / in_progress / completed / failed / cancelled
     chunks_done: int = 0
@@ -55,24 +55,24 @@ class Job:
         return b"".join(self.payloads)
 
     def public(self) -> dict[str, Any]:
-        total = self.config["num_chunks"]
+        total = self.config.num_chunks
         progress = 100 if self.status == "completed" else int(100 * self.chunks_done / total)
         return {
             "id": self.id,
             "object": "video",
-            "model": self.config["model"],
+            "model": self.config.model,
             "status": self.status,
             "progress": progress,
             "created_at": int(self.created_at),
             "completed_at": None if self.completed_at is None else int(self.completed_at),
             "error": self.error,
-            "format": self.config["format"],
-            "num_frames": self.config["num_frames"],
+            "format": self.config.format,
+            "num_frames": self.config.num_frames,
             "num_chunks": total,
-            "width": self.config["width"],
-            "height": self.config["height"],
-            "fps": self.config["fps"],
-            "seed": self.config["seed"],
+            "width": self.config.width,
+            "height": self.config.height,
+            "fps": self.config.fps,
+            "seed": self.config.seed,
             "inference_time_s": self.compute_ms / 1000.0,
         }
 

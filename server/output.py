@@ -35,6 +35,7 @@ from server.events import (
 )
 from server.media import make_encoder
 from server.metrics import Metrics, SessionClock
+from server.schemas import EffectiveConfig
 
 
 @dataclass
@@ -48,14 +49,14 @@ class SessionOutput:
     only) also times the deliveries."""
 
     def __init__(
-        self, request_id: str, config: dict[str, Any], metrics: Metrics, clock: SessionClock | None = None
+        self, request_id: str, config: EffectiveConfig, metrics: Metrics, clock: SessionClock | None = None
     ) -> None:
         self.request_id = request_id
         self.config = config
         self.metrics = metrics
         self.clock = clock
         self._queued: dict[str, InteractionQueued] = {}
-        self.encoder = make_encoder(config["format"], config["width"], config["height"], config["fps"])
+        self.encoder = make_encoder(config.format, config.width, config.height, config.fps)
         self.transport_index = 0
         self.frames_sent = 0
         self.chunks_sent = 0
@@ -64,7 +65,7 @@ class SessionOutput:
     async def chunk(self, ready: ChunkReady) -> MediaChunk | None:
         """Encode one chunk; None when every frame of it is past ``num_frames``."""
         frames = np.frombuffer(ready.payload, dtype=np.uint8).reshape(ready.num_frames, ready.height, ready.width, 3)
-        limit = self.config["num_frames"]
+        limit = self.config.num_frames
         if limit is not None:
             frames = frames[: max(0, limit - ready.first_frame_index)]
         if len(frames) == 0:
@@ -74,7 +75,7 @@ class SessionOutput:
         compute_ms = timing.boundary_ms + timing.denoise_ms + timing.decode_ms
         self.compute_ms += compute_ms
         if self.clock is not None:
-            seconds = len(frames) / self.config["fps"]
+            seconds = len(frames) / self.config.fps
             self.clock.chunk(ready.media_start_seconds, seconds, len(frames), compute_ms / 1000.0)
         else:
             self.metrics.frames.inc(len(frames))
@@ -159,17 +160,17 @@ class SessionOutput:
         """A ``POST /v1/videos`` body that regenerates exactly the frames sent."""
         c = self.config
         return {
-            "prompt": c["prompt"],
-            "negative_prompt": c["negative_prompt"],
-            "seed": c["seed"],
-            "width": c["width"],
-            "height": c["height"],
-            "fps": c["fps"],
+            "prompt": c.prompt,
+            "negative_prompt": c.negative_prompt,
+            "seed": c.seed,
+            "width": c.width,
+            "height": c.height,
+            "fps": c.fps,
             "num_frames": self.frames_sent,
-            "num_inference_steps": c["num_inference_steps"],
-            "format": c["format"],
-            "transition_chunks": c["transition_chunks"],
-            "prompt_change": c["prompt_change"],
+            "num_inference_steps": c.num_inference_steps,
+            "format": c.format,
+            "transition_chunks": c.transition_chunks,
+            "prompt_change": c.prompt_change,
             "interactions": [
                 {"at_chunk": a.at_chunk, "prompt": a.prompt, "transition_chunks": a.transition_chunks}
                 for a in done.applied

@@ -135,7 +135,7 @@ class RealtimeConnection:
             return await self._engine_unavailable(error)
         self.output = SessionOutput(request_id, config, self.metrics, self.clock)
         self.metrics.sessions_active.inc()
-        self._send(VideoStart(request_id=request_id, format=config["format"], config=config).wire())
+        self._send(VideoStart(request_id=request_id, format=config.format, config=config.wire()).wire())
         pump = asyncio.create_task(self._pump(), name="ws-pump")
         reader = asyncio.create_task(self._reader(), name="ws-reader")
         limit = asyncio.create_task(self._duration_limit(), name="ws-duration")

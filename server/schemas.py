@@ -10,6 +10,7 @@ error names the offending field.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -127,6 +128,32 @@ class RequestError(ValueError):
     """A request the server refuses; the message names the field."""
 
 
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """What a session or job runs with, defaults filled in: echoed in
+    ``video.start.config``, kept on a job, and the base of the replay body."""
+
+    model: str
+    prompt: str
+    negative_prompt: str
+    seed: int
+    width: int
+    height: int
+    fps: float
+    num_frames: int | None  # None: until stopped
+    num_chunks: int | None
+    first_chunk_frames: int
+    frames_per_chunk: int
+    num_inference_steps: int
+    format: str  # canonical: fmp4, jpeg or raw
+    transition_chunks: int
+    prompt_change: str
+    max_lead_seconds: float | None  # None: not paced (always for a job)
+
+    def wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def resolve(
     request: VideoRequest,
     session_id: str,
@@ -134,7 +161,7 @@ def resolve(
     settings: ServerSettings,
     model: str,
     paced: bool = True,
-) -> tuple[StartSession, dict[str, Any]]:
+) -> tuple[StartSession, EffectiveConfig]:
     """The engine start for ``request`` and the effective configuration to echo.
     ``paced`` False (request mode) runs at full speed whatever ``max_lead_seconds`` says."""
     if request.model is not None and request.model != model:
@@ -178,22 +205,22 @@ def resolve(
         max_lead_seconds=request.max_lead_seconds if paced else None,
         scheduled=tuple(scheduled),
     )
-    config = {
-        "model": model,
-        "prompt": request.prompt,
-        "negative_prompt": request.negative_prompt or "",
-        "seed": request.seed,
-        "width": width,
-        "height": height,
-        "fps": fps,
-        "num_frames": num_frames,
-        "num_chunks": num_chunks,
-        "first_chunk_frames": first,
-        "frames_per_chunk": per,
-        "num_inference_steps": request.num_inference_steps or defaults.num_inference_steps,
-        "format": FORMAT_ALIASES.get(request.format, request.format),
-        "transition_chunks": request.transition_chunks,
-        "prompt_change": request.prompt_change,
-        "max_lead_seconds": request.max_lead_seconds if paced else None,
-    }
+    config = EffectiveConfig(
+        model=model,
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt or "",
+        seed=request.seed,
+        width=width,
+        height=height,
+        fps=fps,
+        num_frames=num_frames,
+        num_chunks=num_chunks,
+        first_chunk_frames=first,
+        frames_per_chunk=per,
+        num_inference_steps=request.num_inference_steps or defaults.num_inference_steps,
+        format=FORMAT_ALIASES.get(request.format, request.format),
+        transition_chunks=request.transition_chunks,
+        prompt_change=request.prompt_change,
+        max_lead_seconds=request.max_lead_seconds if paced else None,
+    )
     return start, config

@@ -250,6 +250,16 @@ def test_every_server_event_field_is_documented():
     assert undocumented(fields, DOC_TEXT) == []
 
 
+def test_every_field_of_the_effective_config_is_documented():
+    from dataclasses import fields
+
+    from server.schemas import EffectiveConfig
+
+    names = {f.name for f in fields(EffectiveConfig)}
+    assert {"first_chunk_frames", "frames_per_chunk", "max_lead_seconds"} <= names
+    assert undocumented(names, DOC_TEXT) == []
+
+
 def test_every_error_code_is_documented():
     codes = error_codes_in(package_sources(*SCANNED))
     # The scan must see codes of every kind of source, or it proves nothing.
