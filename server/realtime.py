@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -65,6 +66,35 @@ class _Closed(Exception):
     """The client is gone."""
 
 
+@dataclass(frozen=True)
+class Event:
+    """A JSON text frame."""
+
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Media:
+    """A ``video.chunk_metadata`` text frame and its binary frame, sent back to back."""
+
+    metadata: dict[str, Any]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Close:
+    code: int
+    reason: str
+
+
+class End:
+    """The writer stops without closing (the connection is over)."""
+
+
+END = End()
+Outgoing = Event | Media | Close | End
+
+
 class RealtimeConnection:
     def __init__(
         self,
@@ -82,7 +112,7 @@ class RealtimeConnection:
         self.model = model
         self.metrics = metrics
         self.clock = SessionClock(metrics)
-        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
         self.handle: SessionHandle | None = None
         self.output: SessionOutput | None = None
 
@@ -103,11 +133,11 @@ class RealtimeConnection:
         except Exception:
             log.exception("realtime connection failed")
             self._send(error_event("internal_error", "the server failed this session", fatal=True))
-            self.outbox.put_nowait(("close", CLOSE_ERROR, "internal error"))
+            self.outbox.put_nowait(Close(CLOSE_ERROR, "internal error"))
         finally:
             if self.handle is not None and not self.handle.finished:
                 await self._finish_session("server_error")
-            self.outbox.put_nowait(None)
+            self.outbox.put_nowait(END)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer, 10.0)
             writer.cancel()
@@ -287,7 +317,7 @@ class RealtimeConnection:
             if isinstance(message, ChunkReady):
                 chunk = await self.output.chunk(message)
                 if chunk is not None:
-                    self.outbox.put_nowait((chunk.metadata, chunk.payload))
+                    self.outbox.put_nowait(Media(chunk.metadata, chunk.payload))
                 continue
             if isinstance(message, SessionStarted):
                 continue
@@ -296,40 +326,40 @@ class RealtimeConnection:
                 self._send(event)
             if isinstance(message, SessionFailed):
                 self._ended("failed")
-                self.outbox.put_nowait(("close", CLOSE_ERROR, "generation failed"))
+                self.outbox.put_nowait(Close(CLOSE_ERROR, "generation failed"))
             elif isinstance(message, SessionDone):
                 self._ended(message.reason)
-                self.outbox.put_nowait(("close", CLOSE_NORMAL, "session done"))
+                self.outbox.put_nowait(Close(CLOSE_NORMAL, "session done"))
 
     def _ended(self, outcome: str) -> None:
         self.metrics.sessions_active.dec()
         self.metrics.sessions.labels(outcome).inc()
 
     def _send(self, event: dict[str, Any]) -> None:
-        self.outbox.put_nowait(event)
+        self.outbox.put_nowait(Event(event))
 
     async def _fatal(self, code: str, message: str, close_code: int) -> None:
         """Refuse the connection before its session began (counted as a rejected start)."""
         self.metrics.rejections.labels(code).inc()
         self._send(error_event(code, message, fatal=True))
-        self.outbox.put_nowait(("close", close_code, message[:120]))
+        self.outbox.put_nowait(Close(close_code, message[:120]))
 
     async def _writer(self) -> None:
         """The socket's only sender: events, metadata + binary pairs, and the close."""
         while True:
             item = await self.outbox.get()
-            if item is None:
+            if item is END:
                 return
             try:
-                if isinstance(item, dict):
-                    await self.ws.send_text(json.dumps(item))
-                elif item[0] == "close":
-                    if self.ws.client_state is WebSocketState.CONNECTED:
-                        await self.ws.close(item[1], item[2])
-                    return
-                else:
-                    metadata, payload = item
-                    await self.ws.send_text(json.dumps(metadata))
-                    await self.ws.send_bytes(payload)
+                match item:
+                    case Event(event):
+                        await self.ws.send_text(json.dumps(event))
+                    case Media(metadata, payload):
+                        await self.ws.send_text(json.dumps(metadata))
+                        await self.ws.send_bytes(payload)
+                    case Close(code, reason):
+                        if self.ws.client_state is WebSocketState.CONNECTED:
+                            await self.ws.close(code, reason)
+                        return
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return  # the client left; the reader ends the session
