@@ -23,6 +23,7 @@ from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized, redact_access_log
 from server.drain import Drainer
 from server.jobs import JobManager
+from server.limits import BodyLimits
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
 from server.realtime import RealtimeConnection
@@ -84,6 +85,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
     redact_access_log()
 
     @app.exception_handler(RequestValidationError)

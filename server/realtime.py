@@ -40,6 +40,7 @@ from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed,
 from server.auth import is_authorized, key_subprotocol
 from server.drain import Drainer
 from server.events import SessionPong, VideoStart
+from server.limits import TooDeepError, too_deep
 from server.metrics import Metrics, SessionClock
 from server.output import SessionOutput, error_event
 from server.schemas import (
@@ -225,7 +226,10 @@ class RealtimeConnection:
             raise _Closed()
         if message.get("bytes") is not None:
             return message["bytes"]
-        return json.loads(message.get("text") or "")
+        text = message.get("text") or ""
+        if (why := too_deep(text)) is not None:
+            raise TooDeepError(why)  # refused before parsing
+        return json.loads(text)
 
     def _parse(self, data: Any) -> Any:
         """A validated client event, or an ``error`` event dict explaining why not."""
@@ -252,6 +256,9 @@ class RealtimeConnection:
         except TimeoutError:
             await self._fatal("start_timeout", f"no session.start within {timeout:g} s", CLOSE_POLICY)
             return None
+        except TooDeepError as error:
+            await self._fatal("invalid_message", str(error), CLOSE_POLICY)
+            return None
         except ValueError as error:
             await self._fatal("invalid_json", f"the first message is not JSON: {error}", CLOSE_POLICY)
             return None
@@ -276,6 +283,9 @@ class RealtimeConnection:
                 limit = self.settings.stall_timeout_s
                 self._send(error_event("stall_timeout", f"no message for {limit:g} s", request_id=rid, fatal=True))
                 return "stall_timeout"
+            except TooDeepError as error:
+                self._send(error_event("invalid_message", str(error), request_id=rid))
+                continue
             except ValueError as error:
                 self._send(error_event("invalid_json", f"not JSON: {error}", request_id=rid))
                 continue

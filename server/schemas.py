@@ -38,15 +38,15 @@ class VideoRequest(_Strict):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     width: int | None = Field(None, ge=2)
     height: int | None = Field(None, ge=2)
-    fps: float | None = Field(None, gt=0, le=120)
+    fps: float | None = Field(None, gt=0, le=120, allow_inf_nan=False)
     num_frames: int | None = Field(None, ge=1)
     num_chunks: int | None = Field(None, ge=1)
-    seconds: float | None = Field(None, gt=0)
+    seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
     num_inference_steps: int | None = Field(None, ge=1, le=MAX_INFERENCE_STEPS)
     format: Literal["fmp4", "m4s", "jpeg", "raw"] = "fmp4"
     transition_chunks: int = Field(0, ge=0, le=MAX_TRANSITION_CHUNKS)
     prompt_change: Literal[PROMPT_CHANGE_MODES] = "soft"
-    max_lead_seconds: float | None = Field(2.0, gt=0)
+    max_lead_seconds: float | None = Field(2.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_length(self) -> VideoRequest:
@@ -176,6 +176,8 @@ def resolve(
     first, per = defaults.first_chunk_frames, defaults.frames_per_chunk
     num_frames = request.num_frames
     if request.seconds is not None:
+        if request.seconds * fps > settings.max_frames:  # checked before rounding: a huge float has no int
+            raise RequestError(f"seconds: at most {settings.max_frames / fps:g} s ({settings.max_frames} frames)")
         num_frames = max(1, round(request.seconds * fps))
     if request.num_chunks is not None:
         num_frames = first + (request.num_chunks - 1) * per

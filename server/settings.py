@@ -41,6 +41,8 @@ class ServerSettings:
     max_message_bytes: int = 1 << 20
     """Largest client WebSocket message; a larger one closes the socket with 1009
     (enforced by uvicorn, so under ``rtvideo serve``)."""
+    max_request_bytes: int = 8 << 20
+    """Largest HTTP request body; a larger one is answered 413 before it is read whole."""
     start_timeout_s: float = 10.0
     """Time a new WebSocket has to send ``session.start``."""
     stall_timeout_s: float = 60.0

@@ -45,6 +45,11 @@ FIRST_MESSAGE_CASES = [
         "session.interaction",
     ),
     (b"\x00\x01binary", "binary_not_supported", "JSON"),
+    ("[" * 1000 + "]" * 1000, "invalid_message", "JSON nested 1000 levels deep; at most 32"),
+    ('{"type": "session.start", "prompt": "p", "x": ' + "[" * 40 + "]" * 40 + "}", "invalid_message", "41 levels"),
+    ('{"type": "session.start", "prompt": "p", "seconds": Infinity}', "invalid_event", "seconds"),
+    ('{"type": "session.start", "prompt": "p", "fps": NaN}', "invalid_event", "fps"),
+    (json.dumps({**START, "seconds": 1e308}), "invalid_request", "seconds: at most"),
 ]
 
 
@@ -103,6 +108,10 @@ async def test_bad_messages_during_a_session_are_not_fatal_and_harm_no_one(serve
             (json.dumps(START), "session_already_started"),
             (b"\x00\x01", "binary_not_supported"),
             (json.dumps({"type": "session.playback", "position_seconds": -1}), "invalid_event"),
+            ('{"type": "session.playback", "position_seconds": Infinity}', "invalid_event"),
+            ("[" * 1000 + "]" * 1000, "invalid_message"),
+            # Brackets inside a string are not nesting: this one is parsed (and its event id reused).
+            (json.dumps({**interaction("[" * 40, "e")}), "event_id_conflict"),
         ]
         for raw, code in cases:
             await client.send(raw)
@@ -166,3 +175,33 @@ def test_a_job_with_a_negative_prompt_is_refused_naming_the_field(server):
     assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_request"
     assert refused.json()["error"]["message"].startswith("negative_prompt: ")
     assert "classifier-free guidance" in refused.json()["error"]["message"]
+
+
+def test_http_bodies_are_limited_in_size_and_nesting_before_they_are_read(server):
+    headers = {"content-type": "application/json"}
+    refused = httpx.post(f"{server.http}/v1/videos", content=b"x" * ((8 << 20) + 1), headers=headers)
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "body_too_large"
+    assert f"at most {8 << 20} are accepted" in refused.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is found while reading
+        for _ in range(9):
+            yield b" " * (1 << 20)
+
+    streamed = httpx.post(f"{server.http}/v1/videos", content=chunks(), headers=headers)
+    assert streamed.status_code == 413 and "the request body is over" in streamed.json()["error"]["message"]
+
+    nested = httpx.post(f"{server.http}/v1/videos", content="[" * 1000 + "]" * 1000, headers=headers)
+    assert nested.status_code == 422 and nested.json()["error"] == {
+        "code": "invalid_request",
+        "message": "body: JSON nested 1000 levels deep; at most 32 are accepted",
+    }
+    for body, field in (
+        ('{"prompt": "p", "seconds": Infinity}', "seconds"),
+        ('{"prompt": "p", "fps": NaN, "num_chunks": 1}', "fps"),
+        ('{"prompt": "p", "seconds": 1e308}', "seconds"),
+    ):
+        refused = httpx.post(f"{server.http}/v1/videos", content=body, headers=headers)
+        assert refused.status_code == 422, (body, refused.text)
+        assert refused.json()["error"]["message"].startswith(field), refused.text
+    fine = httpx.post(f"{server.http}/v1/videos", json={"prompt": "[[[[" * 20, "num_chunks": 1, "format": "raw"})
+    assert fine.status_code == 202, fine.text  # brackets inside a string are not nesting

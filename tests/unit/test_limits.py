@@ -59,3 +59,19 @@ def test_interactions_share_the_limits():
     with pytest.raises(ValueError, match="interaction.transition_chunks"):
         check_interaction(Interaction(prompt="p", transition_chunks=MAX_TRANSITION_CHUNKS + 1))
     check_interaction(Interaction(prompt="p" * MAX_PROMPT_CHARS, transition_chunks=MAX_TRANSITION_CHUNKS))
+
+
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [
+        ("1", 0),
+        ('{"a": [1, {"b": []}]}', 4),
+        ('{"prompt": "[[[[{{{{"}', 1),  # brackets inside a string do not nest
+        ('{"prompt": "a \\" [[[ \\\\", "x": [[]]}', 3),  # escaped quotes and backslashes keep the string intact
+        ("[" * 1000 + "]" * 1000, 1000),
+    ],
+)
+def test_json_depth_counts_nesting_outside_strings(text, depth):
+    from server.limits import json_depth
+
+    assert json_depth(text) == depth

@@ -182,7 +182,10 @@ def dict_event_types_in(sources: dict[str, str]) -> set[str]:
                 for key, value in zip(node.keys, node.values, strict=True):
                     if isinstance(key, ast.Constant) and key.value == "type":
                         found |= _strings(value)
-    return found
+    return {kind for kind in found if not kind.startswith(ASGI_PREFIXES)}
+
+
+ASGI_PREFIXES = ("http.", "websocket.", "lifespan.")  # the server's own ASGI messages, not protocol events
 
 
 def close_codes_in(sources: dict[str, str]) -> set[int]:

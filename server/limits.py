@@ -1,0 +1,107 @@
+"""Limits checked before a request is parsed: body size and JSON nesting.
+
+API process, asyncio. ``json_depth`` measures how deeply a JSON text nests
+without parsing it (a regular expression skips strings, so brackets inside
+a prompt do not count), so a message nested thousands deep is refused with
+a clear error instead of exhausting the parser's recursion. ``BodyLimits`` is
+an ASGI middleware for HTTP: a body larger than ``max_bytes`` is answered
+413 as soon as that is known (from ``Content-Length``, or while reading a
+body sent without one), never read whole; a JSON body nested deeper than
+``MAX_JSON_DEPTH`` is answered 422. Both in the project's error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+MAX_JSON_DEPTH = 32
+"""Deepest JSON nesting a client message or request body may have (ours need 4)."""
+
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def json_depth(text: str | bytes) -> int:
+    """The deepest nesting of arrays and objects in ``text``; strings are skipped.
+    For text that is not valid JSON the figure is only an estimate; the parser
+    that runs next says what is wrong with it."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    depth = deepest = 0
+    for token in _TOKENS.finditer(text):
+        char = token.group()[0]
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+class TooDeepError(ValueError):
+    """JSON nested deeper than ``MAX_JSON_DEPTH``."""
+
+
+def too_deep(text: str | bytes) -> str | None:
+    """Why ``text`` nests too deeply to parse, or None."""
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        return f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted"
+    return None
+
+
+class BodyLimits:
+    """ASGI middleware: request bodies of at most ``max_bytes``, JSON at most
+    ``MAX_JSON_DEPTH`` deep, checked before the application reads the body."""
+
+    def __init__(self, app: Callable, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        headers = {name.lower(): value for name, value in scope.get("headers", [])}
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send, 413, "body_too_large", self._too_large(int(declared)))
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._refuse(send, 413, "body_too_large", self._too_large(len(body), at_least=more))
+        if b"json" in headers.get(b"content-type", b"") and (why := too_deep(bytes(body))) is not None:
+            return await self._refuse(send, 422, "invalid_request", f"body: {why}")
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as the server would
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, size: int, at_least: bool = False) -> str:
+        return f"the request body is {'over ' if at_least else ''}{size} bytes; at most {self.max_bytes} are accepted"
+
+    @staticmethod
+    async def _refuse(send: Send, status: int, code: str, message: str) -> None:
+        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 413:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
