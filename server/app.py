@@ -218,9 +218,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/videos/sync", tags=["videos"], dependencies=[Depends(authorized)])
     async def create_video_sync(body: JobRequest, request: Request) -> Response:
-        """Run a job and answer with its content."""
+        """Run a job and answer with its content. A client that leaves before the
+        answer cancels the job: nobody would fetch it, so it frees its slot."""
         job = await _create(request, body)
-        await job.finished.wait()
+        finished = asyncio.ensure_future(job.finished.wait())
+        left = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({finished, left}, return_when=asyncio.FIRST_COMPLETED)
+        left.cancel()
+        if not finished.done():
+            finished.cancel()
+            await request.app.state.jobs.cancel(job.id)
+            return _error(499, "client_closed", "the client left before the video was ready; the job was cancelled")
         request.app.state.jobs.jobs.pop(job.id, None)
         if job.status != "completed":
             code = job.error["code"] if job.error else "failed"
@@ -260,6 +268,12 @@ async def _create(request: Request, body: JobRequest):
         return await request.app.state.jobs.create(body)
     except RequestError as error:
         raise HTTPException(422, detail={"code": "invalid_request", "message": str(error)}) from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _job(request: Request, video_id: str):

@@ -54,16 +54,21 @@ _KEY_IN_QUERY = re.compile(r"(api_key=)[^&\s]*")
 
 
 class RedactKeys(logging.Filter):
-    """Keeps API keys given as a query parameter out of uvicorn's access log."""
+    """Keeps API keys given as a query parameter out of uvicorn's logs: its
+    access log (HTTP requests) and its error log, where it records each
+    WebSocket handshake with the full path."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = _KEY_IN_QUERY.sub(r"\1***", record.msg)
         if isinstance(record.args, tuple):
             record.args = tuple(_KEY_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
         return True
 
 
 def redact_access_log() -> None:
-    """Install ``RedactKeys`` on uvicorn's access logger (once)."""
-    logger = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, RedactKeys) for f in logger.filters):
-        logger.addFilter(RedactKeys())
+    """Install ``RedactKeys`` on uvicorn's access and error loggers (once each)."""
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactKeys) for f in logger.filters):
+            logger.addFilter(RedactKeys())

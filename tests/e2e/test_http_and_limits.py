@@ -150,15 +150,19 @@ async def test_stall_and_duration_limits_end_sessions_cleanly(make_server):
     assert done["reason"] == "max_duration" and done["stopped"] is True and len(got.chunks) > 0
 
 
-def test_a_key_in_the_query_string_never_reaches_the_access_log(make_server):
+async def test_a_key_in_the_query_string_never_reaches_the_logs(make_server):
     server = make_server("--api-key", "topsecret-key")
     assert httpx.get(f"{server.http}/v1/models?api_key=topsecret-key").status_code == 200
     assert httpx.get(f"{server.http}/v1/models?api_key=wrong-one").status_code == 401
+    async with open_realtime(f"{server.ws}?api_key=topsecret-key") as ws:  # the handshake is logged too
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "p", "format": "raw", "num_chunks": 1})
+        assert (await client.rest()).of("session.done")
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not any("/v1/models" in line for line in server.log):
+    while time.monotonic() < deadline and not any("WebSocket /v1/realtime/video" in line for line in server.log):
         time.sleep(0.05)
     logged = "".join(server.log)
-    assert "/v1/models?api_key=***" in logged
+    assert "/v1/models?api_key=***" in logged and "/v1/realtime/video?api_key=***" in logged
     assert "topsecret-key" not in logged and "wrong-one" not in logged
 
 
@@ -189,3 +193,17 @@ async def test_device_memory_admission_over_websocket_and_http(make_server):
         for holder in holders:
             await holder.send({"type": "session.stop"})
             await holder.rest()
+
+
+def test_a_sync_request_whose_client_left_is_cancelled(make_server):
+    server = make_server(pipeline={"step_time_s": 0.02})
+    body = {**JOB, "num_chunks": 3000}  # minutes of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.http}/v1/videos/sync", json=body, timeout=1.0)
+    deadline = time.monotonic() + 15
+    while (health := server.health())["sessions"] or health["runner_sessions"]:
+        assert time.monotonic() < deadline, f"the abandoned job still holds the worker: {health}"
+        time.sleep(0.05)
+    assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
+    assert 'rtvideo_jobs_total{status="cancelled"} 1.0' in httpx.get(f"{server.http}/metrics").text
+    assert "Traceback" not in "".join(server.log)
