@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 SESSION_OUTCOMES = (
     "completed",
@@ -50,6 +50,9 @@ class Metrics:
         worker_up: Callable[[], bool],
         memory: Callable[[], tuple[int | None, int]] = lambda: (None, 0),
     ) -> None:
+        # The client library's own switch: no "<counter>_created" timestamp series, which
+        # dashboards mistake for counts (rtvideo_sessions_created, rtvideo_jobs_created ...).
+        disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.sessions_active = Gauge("rtvideo_sessions_active", "Realtime sessions open now", registry=r)
         self.sessions = Counter("rtvideo_sessions", "Realtime sessions ended, by outcome", ["outcome"], registry=r)
