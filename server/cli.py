@@ -8,10 +8,13 @@ one place that reads the environment.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import inspect
 import json
 import os
 import sys
+import textwrap
 from dataclasses import MISSING, fields
 
 from server.settings import ServerSettings
@@ -54,6 +57,23 @@ def _field_type(name: str) -> type:
         if kind.__name__ in str(annotation):
             return kind
     return str
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source), one line each."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.replace("``", "").split())
+    return docs
 
 
 def settings_from(args: argparse.Namespace, environ: dict[str, str]) -> ServerSettings:
@@ -127,10 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtvideo", description="Realtime video generation server.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the server (each option also reads RTVIDEO_<NAME>)")
+    serve = commands.add_parser(
+        "serve",
+        help="run the server (each option also reads RTVIDEO_<NAME>)",
+        description="Run the server. Every option can also be set as the environment variable RTVIDEO_<NAME> "
+        "(for example RTVIDEO_PORT=9000); a flag wins over the variable.",
+    )
+    docs = field_docs(ServerSettings)
     for f in fields(ServerSettings):
         default = f.default if f.default is not MISSING else f.default_factory()
-        serve.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, help=f"default: {default!r}")
+        text = docs.get(f.name, "").replace("%", "%%")
+        serve.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            default=None,
+            metavar=_field_type(f.name).__name__.upper(),
+            help=f"{text} (default: {default!r}; env RTVIDEO_{f.name.upper()})".lstrip(),
+        )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
 

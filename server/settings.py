@@ -12,17 +12,22 @@ from dataclasses import dataclass, field, fields
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0: every interface)."""
     port: int = 8000
+    """Port to listen on (0: any free port, printed at start)."""
     model: str = "tiny"
     """What to serve: ``tiny`` (the built-in random-weight causal Wan), ``stub``
     (arithmetic, for tests), or a model directory (Wan2.1 diffusers layout)."""
     pipeline_options: dict = field(default_factory=dict)
-    """Options of the pipeline (tests use them to slow or gate the stub)."""
+    """The pipeline's options as a JSON object, e.g. '{"dtype": "bfloat16", "compile": true}' for causal Wan
+    (dtype, vae_dtype, sink_frames, window_frames, warm_up_chunks, compile: docs/MODEL.md)."""
     max_sessions: int = 4
     """Realtime sessions and running jobs at once (the worker's admission limit).
     Beyond it a new realtime session gets ``error{code: "server_full"}`` and close
     1013; a new job is accepted and waits ``queued`` until a session ends."""
     group_chunk_steps: bool = True
+    """Run a begun chunk's denoise steps back to back before another session's chunk begins
+    (true), or give every step its own turn among the sessions (false). Frames are the same."""
     session_memory_gib: float | None = None
     """Device memory the open sessions' state may hold together; a session that
     would pass it is refused like a full server. Default: what the worker finds
@@ -52,10 +57,13 @@ class ServerSettings:
     max_frames: int = 100_000
     """Largest ``num_frames`` (or equivalent) one request may ask for."""
     max_width: int = 1280
+    """Widest frame a request may ask for (the model may allow less)."""
     max_height: int = 1280
+    """Tallest frame a request may ask for (the model may allow less)."""
     max_jobs_kept: int = 64
     """Finished jobs kept for download; the oldest finished ones go first."""
     worker_startup_timeout_s: float = 300.0
+    """How long a worker may take to load its model and say READY."""
     max_worker_restarts: int = 3
     """Workers restarted after a death within five minutes; past that the replica
     stays down (liveness fails) until it is restarted."""

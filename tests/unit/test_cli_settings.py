@@ -52,3 +52,18 @@ def test_engine_options_reach_the_engine_config():
     assert engine_config(settings_from(parse(), {"RTVIDEO_SESSION_MEMORY_GIB": "1.5"})).session_memory_bytes == 3 << 29
     with pytest.raises(SystemExit, match="max_batch_rows"):
         settings_from(parse("--max-batch-rows", "0"), {})
+
+
+def test_serve_help_explains_every_option():
+    from dataclasses import fields
+
+    from server.cli import build_parser, field_docs
+    from server.settings import ServerSettings
+
+    docs = field_docs(ServerSettings)
+    assert [f.name for f in fields(ServerSettings) if not docs.get(f.name)] == [], "an option without a description"
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = serve.format_help()
+    for f in fields(ServerSettings):
+        assert f"--{f.name.replace('_', '-')}" in text and f"RTVIDEO_{f.name.upper()}" in text
+    assert "JSON object" in text and "tiny" in text and "``" not in text
