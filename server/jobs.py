@@ -24,7 +24,15 @@ from engine.client import (
     SessionRejectedError,
     UnknownSessionError,
 )
-from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
+from engine.messages import (
+    ChunkReady,
+    InteractionApplied,
+    InteractionRejected,
+    InteractionSuperseded,
+    SessionDone,
+    SessionFailed,
+    StartSession,
+)
 from server.drain import Drainer
 from server.metrics import Metrics
 from server.output import SessionOutput
@@ -47,6 +55,7 @@ class Job:
     error: dict[str, str] | None = None
     payloads: list[bytes] = field(default_factory=list)
     compute_ms: float = 0.0
+    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)  # scheduled event id -> where it landed
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -73,8 +82,33 @@ class Job:
             "height": self.config.height,
             "fps": self.config.fps,
             "seed": self.config.seed,
+            "prompt": self.config.prompt,
+            "interactions": [
+                {
+                    "at_chunk": item.at_chunk,
+                    "prompt": item.prompt,
+                    "transition_chunks": item.transition_chunks,
+                    **self.outcomes.get(f"scheduled-{i}", {"status": "pending"}),
+                }
+                for i, item in enumerate(self.request.interactions)
+            ],
             "inference_time_s": self.compute_ms / 1000.0,
         }
+
+    def record(self, message: Any) -> None:
+        """Where a scheduled prompt landed (applied: chunk, first frame, media time) or why not."""
+        if isinstance(message, InteractionApplied):
+            self.outcomes[message.event_id] = {
+                "status": "applied",
+                "generation_chunk_index": message.generation_chunk_index,
+                "first_frame_index": message.first_frame_index,
+                "media_start_seconds": message.media_start_seconds,
+            }
+        elif isinstance(message, InteractionSuperseded):
+            self.outcomes[message.event_id] = {"status": "superseded", "by_event_id": message.by_event_id}
+        elif isinstance(message, InteractionRejected):
+            error = {"code": message.code, "message": message.message}
+            self.outcomes[message.event_id] = {"status": "rejected", "error": error}
 
 
 class JobManager:
@@ -170,7 +204,10 @@ class JobManager:
                             job.payloads.append(chunk.payload)
                             job.chunks_done += 1
                             job.compute_ms = output.compute_ms
-                    elif isinstance(message, SessionDone):
+                    else:
+                        output.count(message)  # on /metrics as a realtime session's would be
+                        job.record(message)
+                    if isinstance(message, SessionDone):
                         job.status = "completed" if message.reason == "completed" else "cancelled"
                     elif isinstance(message, SessionFailed):
                         self._fail(job, message.code, message.message)

@@ -77,8 +77,9 @@ class SessionOutput:
         if self.clock is not None:
             seconds = len(frames) / self.config.fps
             self.clock.chunk(ready.media_start_seconds, seconds, len(frames), compute_ms / 1000.0)
-        else:
+        else:  # request mode: no delivery clock, but the same compute and frame counts
             self.metrics.frames.inc(len(frames))
+            self.metrics.compute.observe(compute_ms / 1000.0)
         metadata = ChunkMetadata(
             request_id=self.request_id,
             transport_chunk_index=self.transport_index,
@@ -100,7 +101,7 @@ class SessionOutput:
     def event(self, message: ResultMessage) -> dict[str, Any] | None:
         """The protocol event for a non-media engine result (None: nothing to say)."""
         rid = self.request_id
-        self._count(message)
+        self.count(message)
         if isinstance(message, InteractionQueued):
             return InteractionQueuedEvent(
                 request_id=rid,
@@ -138,16 +139,20 @@ class SessionOutput:
             return error_event(message.code, message.message, request_id=rid, fatal=True)
         return None
 
-    def _count(self, message: ResultMessage) -> None:
+    def count(self, message: ResultMessage) -> None:
+        """Count an interaction outcome on /metrics (queued, applied, ...). Latency and lag
+        are observed for interactions that were queued while the session ran, not
+        for prompts scheduled at a chunk in advance (request mode), which wait for
+        their chunk by design."""
         interactions = self.metrics.interactions
         if isinstance(message, InteractionQueued):
             interactions.labels("queued").inc()
             self._queued[message.event_id] = message
         elif isinstance(message, InteractionApplied):
             interactions.labels("applied").inc()
-            self.metrics.interaction_latency.observe(message.queued_to_applied_ms / 1000.0)
             queued = self._queued.pop(message.event_id, None)
             if queued is not None:
+                self.metrics.interaction_latency.observe(message.queued_to_applied_ms / 1000.0)
                 in_progress = queued.in_progress_chunk_index
                 reference = queued.expected_chunk_index - 1 if in_progress is None else in_progress
                 self.metrics.interaction_lag.observe(message.generation_chunk_index - reference)

@@ -207,3 +207,35 @@ def test_a_sync_request_whose_client_left_is_cancelled(make_server):
     assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
     assert 'rtvideo_jobs_total{status="cancelled"} 1.0' in httpx.get(f"{server.http}/metrics").text
     assert "Traceback" not in "".join(server.log)
+
+
+def test_a_job_says_where_each_scheduled_prompt_landed_and_is_counted(make_server):
+    server = make_server(pipeline={"step_time_s": 0.002})
+    body = {
+        **JOB,
+        "num_chunks": 4,
+        "interactions": [
+            {"at_chunk": 2, "prompt": "a storm", "transition_chunks": 2},
+            {"at_chunk": 3, "prompt": "a calm sea"},
+        ],
+    }
+    created = httpx.post(f"{server.http}/v1/videos", json=body).json()
+    assert created["prompt"] == "a windmill"
+    assert [i["status"] for i in created["interactions"]] == ["pending", "pending"]
+    done = poll(server, created["id"], "completed")
+    storm, calm = done["interactions"]
+    frames = 4  # the stub's frames per chunk
+    assert storm == {
+        "at_chunk": 2,
+        "prompt": "a storm",
+        "transition_chunks": 2,
+        "status": "applied",
+        "generation_chunk_index": 2,
+        "first_frame_index": 2 * frames,
+        "media_start_seconds": 2 * frames / 16.0,
+    }
+    assert calm["status"] == "applied" and calm["generation_chunk_index"] == 3
+    text = httpx.get(f"{server.http}/metrics").text
+    assert 'rtvideo_interactions_total{outcome="applied"} 2.0' in text
+    assert "rtvideo_chunk_compute_seconds_count 4.0" in text
+    assert "rtvideo_interaction_latency_seconds_count 0.0" in text  # scheduled, not waited for
