@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.client import EngineClient, EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig, PipelineSpec
@@ -97,9 +98,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def _engine_unavailable(request: Request, error: EngineDeadError) -> JSONResponse:
         return engine_unavailable_response(error)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-        detail = error.detail if isinstance(error.detail, dict) else {"code": "error", "message": str(error.detail)}
+    @app.exception_handler(StarletteHTTPException)  # ours, and the router's 404 / 405
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if isinstance(error.detail, dict):
+            detail = error.detail
+        elif error.status_code == 404:
+            detail = {"code": "not_found", "message": f"no route {request.url.path!r}; the API is under /v1/"}
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path!r}"
+            detail = {"code": "method_not_allowed", "message": message}
+        else:
+            detail = {"code": "error", "message": str(error.detail)}
         return JSONResponse({"error": detail}, status_code=error.status_code, headers=error.headers)
 
     def authorized(request: Request) -> None:

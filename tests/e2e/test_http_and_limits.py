@@ -239,3 +239,13 @@ def test_a_job_says_where_each_scheduled_prompt_landed_and_is_counted(make_serve
     assert 'rtvideo_interactions_total{outcome="applied"} 2.0' in text
     assert "rtvideo_chunk_compute_seconds_count 4.0" in text
     assert "rtvideo_interaction_latency_seconds_count 0.0" in text  # scheduled, not waited for
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape(server):
+    missing = httpx.get(f"{server.http}/v2/videos")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert "/v2/videos" in missing.json()["error"]["message"]
+    wrong = httpx.put(f"{server.http}/v1/videos")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    gone = httpx.get(f"{server.http}/v1/videos/video_nope")
+    assert gone.status_code == 404 and gone.json()["error"]["message"] == "no video 'video_nope'"
