@@ -1,15 +1,19 @@
 """``rtvideo bench pipeline``: what one chunk of the causal Wan pipeline costs.
 
-Runs the pipeline in this process, one session, no server: the worker's
-warm-up (``workers.warmup``, reported as ``warm_up_s``), then a fresh
-session's time to its first chunk (prompt encode + first chunk, as a user of a
-started server sees it), then per chunk the split between the denoise steps,
-the commit forward and the VAE decode, and generated frames per second
-against playback (``fps``). ``--preset wan2.1-1.3b`` builds the real 1.3B
+Runs the pipeline in this process, one session, no server, through the
+worker's own path (``workers.chunk_driver``: micro-steps through the
+``ModelRunner``, the device synchronised around the commit and the decode
+so their times are the device's): the worker's warm-up (``workers.warmup``, reported as
+``warm_up_s``), then a fresh session's time to its first chunk (prompt
+encode + first chunk, as a user of a started server sees it), then per chunk
+the split between the boundary and denoise steps, the commit forward and the
+VAE decode, and generated frames per second against playback (``fps``). ``--preset wan2.1-1.3b`` builds the real 1.3B
 transformer with random weights (a GPU machine's measurement; bf16).
 ``--profile FILE`` writes a torch profiler table of one steady chunk.
-``--sessions N`` then runs N sessions side by side, one row per forward and
-all N rows per forward (``max_batch_rows``), and reports both throughputs.
+``--sessions N`` builds the pipeline for N rows a forward (``max_batch_rows``,
+so the warm-up runs a batched forward of N rows too), then runs N sessions
+side by side, one row per forward and all N rows per forward, and reports
+both throughputs.
 The last line printed is one JSON object.
 """
 
@@ -21,14 +25,16 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import msgspec
 import torch
 
 from engine.messages import StartSession
-from workers.pipelines.base import BatchRow, PipelineState, StepBatch
+from workers.chunk_driver import ChunkDriver
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.pipelines.presets import WAN_1_3B_TRANSFORMER, Components, build_tiny
+from workers.runner import StageCall
 from workers.warmup import warm_up
 
 
@@ -74,53 +80,49 @@ def run(
         vae_dtype=vae_dtype,
         warm_up_chunks=2 if warm else 0,
         compile=compile,
-        max_batch_rows=max(4, sessions),
+        max_batch_rows=sessions,
     )
     build_s = time.perf_counter() - built
-    pipeline.measure_split = True
     warm_up_s = warm_up(pipeline, width, height)  # at the measured size
     budget = pipeline.session_memory_budget()
     on_gpu = pipeline.device.type == "cuda"
     start = StartSession(
         session_id="bench", prompt="a red fox in the snow", width=width, height=height, num_inference_steps=steps
     )
-    state = PipelineState("bench", start, pipeline.describe(start))
-    began = pipeline._synchronized()
-    pipeline.prepare_encode(state)
+    calls: list[StageCall] = []
+    driver = ChunkDriver(pipeline, synchronize=partial(_wait_around_split, pipeline), on_stage=calls.append)
+    began = _synchronized(pipeline)
+    [state] = driver.open(start)
     rows = []
     first_chunk_s = None
     for chunk in range(chunks):
-        state.chunk_index = chunk
         profiled = profile is not None and chunk == min(2, chunks - 1)
+        calls.clear()
         with _profiler(pipeline.device) if profiled else contextlib.nullcontext() as profiler:
-            t0 = pipeline._synchronized()
-            pipeline.prepare_next_chunk(state)
-            for step in range(state.geometry.num_inference_steps):
-                batch = StepBatch((BatchRow("bench", chunk, step),))
-                [prediction] = pipeline.denoise_step(batch, [state])
-                pipeline.step_scheduler(state, prediction)
-            t1 = pipeline._synchronized()
-            out = pipeline.post_decode(state)
-            t2 = pipeline._synchronized()
+            t0 = _synchronized(pipeline)
+            out = driver.run_chunk("bench")
+            t1 = _synchronized(pipeline)
         if profiled:
             _write_profile(profiler, pipeline.device, profile)
         if first_chunk_s is None:
-            first_chunk_s = t2 - began
-        split = state.extra["post_decode_ms"]
+            first_chunk_s = t1 - began
+        total_ms = (t1 - t0) * 1e3
+        commit_ms = sum(call.ms for call in calls if call.stage == "commit")
+        decode_ms = sum(call.ms for call in calls if call.stage == "decode")
         rows.append(
             {
                 "frames": out.num_frames,
-                "denoise_ms": (t1 - t0) * 1e3,
-                "commit_ms": split["commit"],
-                "decode_ms": split["decode"],
-                "total_ms": (t2 - t0) * 1e3,
+                "denoise_ms": total_ms - commit_ms - decode_ms,  # the boundary, the steps and their planning
+                "commit_ms": commit_ms,
+                "decode_ms": decode_ms,
+                "total_ms": total_ms,
             }
         )
     steady = rows[1:] or rows
     frames = sum(r["frames"] for r in steady)
     seconds = sum(r["total_ms"] for r in steady) / 1e3
-    fps = state.geometry.fps
-    pipeline.release(state)
+    geometry = state.geometry
+    driver.release("bench")
     side_by_side = None
     if sessions > 1:
         one_row = _sessions_fps(pipeline, start, sessions, chunks, batched=False)
@@ -140,9 +142,9 @@ def run(
         "threads": torch.get_num_threads(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "compiled": compile,
-        "width": state.geometry.width,
-        "height": state.geometry.height,
-        "steps": state.geometry.num_inference_steps,
+        "width": geometry.width,
+        "height": geometry.height,
+        "steps": geometry.num_inference_steps,
         "chunks": chunks,
         "build_s": build_s,
         "warm_up_s": warm_up_s,
@@ -151,45 +153,42 @@ def run(
             key: statistics.median(r[key] for r in steady)
             for key in ("denoise_ms", "commit_ms", "decode_ms", "total_ms")
         },
-        "state_bytes": state.geometry.state_bytes,
+        "state_bytes": geometry.state_bytes,
         "session_memory_budget": budget,
         "peak_device_bytes": torch.cuda.max_memory_allocated(pipeline.device) if on_gpu else None,
         "generated_fps": frames / seconds,
-        "playback_fps": fps,
-        "realtime_factor": frames / seconds / fps,
+        "playback_fps": geometry.fps,
+        "realtime_factor": frames / seconds / geometry.fps,
         "side_by_side": side_by_side,
     }
+
+
+def _wait_around_split(pipeline: CausalWanPipeline, stage: str) -> None:
+    """The device is waited for around the commit and the decode only, as their
+    split needs; inside a chunk's denoise steps nothing waits for it, as when serving."""
+    if stage in ("commit", "decode"):
+        pipeline.synchronize()
+
+
+def _synchronized(pipeline: CausalWanPipeline) -> float:
+    """``perf_counter`` once the device has finished its queued work."""
+    pipeline.synchronize()
+    return time.perf_counter()
 
 
 def _sessions_fps(pipeline: CausalWanPipeline, start: StartSession, count: int, chunks: int, batched: bool) -> float:
     """Frames per second generated by ``count`` sessions stepped together, each
     step one forward over all rows (``batched``) or one forward per row; the
     first chunk is not timed."""
-    states = []
-    for i in range(count):
-        session = msgspec.structs.replace(start, session_id=f"side-{i}", seed=i)
-        states.append(PipelineState(session.session_id, session, pipeline.describe(session)))
-        pipeline.prepare_encode(states[-1])
-    frames, began = 0, None
-    for chunk in range(max(2, chunks)):
-        if chunk == 1:
-            began = pipeline._synchronized()
-        for state in states:
-            state.chunk_index = chunk
-            pipeline.prepare_next_chunk(state)
-        for _ in range(states[0].geometry.num_inference_steps):
-            groups = [states] if batched else [[state] for state in states]
-            for group in groups:
-                batch = StepBatch(tuple(BatchRow(s.session_id, chunk, s.step_in_chunk) for s in group))
-                for state, prediction in zip(group, pipeline.denoise_step(batch, group), strict=True):
-                    pipeline.step_scheduler(state, prediction)
-        for state in states:
-            out = pipeline.post_decode(state)
-            frames += out.num_frames if chunk else 0
-    seconds = pipeline._synchronized() - began
-    for state in states:
-        pipeline.release(state)
-    return frames / seconds
+    driver = ChunkDriver(pipeline, max_rows=count if batched else 1)
+    ids = [f"side-{i}" for i in range(count)]
+    driver.open(*(msgspec.structs.replace(start, session_id=sid, seed=i) for i, sid in enumerate(ids)))
+    driver.run(ids)  # the first chunk
+    began = _synchronized(pipeline)
+    made = driver.run(ids, max(1, chunks - 1))
+    seconds = _synchronized(pipeline) - began
+    driver.release(*ids)
+    return sum(out.num_frames for outputs in made.values() for out in outputs) / seconds
 
 
 def _profiler(device: torch.device) -> torch.profiler.profile:

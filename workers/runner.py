@@ -1,12 +1,16 @@
 """The model runner: executes one ``MicroStep`` over a ``ChunkPipeline``.
 
-Runs on the executor's thread of worker rank 0 (``workers.executor``). Owns
-one ``PipelineState`` per open session (never shared, never global) and
-implements ``engine.plan.Runner``. Every pipeline call goes through ``_call``:
-timed, and guarded per session, so an exception fails that session only,
-releases it at once, and the other rows go on. When a batched forward raises,
-each of its rows is rerun alone, so only the row that fails on its own loses
-its session.
+Runs on the executor's thread of worker rank 0 (``workers.executor``); one
+rank, so it runs every stage (``workers.pipelines.base``) itself. Holds the
+state of each open session (the pipeline's ``SessionState``, never shared,
+never global) and implements ``engine.plan.Runner``. Which chunk and step a
+call is about comes from the plan's rows; the pipeline refuses a row its
+session's state cannot take (a chunk never prepared, a step out of order),
+which fails that session. Every pipeline call goes through ``_call``: timed,
+and guarded per session, so an exception fails that session only, releases
+it at once, and the other rows go on. When a batched forward raises, each of
+its rows is rerun alone, so only the row that fails on its own loses its
+session.
 """
 
 from __future__ import annotations
@@ -14,20 +18,41 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import BoundaryTask, MicroStep, StepResult, StepRow
-from workers.pipelines.base import BatchRow, ChunkPipeline, PipelineState, StepBatch
+from workers.pipelines.base import BatchRow, ChunkPipeline, SessionState, StepBatch
 
 log = logging.getLogger(__name__)
 _FAILED = object()  # what _call returns when the pipeline raised
 
 
+class StageCall(NamedTuple):
+    """One pipeline call, as ``ModelRunner(on_stage=...)`` reports it."""
+
+    session_id: str
+    stage: str  # encode_prompt, open, boundary, forward, sampler_step, commit, decode
+    ms: float  # a batched forward: the whole forward, reported for each of its rows
+    error: BaseException | None
+
+
 class ModelRunner:
-    def __init__(self, pipeline: ChunkPipeline) -> None:
+    def __init__(
+        self,
+        pipeline: ChunkPipeline,
+        *,
+        synchronize: Callable[[str], None] | None = None,
+        on_stage: Callable[[StageCall], None] | None = None,
+    ) -> None:
+        """``synchronize`` (benchmarks) is called with a stage's name before its
+        clock starts and before it stops: waiting for the device there makes that
+        stage's time the device's; ``on_stage`` hears of every call. A worker
+        serving sessions passes neither."""
         self.pipeline = pipeline
-        self.states: dict[str, PipelineState] = {}
+        self.states: dict[str, SessionState] = {}
+        self._synchronize = synchronize
+        self._on_stage = on_stage
 
     # -- engine.plan.Runner --------------------------------------------------
 
@@ -38,9 +63,10 @@ class ModelRunner:
         return tuple(self.states), self.pipeline.held_sessions()
 
     def execute(self, step: MicroStep) -> StepResult:
-        """Release, open, cross boundaries, then one forward over the rows of ``step``
-        (in groups of the pipeline's ``max_batch_rows``), each row's sampler update,
-        and commit + decode for rows whose chunk ended."""
+        """Release, open (encode the prompt, allocate), cross boundaries (encode an
+        interaction's prompt, then the boundary), then one forward over the rows of
+        ``step`` (in groups of the pipeline's ``max_batch_rows``), each row's sampler
+        step, and commit then decode for rows whose chunk ended."""
         result = StepResult(step.number)
         for session_id in step.release:
             try:
@@ -49,12 +75,14 @@ class ModelRunner:
                 log.exception("release of session %s failed", session_id)
             result.released.append(session_id)
         for start in step.open:
-            _, ms = self._call(result, start.session_id, "prepare_encode", self._open, start)
-            result.row(start.session_id).boundary_ms += ms
+            sid = start.session_id
+            prompt, ms = self._call(result, sid, "encode_prompt", self.pipeline.encode_prompt, start.prompt)
+            result.row(sid).boundary_ms += ms
+            if prompt is not _FAILED:
+                _, ms = self._call(result, sid, "open", self._open, start, prompt)
+                result.row(sid).boundary_ms += ms
         for task in step.boundaries:
-            if task.session_id in self.states:  # not failed earlier in this micro-step
-                _, ms = self._call(result, task.session_id, "chunk boundary", self._boundary, task)
-                result.row(task.session_id).boundary_ms += ms
+            self._boundary(task, result)
         rows = [row for row in step.rows if row.session_id in self.states]
         width = self.pipeline.max_batch_rows
         for first in range(0, len(rows), width):
@@ -63,69 +91,73 @@ class ModelRunner:
 
     # -- internals -------------------------------------------------------------
 
-    def _open(self, start: StartSession) -> None:
-        state = PipelineState(start.session_id, start, self.pipeline.describe(start))
-        self.states[start.session_id] = state
-        self.pipeline.prepare_encode(state)
+    def _open(self, start: StartSession, prompt: Any) -> None:
+        self.states[start.session_id] = self.pipeline.open(start, self.pipeline.describe(start), prompt)
 
-    def _boundary(self, task: BoundaryTask) -> None:
-        state = self.states[task.session_id]
-        state.chunk_index = task.chunk_index
+    def _boundary(self, task: BoundaryTask, result: StepResult) -> None:
+        sid = task.session_id
+        if sid not in self.states:  # failed earlier in this micro-step
+            return
+        prompt = None
         if task.prompt is not None:
-            self.pipeline.apply_interaction_at_chunk_boundary(state, task.prompt, task.transition_chunks)
-        self.pipeline.prepare_next_chunk(state)
+            prompt, ms = self._call(result, sid, "encode_prompt", self.pipeline.encode_prompt, task.prompt)
+            result.row(sid).boundary_ms += ms
+            if prompt is _FAILED:
+                return
+        session = self.states[sid]
+        _, ms = self._call(
+            result, sid, "boundary", self.pipeline.boundary, session, task.chunk_index, prompt, task.transition_chunks
+        )
+        result.row(sid).boundary_ms += ms
 
     def _forward(self, rows: list[StepRow], result: StepResult) -> None:
-        """One forward over ``rows``, then each row's sampler update (and
-        ``post_decode`` for a row whose chunk just ended)."""
-        states = [self.states[row.session_id] for row in rows]
-        for row, state in zip(rows, states, strict=True):
-            if (state.chunk_index, state.step_in_chunk) != (row.chunk_index, row.step):
-                raise RuntimeError(
-                    f"session {row.session_id} is at chunk {state.chunk_index} step {state.step_in_chunk}, "
-                    f"but the plan says chunk {row.chunk_index} step {row.step}"
-                )
-        batch = StepBatch(tuple(BatchRow(s.session_id, s.chunk_index, s.step_in_chunk) for s in states))
-        if len(states) == 1:
+        """One forward over ``rows`` (every block: one rank), then each row's sampler
+        step (and commit + decode for a row whose chunk just ended)."""
+        sessions = [self.states[row.session_id] for row in rows]
+        batch = StepBatch(tuple(BatchRow(row.session_id, row.chunk_index, row.step) for row in rows))
+        if len(rows) == 1:
             predictions, forward_ms = self._call(
-                result, states[0].session_id, "denoise_step", self.pipeline.denoise_step, batch, states
+                result, rows[0].session_id, "forward", self.pipeline.forward, batch, sessions
             )
             if predictions is _FAILED:
                 return
         else:
+            self._sync("forward")
             started = perf_counter()
             try:
-                predictions = self.pipeline.denoise_step(batch, states)
+                predictions = self.pipeline.forward(batch, sessions)
             except Exception:
-                # Find the culprit: rerun each row alone (denoise_step leaves state
+                # Find the culprit: rerun each row alone (forward leaves state
                 # untouched), so one bad row fails only its own session.
                 result.pipeline_s += perf_counter() - started
                 for row in rows:
                     self._forward([row], result)
                 return
+            self._sync("forward")
             forward_ms = (perf_counter() - started) * 1000.0
             result.pipeline_s += forward_ms / 1000.0
-        share = forward_ms / len(states)
-        for row, state, prediction in zip(rows, states, predictions, strict=True):
+            for row in rows:
+                self._report(row.session_id, "forward", forward_ms, None)
+        share = forward_ms / len(rows)
+        for row, batch_row, session, prediction in zip(rows, batch.rows, sessions, predictions, strict=True):
             sid = row.session_id
-            updated, update_ms = self._call(result, sid, "step_scheduler", self._update, state, prediction)
-            if updated is _FAILED:
+            stepped, update_ms = self._call(
+                result, sid, "sampler_step", self.pipeline.sampler_step, session, batch_row, prediction
+            )
+            if stepped is _FAILED:
                 continue
             out = result.row(sid)
             out.denoise_ms += share + update_ms
             out.stepped = True
             if not row.last:
                 continue
-            chunk, decode_ms = self._call(result, sid, "post_decode", self.pipeline.post_decode, state)
+            committed, commit_ms = self._call(result, sid, "commit", self.pipeline.commit, session, row.chunk_index)
+            if committed is _FAILED:
+                continue
+            chunk, decode_ms = self._call(result, sid, "decode", self.pipeline.decode, session, row.chunk_index)
             if chunk is not _FAILED:
                 out.chunk = chunk
-                out.decode_ms += decode_ms
-
-    def _update(self, state: PipelineState, prediction: Any) -> None:
-        before = state.step_in_chunk
-        self.pipeline.step_scheduler(state, prediction)
-        if state.step_in_chunk != before + 1:
-            raise RuntimeError("step_scheduler did not advance step_in_chunk by one")
+                out.decode_ms += commit_ms + decode_ms
 
     def _call(
         self, result: StepResult, session_id: str, stage: str, function: Callable, *args: Any
@@ -134,10 +166,13 @@ class ModelRunner:
         the time to the micro-step's pipeline time. On an exception the session
         fails and is released, and the value is ``_FAILED``: a pipeline bug never
         takes the worker down."""
+        self._sync(stage)
         started = perf_counter()
+        failure = None
         try:
             value = function(*args)
         except Exception as error:
+            failure = error
             row = result.row(session_id)
             row.error = f"{stage} failed: {type(error).__name__}: {error}"
             try:
@@ -145,11 +180,21 @@ class ModelRunner:
             except Exception as release_error:
                 row.error += f" (release also failed: {type(release_error).__name__}: {release_error})"
             value = _FAILED
+        self._sync(stage)
         ms = (perf_counter() - started) * 1000.0
         result.pipeline_s += ms / 1000.0
+        self._report(session_id, stage, ms, failure)
         return value, ms
 
+    def _sync(self, stage: str) -> None:
+        if self._synchronize is not None:
+            self._synchronize(stage)
+
+    def _report(self, session_id: str, stage: str, ms: float, error: BaseException | None) -> None:
+        if self._on_stage is not None:
+            self._on_stage(StageCall(session_id, stage, ms, error))
+
     def _release(self, session_id: str) -> None:
-        state = self.states.pop(session_id, None)
-        if state is not None:
-            self.pipeline.release(state)
+        session = self.states.pop(session_id, None)
+        if session is not None:
+            self.pipeline.release(session)

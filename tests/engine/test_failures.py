@@ -35,7 +35,7 @@ async def test_pipeline_error_fails_only_that_session(make_engine):
 
     assert isinstance(bad.end, SessionFailed)
     assert bad.end.code == "pipeline_error"
-    assert "denoise_step failed" in bad.end.message and "injected failure at chunk 1" in bad.end.message
+    assert "forward failed" in bad.end.message and "injected failure at chunk 1" in bad.end.message
     assert len(bad.chunks) == 1
     assert isinstance(good.end, SessionDone) and good.end.chunks == 6
     probe = await engine.probe()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_causal_wan import open_session, run_chunk
+from engine.messages import StartSession
+from tests.model.test_causal_wan import driver_for, open_session, release, run_chunk
 from workers.pipelines.base import BatchRow, StepBatch
 from workers.pipelines.causal_wan import build
 
@@ -17,72 +18,78 @@ def pipeline():
 
 
 def _advance(pipeline, state, chunks: int, steps: int):
-    """Run ``chunks`` whole chunks, then prepare the next and run ``steps`` of its steps."""
+    """Run ``chunks`` whole chunks, then prepare the next and run ``steps`` of its
+    steps; returns (the session, the row of its next step)."""
     for _ in range(chunks):
         run_chunk(pipeline, state)
-    pipeline.prepare_next_chunk(state)
-    for _ in range(steps):
-        [prediction] = pipeline.denoise_step(_batch([state]), [state])
-        pipeline.step_scheduler(state, prediction)
-    return state
+    pipeline.boundary(state, chunks)
+    for step in range(steps):
+        row = BatchRow(state.session_id, chunks, step)
+        [prediction] = pipeline.forward(StepBatch((row,)), [state])
+        pipeline.sampler_step(state, row, prediction)
+    return state, BatchRow(state.session_id, chunks, steps)
 
 
-def _batch(states) -> StepBatch:
-    return StepBatch(tuple(BatchRow(s.session_id, s.chunk_index, s.step_in_chunk) for s in states))
+def _forward(pipeline, advanced) -> list[torch.Tensor]:
+    """One forward over the rows of ``advanced`` ((session, row) pairs)."""
+    states, rows = zip(*advanced, strict=True)
+    return pipeline.forward(StepBatch(rows), states)
 
 
-def _alone(pipeline, states) -> list[torch.Tensor]:
-    return [pipeline.denoise_step(_batch([s]), [s])[0] for s in states]
+def _alone(pipeline, advanced) -> list[torch.Tensor]:
+    return [_forward(pipeline, [pair])[0] for pair in advanced]
 
 
 def test_rows_at_different_positions_steps_and_prompts_equal_their_own_forwards(pipeline):
-    states = [
+    advanced = [
         _advance(pipeline, open_session(pipeline, "fresh", seed=1, prompt="a fox"), chunks=0, steps=0),
         _advance(pipeline, open_session(pipeline, "two", seed=2, prompt="a whale"), chunks=2, steps=1),
         _advance(pipeline, open_session(pipeline, "rolled", seed=3, prompt="a storm"), chunks=8, steps=3),
         _advance(pipeline, open_session(pipeline, "also-two", seed=4, prompt="a boat"), chunks=2, steps=2),
     ]
     full = pipeline.sink_frames + pipeline.window_frames
-    assert [s.extra["kv"].frames for s in states] == [0, 6, full, 6]  # 8 chunks: the window has rolled
-    batched = pipeline.denoise_step(_batch(states), states)
-    for state, together, alone in zip(states, batched, _alone(pipeline, states), strict=True):
+    assert [s.kv.frames for s, _ in advanced] == [0, 6, full, 6]  # 8 chunks: the window has rolled
+    batched = _forward(pipeline, advanced)
+    for (state, _), together, alone in zip(advanced, batched, _alone(pipeline, advanced), strict=True):
         assert together.shape == alone.shape
         assert (together - alone).abs().max().item() <= 1e-5 * alone.abs().max().item(), state.session_id
-    for state in states:
-        pipeline.release(state)
+    for state, _ in advanced:
+        release(pipeline, state)
 
 
 def test_rows_whose_caches_hold_as_many_frames_attend_in_one_call(pipeline, monkeypatch):
     from workers.pipelines import wan_attention
 
-    states = [_advance(pipeline, open_session(pipeline, f"same{i}", seed=10 + i), chunks=1, steps=i) for i in range(3)]
+    advanced = [
+        _advance(pipeline, open_session(pipeline, f"same{i}", seed=10 + i), chunks=1, steps=i) for i in range(3)
+    ]
     calls = []
     real = wan_attention.dispatch_attention_fn
     monkeypatch.setattr(
         wan_attention, "dispatch_attention_fn", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k)
     )
-    batched = pipeline.denoise_step(_batch(states), states)
+    batched = _forward(pipeline, advanced)
     layers = len(pipeline.transformer.blocks)
     assert calls == [3] * layers  # one self-attention call per layer, three rows in it
     monkeypatch.setattr(wan_attention, "dispatch_attention_fn", real)
-    for together, alone in zip(batched, _alone(pipeline, states), strict=True):
+    for together, alone in zip(batched, _alone(pipeline, advanced), strict=True):
         assert (together - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
-    for state in states:
-        pipeline.release(state)
+    for state, _ in advanced:
+        release(pipeline, state)
 
 
 def test_rows_of_different_sizes_run_as_separate_forwards(pipeline):
-    states = [
+    advanced = [
         _advance(pipeline, open_session(pipeline, "big", seed=5), chunks=1, steps=0),
         _advance(pipeline, open_session(pipeline, "small", seed=6, width=32, height=32), chunks=1, steps=0),
         _advance(pipeline, open_session(pipeline, "big2", seed=7), chunks=2, steps=1),
     ]
-    batched = pipeline.denoise_step(_batch(states), states)
+    batched = _forward(pipeline, advanced)
     assert [tuple(p.shape[-2:]) for p in batched] == [(8, 8), (4, 4), (8, 8)]
-    for together, alone in zip(batched, _alone(pipeline, states), strict=True):
+    for together, alone in zip(batched, _alone(pipeline, advanced), strict=True):
         assert (together - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
-    for state in states:
-        pipeline.release(state)
+    for state, _ in advanced:
+        release(pipeline, state)
 
 
 def test_sessions_stepped_in_lockstep_make_the_frames_they_make_alone(pipeline):
@@ -95,34 +102,33 @@ def test_sessions_stepped_in_lockstep_make_the_frames_they_make_alone(pipeline):
     for sid, seed, prompt in specs:
         state = open_session(pipeline, sid, seed=seed, prompt=prompt)
         alone[sid] = [np.frombuffer(run_chunk(pipeline, state)[0].payload, np.uint8) for _ in range(3)]
-        pipeline.release(state)
-    states = [open_session(pipeline, sid + "-b", seed=seed, prompt=prompt) for sid, seed, prompt in specs]
-    together = {sid: [] for sid, _, _ in specs}
-    for _ in range(3):
-        for state in states:
-            pipeline.prepare_next_chunk(state)
-        for _ in range(4):
-            predictions = pipeline.denoise_step(_batch(states), states)
-            for state, prediction in zip(states, predictions, strict=True):
-                pipeline.step_scheduler(state, prediction)
-        for (sid, _, _), state in zip(specs, states, strict=True):
-            together[sid].append(np.frombuffer(pipeline.post_decode(state).payload, np.uint8))
-            state.chunk_index += 1
+        release(pipeline, state)
+    driver = driver_for(pipeline)
+    assert driver.max_rows >= len(specs)  # every session's row in each forward
+    widths = []
+    real = pipeline.forward
+    pipeline.forward = lambda batch, sessions: widths.append(len(sessions)) or real(batch, sessions)
+    try:
+        driver.open(*(StartSession(session_id=sid + "-b", seed=seed, prompt=prompt) for sid, seed, prompt in specs))
+        made = driver.run([sid + "-b" for sid, _, _ in specs], chunks=3)
+    finally:
+        del pipeline.forward
+    assert widths == [3] * 12  # 3 chunks of 4 steps, all three sessions in each forward
     for sid, _, _ in specs:
-        for a, b in zip(alone[sid], together[sid], strict=True):
+        together = [np.frombuffer(out.payload, np.uint8) for out in made[sid + "-b"]]
+        for a, b in zip(alone[sid], together, strict=True):
             assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
-    for state in states:
-        pipeline.release(state)
+    driver.release(*(sid + "-b" for sid, _, _ in specs))
 
 
 def test_a_commit_forward_carries_one_row(pipeline):
     a, b = open_session(pipeline, "c1"), open_session(pipeline, "c2")
-    latent = torch.zeros((2, *a.extra["latent_shape"][1:]))
-    a.extra["conditioning"] = b.extra["conditioning"] = a.extra["prompt"].target
+    latent = torch.zeros((2, *a.latent_shape[1:]))
+    text = torch.cat([a.prompt.target, b.prompt.target])
     with pytest.raises(ValueError, match="one row"):
-        pipeline._forward([a, b], latent, [0.0, 0.0], commit=True)
-    pipeline.release(a)
-    pipeline.release(b)
+        pipeline._run((a.kv, b.kv), latent, [0.0, 0.0], text, commit=True)
+    release(pipeline, a)
+    release(pipeline, b)
 
 
 def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
@@ -130,20 +136,19 @@ def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
     sessions, one forward of three rows each, and the chunks each session makes alone."""
     import numpy as np
 
-    from engine.messages import StartSession
     from engine.plan import BoundaryTask, MicroStep, StepRow
     from workers.runner import ModelRunner
 
     runner = ModelRunner(pipeline)
     starts = [StartSession(session_id=f"run{i}", prompt=f"prompt {i}", seed=50 + i) for i in range(3)]
     widths = []
-    real = pipeline.denoise_step
+    real = pipeline.forward
 
     def counting(batch, states):
         widths.append(len(states))
         return real(batch, states)
 
-    pipeline.denoise_step = counting
+    pipeline.forward = counting
     try:
         results = []
         for step in range(4):
@@ -153,7 +158,7 @@ def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
                 micro.boundaries = [BoundaryTask(s.session_id, 0, None, 0) for s in starts]
             results.append(runner.execute(micro))
     finally:
-        del pipeline.denoise_step
+        del pipeline.forward
     assert widths == [3, 3, 3, 3]
     for start in starts:
         rows = [result.rows[start.session_id] for result in results]
@@ -164,7 +169,7 @@ def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
         alone = np.frombuffer(run_chunk(pipeline, state)[0].payload, np.uint8).astype(int)
         together = np.frombuffer(row.chunk.payload, np.uint8).astype(int)
         assert np.abs(alone - together).max() <= 1
-        pipeline.release(state)
+        release(pipeline, state)
     runner.execute(MicroStep(number=5, release=[s.session_id for s in starts]))
     ids = {s.session_id for s in starts}
     held_by_runner, held_by_pipeline = runner.held_sessions()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from weakref import WeakKeyDictionary
 
 import pytest
 import torch
 
 from engine.messages import StartSession
-from workers.pipelines.base import BatchRow, PipelineState, StepBatch
+from workers.chunk_driver import ChunkDriver
+from workers.pipelines.base import BatchRow, StepBatch
 from workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
+from workers.pipelines.causal_wan_state import CausalWanSession
 from workers.pipelines.presets import build_tiny, load_directory, save_directory, write_rtvideo_json
 from workers.pipelines.wan_attention import apply_rope
 
@@ -19,25 +23,31 @@ def pipeline() -> CausalWanPipeline:
     return build("tiny", device="cpu")
 
 
-def open_session(pipeline, sid: str = "s", **start) -> PipelineState:
+_drivers: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def driver_for(pipeline) -> ChunkDriver:
+    """The chunk driver (``workers.chunk_driver``: the worker's path) of ``pipeline``'s test sessions."""
+    if pipeline not in _drivers:
+        _drivers[pipeline] = ChunkDriver(pipeline)
+    return _drivers[pipeline]
+
+
+def open_session(pipeline, sid: str = "s", **start) -> CausalWanSession:
     start = StartSession(session_id=sid, **{"prompt": "a red fox", **start})
-    state = PipelineState(sid, start, pipeline.describe(start))
-    pipeline.prepare_encode(state)
+    [state] = driver_for(pipeline).open(start)
     return state
 
 
-def run_chunk(pipeline, state: PipelineState, prompt: str | None = None, transition: int = 0):
-    if prompt is not None:
-        pipeline.apply_interaction_at_chunk_boundary(state, prompt, transition)
-    pipeline.prepare_next_chunk(state)
-    for step in range(state.geometry.num_inference_steps):
-        batch = StepBatch((BatchRow(state.session_id, state.chunk_index, step),))
-        [prediction] = pipeline.denoise_step(batch, [state])
-        pipeline.step_scheduler(state, prediction)
-    clean = state.extra["clean"].clone()
-    out = pipeline.post_decode(state)
-    state.chunk_index += 1
-    return out, clean
+def run_chunk(pipeline, state: CausalWanSession, prompt: str | None = None, transition: int = 0):
+    """The session's next chunk (with an interaction at its boundary if ``prompt``
+    is given): its frames and its clean latent (the chunk committed last)."""
+    out = driver_for(pipeline).run_chunk(state.session_id, prompt, transition)
+    return out, state.cached_chunks[-1].clone()
+
+
+def release(pipeline, state: CausalWanSession) -> None:
+    driver_for(pipeline).release(state.session_id)
 
 
 def test_schedule_matches_self_forcing():
@@ -61,13 +71,12 @@ def cached_and_block_causal(pipeline, t: float = 937.5, seed: int = 0):
     on the pipeline's device in its dtype. The chunks are drawn on the CPU."""
     model, device = pipeline.transformer, pipeline.device
     state = open_session(pipeline, f"block-causal-{seed}")
-    state.extra["conditioning"] = state.extra["prompt"].target
-    shape = state.extra["latent_shape"]
+    conditioning, shape = state.prompt.target, state.latent_shape
     generator = torch.Generator().manual_seed(seed)
     chunk0, chunk1 = (torch.randn(shape, generator=generator).to(device, pipeline.dtype) for _ in range(2))
     with torch.no_grad():
-        out0 = pipeline._forward([state], chunk0, [0.0], commit=True)
-        out1 = pipeline._forward([state], chunk1, [t], commit=False)
+        out0 = pipeline._run((state.kv,), chunk0, [0.0], conditioning, commit=True)
+        out1 = pipeline._run((state.kv,), chunk1, [t], conditioning)
 
         both = torch.cat([chunk0, chunk1], dim=2)
         per_frame = shape[3] * shape[4] // 4  # tokens per latent frame after the 1x2x2 patch
@@ -77,10 +86,10 @@ def cached_and_block_causal(pipeline, t: float = 937.5, seed: int = 0):
         timesteps = torch.where(chunk_of == 0, 0.0, t)[None, :]
         pipeline.context.mask = mask
         try:
-            full = model(both, timesteps, encoder_hidden_states=state.extra["conditioning"], return_dict=False)[0]
+            full = model(both, timesteps, encoder_hidden_states=conditioning, return_dict=False)[0]
         finally:
             pipeline.context.mask = None
-    pipeline.release(state)
+    release(pipeline, state)
     return (out0, out1), (full[:, :, : shape[2]], full[:, :, shape[2] :])
 
 
@@ -105,28 +114,34 @@ def test_streaming_decode_equals_one_shot_decode(pipeline):
 
 def test_a_2000_chunk_stream_keeps_constant_memory_and_valid_positions(pipeline):
     state = open_session(pipeline, width=16, height=16, num_inference_steps=1)
-    kv = state.extra["kv"]
+    kv = state.kv
     allocated = kv.nbytes()
     table = pipeline.rope.max_seq_len
     held_at = {}
     for chunk in range(2000):  # 6000 latent frames: far past the 1024-frame RoPE table
         run_chunk(pipeline, state)
         if chunk + 1 in (20, 200):
-            held_at[chunk + 1] = (kv.nbytes(), kv.frames, _tensor_bytes(state.extra))
+            held_at[chunk + 1] = (kv.nbytes(), kv.frames, _tensor_bytes(state))
     assert kv.committed_frames > table  # absolute frame count is past the RoPE table
     assert kv.nbytes() == allocated
     assert held_at[20] == held_at[200]
     assert kv.frames == pipeline.sink_frames + pipeline.window_frames
 
 
-def _tensor_bytes(extra: dict) -> int:
-    total = 0
-    for value in extra.values():
-        items = value if isinstance(value, list | tuple) else [value]
-        for item in items:
-            if isinstance(item, torch.Tensor):
-                total += item.numel() * item.element_size()
-    return total
+def _tensor_bytes(value, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of the tensors in ``value``: a tensor, or walked through, the fields of
+    a dataclass (but those named in ``skip``: a session's ``vae_cache``), a dict's
+    values, a list's items (a chunk record, the cached chunks); other objects (the
+    KV cache, the prompt blend) are not walked."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if dataclasses.is_dataclass(value):
+        return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name not in skip)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
 
 
 def test_same_seed_same_frames_and_interleaved_sessions_equal_alone(pipeline):
@@ -148,8 +163,10 @@ def test_release_frees_everything(pipeline):
     state = open_session(pipeline, "gone")
     run_chunk(pipeline, state)
     assert "gone" in pipeline.held_sessions()
-    pipeline.release(state)
-    assert "gone" not in pipeline.held_sessions() and state.extra == {}
+    release(pipeline, state)
+    assert "gone" not in pipeline.held_sessions() and "gone" not in driver_for(pipeline).runner.states
+    assert not state.chunks and state.kv.nbytes() == 0 and state.prompt.target is None
+    assert _tensor_bytes(state) == 0
 
 
 def test_hard_reset_equals_a_fresh_session_with_the_new_prompt(pipeline):
@@ -169,28 +186,35 @@ def test_soft_and_recache_keep_history_and_differ_from_each_other(pipeline):
         state = open_session(pipeline, mode, prompt_change=mode, seed=9)
         for _ in range(2):
             run_chunk(pipeline, state)
-        frames_before = state.extra["kv"].frames
+        frames_before = state.kv.frames
         _, clean = run_chunk(pipeline, state, prompt="a storm at sea")
         results[mode] = clean
         expected_frames = frames_before + 3 if mode != "reset" else 3
-        assert state.extra["kv"].frames == expected_frames
+        assert state.kv.frames == expected_frames
     assert not torch.equal(results["soft"], results["recache"])
     assert not torch.equal(results["soft"], results["reset"])
     assert not torch.equal(results["recache"], results["reset"])
 
 
-def test_transition_blends_the_text_embeddings(pipeline):
+def test_transition_blends_the_text_embeddings(pipeline, monkeypatch):
     state = open_session(pipeline, "t")
     run_chunk(pipeline, state)
     old, new = pipeline.encode_prompt("a red fox"), pipeline.encode_prompt("a storm")
-    pipeline.apply_interaction_at_chunk_boundary(state, "a storm", 3)
+    prepared = []  # each chunk's conditioning, as its boundary prepared it
+    boundary = pipeline.boundary
+
+    def spy(session, chunk_index, *args):
+        boundary(session, chunk_index, *args)
+        prepared.append(session.chunks[chunk_index].conditioning)
+
+    monkeypatch.setattr(pipeline, "boundary", spy)
+    run_chunk(pipeline, state, "a storm", 3)
+    for _ in range(3):
+        run_chunk(pipeline, state)
     for j in range(3):
-        pipeline.prepare_next_chunk(state)
         weight = (j + 1) / 3
-        assert torch.allclose(state.extra["conditioning"], (1 - weight) * old + weight * new)
-        state.chunk_index += 1
-    pipeline.prepare_next_chunk(state)
-    assert torch.equal(state.extra["conditioning"], new)
+        assert torch.allclose(prepared[j], (1 - weight) * old + weight * new)
+    assert torch.equal(prepared[3], new) and len(prepared) == 4
 
 
 def test_prompt_encodings_are_cached(pipeline):
@@ -253,7 +277,7 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
     state = open_session(preset, "span", width=16, height=16, num_inference_steps=1)
     for _ in range(8):  # 24 latent frames: the window has rolled
         run_chunk(preset, state)
-    kv = state.extra["kv"]
+    kv = state.kv
     assert kv.frames == 18
     attended = []  # key tokens of every self-attention call
     real = wan_attention.dispatch_attention_fn
@@ -266,7 +290,7 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
     monkeypatch.setattr(wan_attention, "dispatch_attention_fn", real)
     assert attended and set(attended) == {21 * kv.tokens_per_frame}
     assert set(offsets) == {(18,)} and kv.committed_frames == 27
-    preset.release(state)
+    release(preset, state)
 
     model = tmp_path / "model"
     save_directory(build_tiny(), model)
@@ -290,7 +314,7 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
     assert build("tiny", device="cpu", sink_frames=0, window_frames=18).window_frames == 18
     overridden = build(model_dir=str(model), device="cpu", sink_frames=3, window_frames=18)
     assert (overridden.sink_frames, overridden.window_frames) == (3, 18)
-    assert open_session(overridden, "wide").extra["kv"].capacity == 21
+    assert open_session(overridden, "wide").kv.capacity == 21
 
 
 @pytest.mark.parametrize("bad", ["15", -3, 1.5, True])
@@ -353,7 +377,7 @@ def test_the_cache_is_roped_once_per_layer_per_chunk(pipeline, monkeypatch):
     state = open_session(pipeline, "roped")
     for _ in range(2):
         run_chunk(pipeline, state)
-    kv = state.extra["kv"]
+    kv = state.kv
     held_tokens = kv.frames * kv.tokens_per_frame  # 6 frames: unlike a chunk's 3
     calls = []
     real = wan_attention.apply_rope
@@ -361,7 +385,7 @@ def test_the_cache_is_roped_once_per_layer_per_chunk(pipeline, monkeypatch):
     run_chunk(pipeline, state)  # 4 denoise forwards and the commit forward, all over the same cache
     assert calls.count(held_tokens) == len(pipeline.transformer.blocks)
     assert kv.uid in pipeline.context.roped.entries
-    pipeline.release(state)
+    release(pipeline, state)
     assert kv.uid not in pipeline.context.roped.entries
 
 
@@ -371,26 +395,34 @@ def test_sessions_interleaved_step_by_step_equal_each_alone(pipeline):
     for sid, seed in (("x", 31), ("y", 32)):
         state = open_session(pipeline, sid, seed=seed, prompt=f"prompt {sid}")
         alone[sid] = [run_chunk(pipeline, state)[1] for _ in range(3)]
-        pipeline.release(state)
-    states = {
-        sid: open_session(pipeline, sid + "2", seed=seed, prompt=f"prompt {sid}")
-        for sid, seed in (("x", 31), ("y", 32))
-    }
+        release(pipeline, state)
+    one_row = ChunkDriver(pipeline, max_rows=1)  # one row a forward: the sessions take turns, step by step
+    states = dict(
+        zip(
+            ("x", "y"),
+            one_row.open(
+                *(StartSession(session_id=s + "2", prompt=f"prompt {s}", seed=n) for s, n in (("x", 31), ("y", 32)))
+            ),
+            strict=True,
+        )
+    )
+    forwards = []
+    real = pipeline.forward
+    pipeline.forward = lambda batch, sessions: (
+        forwards.append([r.session_id for r in batch.rows]) or real(batch, sessions)
+    )
     together = {"x": [], "y": []}
-    for chunk in range(3):
-        for state in states.values():
-            pipeline.prepare_next_chunk(state)
-        for step in range(4):
-            for state in states.values():
-                batch = StepBatch((BatchRow(state.session_id, chunk, step),))
-                [prediction] = pipeline.denoise_step(batch, [state])
-                pipeline.step_scheduler(state, prediction)
-        for sid, state in states.items():
-            together[sid].append(state.extra["clean"].clone())
-            pipeline.post_decode(state)
-            state.chunk_index += 1
+    try:
+        for _ in range(3):
+            one_row.run(["x2", "y2"])
+            for sid, state in states.items():
+                together[sid].append(state.cached_chunks[-1].clone())
+    finally:
+        del pipeline.forward
+    assert forwards == [["x2"], ["y2"]] * 12
     for sid in ("x", "y"):
         assert all(torch.equal(a, b) for a, b in zip(alone[sid], together[sid], strict=True))
+    one_row.release("x2", "y2")
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -418,21 +450,23 @@ def test_onednn_causal_conv_equals_diffusers_conv(stride):
 def test_a_chunks_noise_is_drawn_and_moved_once_at_its_boundary(pipeline, monkeypatch):
     """No host-to-device copy inside the denoise steps (each would wait for the device)."""
     state = open_session(pipeline, "noise", seed=13)
-    pipeline.prepare_next_chunk(state)
-    assert state.extra["noise"].shape == (4, *state.extra["latent_shape"])
+    pipeline.boundary(state, 0)
+    chunk = state.chunks[0]
+    assert chunk.noise.shape == (4, *state.latent_shape)
 
     def no_draws(*_):
         raise AssertionError("noise drawn during the steps")
 
     monkeypatch.setattr(pipeline, "_noise", no_draws)
     for step in range(4):
-        batch = StepBatch((BatchRow(state.session_id, 0, step),))
-        [prediction] = pipeline.denoise_step(batch, [state])
-        pipeline.step_scheduler(state, prediction)
-    assert "noise" not in state.extra and "clean" in state.extra  # freed once the chunk is denoised
+        row = BatchRow(state.session_id, 0, step)
+        [prediction] = pipeline.forward(StepBatch((row,)), [state])
+        pipeline.sampler_step(state, row, prediction)
+    assert chunk.noise is None and chunk.latent is None and chunk.clean is not None  # freed once denoised
     monkeypatch.undo()
-    pipeline.post_decode(state)
-    pipeline.release(state)
+    pipeline.commit(state, 0)
+    pipeline.decode(state, 0)
+    release(pipeline, state)
 
 
 def test_compiled_blocks_make_the_eager_frames():
@@ -454,11 +488,11 @@ def test_roped_keys_of_a_cache_that_moved_on_are_dropped(pipeline):
     a, b = open_session(pipeline, "ra", seed=1), open_session(pipeline, "rb", seed=2)
     for state in (a, a, b, b):  # the second chunk of each reads its cache
         run_chunk(pipeline, state)
-    assert b.extra["kv"].uid in roped.entries and a.extra["kv"].uid not in roped.entries
+    assert b.kv.uid in roped.entries and a.kv.uid not in roped.entries
     run_chunk(pipeline, a)  # reads a's cache; b's committed since its last read: stale
-    assert b.extra["kv"].uid not in roped.entries and a.extra["kv"].uid in roped.entries
-    pipeline.release(a)
-    pipeline.release(b)
+    assert b.kv.uid not in roped.entries and a.kv.uid in roped.entries
+    release(pipeline, a)
+    release(pipeline, b)
 
 
 @pytest.mark.parametrize("width,height", [(64, 64), (48, 32)])
@@ -470,11 +504,11 @@ def test_state_bytes_account_for_what_a_full_session_holds(width, height):
     state = open_session(pipeline, "full", width=width, height=height)
     for _ in range(8):  # 24 latent frames: the 18-frame cache has filled and rolled
         run_chunk(pipeline, state)
-    pipeline.prepare_next_chunk(state)
-    vae = sum(t.numel() * t.element_size() for t in state.extra["vae_cache"] if isinstance(t, torch.Tensor))
+    pipeline.boundary(state, 8)
+    vae = sum(t.numel() * t.element_size() for t in state.vae_cache if isinstance(t, torch.Tensor))
     assert vae == pipeline.decoder.cache_bytes(height // 8, width // 8)
-    latents = _tensor_bytes({k: v for k, v in state.extra.items() if k != "vae_cache"})
-    held = state.extra["kv"].nbytes() + vae + latents
+    latents = _tensor_bytes(state, skip=("vae_cache",))
+    held = state.kv.nbytes() + vae + latents
     assert held <= state.geometry.state_bytes <= 1.1 * held
 
 

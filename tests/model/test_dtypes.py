@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.test_causal_wan import open_session, run_chunk
+from tests.model.test_causal_wan import open_session, release, run_chunk
 from workers.pipelines.causal_wan import build, resolve_dtype
 
 
@@ -41,8 +41,8 @@ def test_bf16_casts_the_weights_but_keeps_the_pinned_modules_in_fp32(bf16):
     assert bf16.rope.freqs_cos.dtype in (torch.float32, torch.float64)  # RoPE tables stay full precision
     assert {p.dtype for p in bf16.vae.parameters()} == {torch.bfloat16}
     state = open_session(bf16, "pinned")
-    assert state.extra["kv"].keys[0].dtype == torch.bfloat16
-    bf16.release(state)
+    assert state.kv.keys[0].dtype == torch.bfloat16
+    release(bf16, state)
 
 
 def test_bf16_frames_track_the_fp32_frames(fp32, bf16):
@@ -57,8 +57,8 @@ def test_bf16_frames_track_the_fp32_frames(fp32, bf16):
         pixels32 = np.frombuffer(out32.payload, np.uint8).astype(np.int16)
         pixels16 = np.frombuffer(out16.payload, np.uint8).astype(np.int16)
         assert np.abs(pixels32 - pixels16).mean() < 6.0  # of 255 levels
-    fp32.release(a)
-    bf16.release(b)
+    release(fp32, a)
+    release(bf16, b)
 
 
 def test_a_bf16_transformer_can_decode_with_an_fp32_vae():
@@ -73,13 +73,12 @@ def test_bf16_cached_forward_tracks_the_block_causal_forward(bf16):
     """The cache path and the masked full forward agree to bf16 precision."""
     torch.manual_seed(0)
     state = open_session(bf16, "cached")
-    state.extra["conditioning"] = state.extra["prompt"].target
-    shape = state.extra["latent_shape"]
+    conditioning, shape = state.prompt.target, state.latent_shape
     chunk0, chunk1 = torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16)
     t = 937.5
     with torch.no_grad():
-        bf16._forward([state], chunk0, [0.0], commit=True)
-        out1 = bf16._forward([state], chunk1, [t], commit=False)
+        bf16._run((state.kv,), chunk0, [0.0], conditioning, commit=True)
+        out1 = bf16._run((state.kv,), chunk1, [t], conditioning)
         per_chunk = shape[2] * shape[3] * shape[4] // 4
         chunk_of = torch.arange(2 * per_chunk) // per_chunk
         bf16.context.mask = chunk_of[None, :] <= chunk_of[:, None]
@@ -88,11 +87,11 @@ def test_bf16_cached_forward_tracks_the_block_causal_forward(bf16):
             full = bf16.transformer(
                 torch.cat([chunk0, chunk1], dim=2),
                 timesteps,
-                encoder_hidden_states=state.extra["conditioning"],
+                encoder_hidden_states=conditioning,
                 return_dict=False,
             )[0]
         finally:
             bf16.context.mask = None
     error = (full[:, :, 3:].float() - out1.float()).abs().max().item()
     assert error <= 0.05 * out1.float().abs().max().item()
-    bf16.release(state)
+    release(bf16, state)

@@ -9,26 +9,47 @@ from workers.pipelines.stub import StubPipeline
 from workers.warmup import WARM_UP_SESSION, warm_up
 
 
+def _count_warm_up(warmed) -> tuple[list, list, list]:
+    """Run ``warm_up`` counting: text encoder calls, transformer passes (each pass
+    embeds its latent once: the patch embedding's input shape) and decodes."""
+    encoded, forwards, decoded = [], [], []
+    warmed.text_encoder.register_forward_hook(lambda module, args, out: encoded.append(args[0].shape))
+    patches = warmed.transformer.patch_embedding
+    patches.register_forward_hook(lambda module, args, out: forwards.append(tuple(args[0].shape)))
+    decode = warmed.decoder.decode
+    warmed.decoder.decode = lambda latents, cache, first: decoded.append(first) or decode(latents, cache, first)
+    assert warm_up(warmed) > 0
+    return encoded, forwards, decoded
+
+
 def test_warm_up_runs_its_chunks_then_holds_nothing():
     """Counted while ``warm_up`` runs, nothing called after it: one prompt
     encoded (left in the prompt cache), every forward of its chunks (each
-    chunk: its denoise steps, then the commit) at the default size, each
-    chunk decoded; then its session released, roped keys included."""
+    chunk: its denoise steps, then the commit) at the default size, first of
+    one session alone, then of ``max_batch_rows`` sessions in lockstep (each
+    denoise step one forward of all their rows, then a commit each), each
+    chunk decoded; then its sessions released, roped keys included."""
     warmed = build("tiny", device="cpu")
-    assert warmed.warm_up_chunks == 2 and not warmed._prompts
-    encoded, forwards, decoded = [], [], []
-    warmed.text_encoder.register_forward_hook(lambda module, args, out: encoded.append(args[0].shape))
-    warmed.transformer.register_forward_hook(lambda module, args, out: forwards.append(tuple(args[0].shape)))
-    decode = warmed.decoder.decode
-    warmed.decoder.decode = lambda latents, cache, first: decoded.append(first) or decode(latents, cache, first)
+    assert warmed.warm_up_chunks == 2 and warmed.max_batch_rows == 4 and not warmed._prompts
 
-    assert warm_up(warmed) > 0
+    encoded, forwards, decoded = _count_warm_up(warmed)
 
     assert list(warmed._prompts) == ["warm-up"] and len(encoded) == 1
     steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
-    assert forwards == [(1, 16, 3, 8, 8)] * (warmed.warm_up_chunks * (steps + 1))  # 64x64: 8x8 latents
-    assert decoded == [True, False]  # the stream's first chunk, then a cached one
+    one, four = (1, 16, 3, 8, 8), (4, 16, 3, 8, 8)  # 64x64: 8x8 latents
+    alone = [one] * (steps + 1)
+    batched = [four] * steps + [one] * 4
+    assert forwards == alone * warmed.warm_up_chunks + batched * warmed.warm_up_chunks
+    assert decoded == [True, False] + [True] * 4 + [False] * 4  # each stream's first chunk, then a cached one
     assert warmed.held_sessions() == () and not warmed.context.roped.entries
+
+
+def test_a_pipeline_of_one_row_a_forward_warms_one_session():
+    warmed = build("tiny", device="cpu", max_batch_rows=1)
+    _, forwards, decoded = _count_warm_up(warmed)
+    steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
+    assert forwards == [(1, 16, 3, 8, 8)] * (warmed.warm_up_chunks * (steps + 1))
+    assert decoded == [True, False] and warmed.held_sessions() == ()
 
 
 def test_a_session_after_warm_up_equals_one_on_a_cold_pipeline():

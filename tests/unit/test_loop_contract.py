@@ -53,19 +53,17 @@ class FailingStub(StubPipeline):
                 self.before_raise()
             raise RuntimeError(f"injected {stage} failure at chunk {chunk}")
 
-    def apply_interaction_at_chunk_boundary(self, state, prompt, transition_chunks):
-        self._maybe_fail(state, "apply", state.chunk_index)
-        super().apply_interaction_at_chunk_boundary(state, prompt, transition_chunks)
+    def boundary(self, state, chunk_index, prompt=None, transition_chunks=0):
+        if prompt is not None:
+            self._maybe_fail(state, "apply", chunk_index)
+        self._maybe_fail(state, "prepare", chunk_index)
+        super().boundary(state, chunk_index, prompt, transition_chunks)
 
-    def prepare_next_chunk(self, state):
-        self._maybe_fail(state, "prepare", state.chunk_index)
-        super().prepare_next_chunk(state)
-
-    def denoise_step(self, batch, states):
+    def forward(self, batch, states, blocks=None, hidden=None):
         for row, state in zip(batch.rows, states, strict=True):
             if row.step == 0:
                 self._maybe_fail(state, "denoise", row.chunk_index)
-        return super().denoise_step(batch, states)
+        return super().forward(batch, states, blocks, hidden)
 
 
 def assert_each_interaction_ends_once(sent: list) -> None:

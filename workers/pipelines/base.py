@@ -1,22 +1,38 @@
-"""The ``ChunkPipeline`` contract: what a model implements so the runner can
-drive it one denoise step at a time.
+"""The ``ChunkPipeline`` contract: the stages a model implements so the runner
+can drive it one forward at a time.
 
-Runs in a worker process. The runner (``workers.runner.ModelRunner``) owns one
-``PipelineState`` per session and calls, for each session:
+Runs in a worker process. A pipeline keeps no progress of its own: which chunk
+and which denoise step a call is about comes from the row the engine planned
+(``BatchRow``, from ``engine.plan.StepRow``), or from the chunk index passed
+in. What it keeps per session is a typed state (a ``SessionState`` subclass:
+``CausalWanSession``, ``StubSession``) of tensors and caches, whose
+``chunks`` hold one record per chunk in flight (a ``ChunkRecord`` subclass:
+the chunk's noise draws, the latent being denoised, its clean latent, its
+conditioning), keyed by chunk index, so that chunk k can be decoded while
+chunk k+1 denoises.
 
-    prepare_encode                               once, when the session opens
-    [apply_interaction_at_chunk_boundary]        at a boundary, if one applies
-    prepare_next_chunk                           at every boundary
-    denoise_step + step_scheduler  x steps       the chunk's denoise steps
-    post_decode                                  after the chunk's last step
-    release                                      when the session ends, always
+The stages, and which rank of a pipeline split over ranks (by transformer
+blocks) runs each; with one rank, that rank runs them all. The runner
+(``workers.runner.ModelRunner``) calls them, per session, in this order:
 
-Boundaries (apply + prepare) always run in a runner invocation of their own
-loop iteration, after the control queue was drained; with grouping, one
-invocation runs several denoise steps of one chunk, never steps of two.
+    encode_prompt            first rank   when the session opens, and for an interaction
+    open                     all ranks    once, allocate the session's tensors
+    boundary                 first rank   at every chunk: apply an interaction, prepare the chunk
+    forward                  each rank    x steps: its block range over a batch of rows
+    sampler_step             last rank    x steps: one row's sampler update
+    commit                   each rank    after the last step: the clean pass into the KV cache
+    decode                   last rank    after the commit: the chunk's frames
+    release                  all ranks    when the session ends, always
 
-Everything a pipeline allocates for a session lives in ``state.extra`` or in
-a pool keyed by the session id, and is gone after ``release``;
+A chunk's records move through prepared (boundary) -> denoised (last
+``sampler_step``) -> committed (``commit``) -> gone (``decode``). A stage
+asked for a chunk that is not where it needs it refuses with
+``ChunkOrderError``, and so does a stage that would break the chunks' order:
+chunk k+1's boundary and forwards need chunk k committed (it attends to
+chunk k's keys), and chunks decode in order (the decoder's causal cache).
+
+Everything a pipeline allocates for a session lives in its ``SessionState``
+or in a pool keyed by the session id, and is gone after ``release``;
 ``held_sessions`` lets the worker prove it.
 """
 
@@ -24,35 +40,143 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
 
 
+class ChunkOrderError(RuntimeError):
+    """A stage was asked for a chunk that is not ready for it (not prepared, at
+    another step, not denoised, not committed), or out of the chunks' order."""
+
+
 @dataclass
-class PipelineState:
-    """One session's state as the runner and pipeline see it."""
+class ChunkRecord:
+    """One chunk of one session, from its boundary until it is decoded. Each
+    pipeline subclasses it with the chunk's tensors."""
+
+    index: int
+    steps: int  # the chunk's denoise steps
+    at_step: int = 0
+    """The denoise step its latent is the input of: the noise level it sits at
+    (``steps`` once it is clean). Set from the row each ``sampler_step`` runs;
+    a forward or sampler step planned at another step is refused."""
+    committed: bool = False  # written into the session's caches; only decode is left
+
+    @property
+    def denoised(self) -> bool:
+        return self.at_step == self.steps
+
+
+C = TypeVar("C", bound=ChunkRecord)
+
+
+@dataclass(kw_only=True)
+class SessionState(Generic[C]):
+    """One session's state as a pipeline keeps it: what it was started with and,
+    in subclasses, its tensors and caches; ``chunks`` holds the chunks in flight.
+    No counters: the planned rows say which chunk and step a call is about."""
 
     session_id: str
     start: StartSession
     geometry: SessionGeometry
-    chunk_index: int = 0  # chunk being prepared or denoised
-    step_in_chunk: int = 0  # denoise steps done in this chunk; step_scheduler advances it
-    extra: dict[str, Any] = field(default_factory=dict)  # pipeline-owned (latents, caches, ...)
+    chunks: dict[int, C] = field(default_factory=dict)
+
+    def check_boundary(self, index: int) -> None:
+        """Chunk ``index`` may be prepared: it is not yet, and every earlier chunk in flight is committed."""
+        if index in self.chunks:
+            raise ChunkOrderError(f"session {self.session_id}: chunk {index} is already prepared")
+        self._check_earlier_committed(index, "be prepared")
+
+    def chunk_at(self, row: BatchRow) -> C:
+        """The record of ``row``'s chunk, which must be prepared, at ``row.step``,
+        and after committed chunks only (its forward attends to them)."""
+        chunk = self.chunks.get(row.chunk_index)
+        if chunk is None:
+            raise ChunkOrderError(f"session {self.session_id}: chunk {row.chunk_index} was not prepared (no boundary)")
+        if chunk.at_step != row.step:
+            where = "denoised" if chunk.denoised else f"at step {chunk.at_step}"
+            raise ChunkOrderError(
+                f"session {self.session_id}: chunk {row.chunk_index} is {where}, but the row asks for step {row.step}"
+            )
+        self._check_earlier_committed(row.chunk_index, "run")
+        return chunk
+
+    def chunk_to_commit(self, index: int) -> C:
+        """The record of chunk ``index``, denoised and not yet committed, after committed chunks only."""
+        chunk = self.chunks.get(index)
+        if chunk is None or not chunk.denoised or chunk.committed:
+            state = "not prepared" if chunk is None else "already committed" if chunk.committed else "not denoised"
+            raise ChunkOrderError(f"session {self.session_id}: cannot commit chunk {index}: it is {state}")
+        self._check_earlier_committed(index, "be committed")
+        return chunk
+
+    def chunk_to_decode(self, index: int) -> C:
+        """The record of chunk ``index``, committed, with every earlier chunk decoded."""
+        chunk = self.chunks.get(index)
+        if chunk is None or not chunk.committed:
+            state = "not prepared" if chunk is None else "not committed"
+            raise ChunkOrderError(f"session {self.session_id}: cannot decode chunk {index}: it is {state}")
+        earlier = [i for i in self.chunks if i < index]
+        if earlier:
+            raise ChunkOrderError(
+                f"session {self.session_id}: chunk {index} cannot be decoded before chunk {min(earlier)}"
+            )
+        return chunk
+
+    def _check_earlier_committed(self, index: int, what: str) -> None:
+        pending = sorted(i for i, chunk in self.chunks.items() if i < index and not chunk.committed)
+        if pending:
+            raise ChunkOrderError(
+                f"session {self.session_id}: chunk {index} cannot {what} before chunk {pending[0]} is committed"
+            )
 
 
 class BatchRow(NamedTuple):
     session_id: str
     chunk_index: int
-    step: int  # the step_in_chunk this forward computes
+    step: int  # the denoise step this forward computes (0-based)
 
 
 class StepBatch(NamedTuple):
-    """The rows of one ``denoise_step`` forward, in the order of ``states``.
+    """The rows of one forward, in the order of its sessions.
     (Named tuples: built once per denoise step, so cheap to make.)"""
 
     rows: tuple[BatchRow, ...]
+
+
+@dataclass
+class Hidden:
+    """What a forward (or commit) over blocks ``[a, b)`` hands the one over
+    ``[b, c)``: the rows' hidden states and what the later blocks and the head
+    need with them (pipeline-specific, opaque to the runner)."""
+
+    blocks_done: int  # the range's stop: where the next range must start
+    rows: tuple[BatchRow, ...]  # the batch it was computed for
+    tensors: Any
+
+
+def block_range(blocks: range | None, num_blocks: int) -> range:
+    """``blocks``, or every block when None; ``ValueError`` unless it is a
+    non-empty, contiguous range within ``[0, num_blocks)``."""
+    if blocks is None:
+        return range(num_blocks)
+    if blocks.step != 1 or not 0 <= blocks.start < blocks.stop <= num_blocks:
+        raise ValueError(f"blocks must be a non-empty contiguous range within 0..{num_blocks}, got {blocks}")
+    return blocks
+
+
+def check_hidden(hidden: Hidden | None, blocks: range, rows: tuple[BatchRow, ...]) -> None:
+    """A range that starts at block 0 embeds and takes no ``hidden``; a later one
+    takes the ``hidden`` of the range before it, for the same rows."""
+    if blocks.start == 0:
+        if hidden is not None:
+            raise ValueError("a range from block 0 embeds its rows: it takes no hidden states")
+        return
+    if hidden is None or hidden.blocks_done != blocks.start or hidden.rows != rows:
+        done = None if hidden is None else hidden.blocks_done
+        raise ValueError(f"blocks from {blocks.start} need the hidden states of the range ending there, got {done}")
 
 
 def refuse_negative_prompt(start: StartSession, model: str) -> None:
@@ -70,12 +194,17 @@ def refuse_negative_prompt(start: StartSession, model: str) -> None:
 class ChunkPipeline(Protocol):
     name: ClassVar[str]
     supports_chunk_step_grouping: ClassVar[bool]
-    """Whether several denoise steps of a chunk may run in one runner invocation."""
+    """Whether the engine may run a begun chunk's steps back to back (grouping)."""
     supports_micro_step_execution: ClassVar[bool]
-    """Whether the pipeline implements temporal-PP micro-steps (not yet used)."""
+    """Whether ``forward`` and ``commit`` take block ranges and hand hidden states
+    between them, and chunks are records of their own: what splitting the blocks
+    over ranks and overlapping chunks of a session (temporal pipeline
+    parallelism) need."""
+    num_blocks: int
+    """Transformer blocks; a block range is within ``[0, num_blocks)``."""
     max_batch_rows: int
-    """How many session rows one ``denoise_step`` forward may carry. A worker builds
-    its pipeline with ``EngineConfig.max_batch_rows`` (``--max-batch-rows``), the one
+    """How many session rows one ``forward`` may carry. A worker builds its
+    pipeline with ``EngineConfig.max_batch_rows`` (``--max-batch-rows``), the one
     knob for it; sizes that depend on it (attention buffers, memory) follow."""
     warm_up_chunks: int
     """Chunks of a throwaway session the worker runs before READY (``workers.warmup``); 0: none."""
@@ -83,39 +212,75 @@ class ChunkPipeline(Protocol):
     def describe(self, start: StartSession) -> SessionGeometry:
         """The effective geometry of ``start``, defaults filled in. Raises
         ``ValueError`` naming the offending field. Pure: called from the
-        control thread while the loop thread runs other sessions."""
+        control thread while the executor thread runs other sessions."""
         ...
 
-    def prepare_encode(self, state: PipelineState) -> None:
-        """Once per session: encode the prompt, allocate caches, seed noise."""
+    def encode_prompt(self, prompt: str) -> Any:
+        """First rank. The text's embeddings, as ``open`` and ``boundary`` take
+        them; cached by text. Reads the text encoder, writes the prompt cache."""
         ...
 
-    def apply_interaction_at_chunk_boundary(self, state: PipelineState, prompt: str, transition_chunks: int) -> None:
-        """Switch to ``prompt`` from chunk ``state.chunk_index`` on: a hard cut for
-        0 or 1, else a linear blend over ``transition_chunks`` chunks."""
+    def open(self, start: StartSession, geometry: SessionGeometry, prompt: Any) -> SessionState:
+        """All ranks, once per session. Allocates the session's tensors and caches
+        (each rank its own share) and returns its state, conditioned on ``prompt``
+        (``encode_prompt`` of ``start.prompt``). Reads the geometry; writes only
+        the new state (and the pipeline's list of held sessions). Holds nothing
+        if it raises."""
         ...
 
-    def prepare_next_chunk(self, state: PipelineState) -> None:
-        """Set up chunk ``state.chunk_index`` (its noise, its conditioning);
-        ``state.step_in_chunk`` is 0 afterwards."""
+    def boundary(self, session: SessionState, chunk_index: int, prompt: Any = None, transition_chunks: int = 0) -> None:
+        """First rank, at every chunk. If ``prompt`` (encoded) is given, switch to it
+        from this chunk on (a hard cut for 0 or 1 transition chunks, else a blend)
+        and apply ``start.prompt_change`` to the session's caches; then prepare
+        chunk ``chunk_index``: its record, with its conditioning and noise draws.
+        Reads and writes the session's prompt (and transition), its caches when
+        the prompt change touches them (a reset, a re-cache from the cached
+        chunks' clean latents); writes the new chunk record. Refuses unless
+        every earlier chunk in flight is committed."""
         ...
 
-    def denoise_step(self, batch: StepBatch, states: Sequence[PipelineState]) -> Sequence[Any]:
-        """One forward over the rows of ``batch``; one prediction per row. Must not
-        change any state (the runner may rerun a row alone to isolate a failure);
-        the sampler update belongs to ``step_scheduler``."""
+    def forward(
+        self, batch: StepBatch, sessions: Sequence[SessionState], blocks: range | None = None, hidden: Any = None
+    ) -> Any:
+        """Each rank, its block range (None: every block). One pass over the rows
+        of ``batch`` (``sessions`` in the same order), each row at its own chunk
+        and step: a range from block 0 embeds the rows' latents (reads their chunk
+        records), a later one continues from ``hidden``, the ``Hidden`` the range
+        before it returned; a range that ends at the last block applies the head
+        and returns one prediction per row, any other returns its ``Hidden``.
+        Reads the sessions' caches; writes nothing (the runner may rerun a row
+        alone to find which one fails). Refuses a row whose chunk is not
+        prepared, or is at another step."""
         ...
 
-    def step_scheduler(self, state: PipelineState, noise_pred: Any) -> None:
-        """One sampler update of one row; advances ``state.step_in_chunk`` by one."""
+    def sampler_step(self, session: SessionState, row: BatchRow, prediction: Any) -> None:
+        """Last rank, once per row and step. The sampler update of ``row``'s chunk
+        (``x0 = x_t - sigma * v``, re-noised to the next step's level; after the
+        last step, the chunk's clean latent). Reads and writes that chunk's record."""
         ...
 
-    def post_decode(self, state: PipelineState) -> ChunkOutput:
-        """After the chunk's last step: commit it to the caches and decode its frames."""
+    def commit(self, session: SessionState, chunk_index: int, blocks: range | None = None, hidden: Any = None) -> Any:
+        """Each rank, its block range, in order, after the chunk's last step: the
+        clean pass (the clean latent at t = 0) that writes the chunk into the
+        session's caches. Reads the chunk's clean latent and conditioning (from
+        block 0) or ``hidden``; writes its blocks' keys and values into the KV
+        cache, and at the last block marks the record committed (and keeps the
+        clean latent for a re-cache). Returns the ``Hidden`` for the next range,
+        or None once the last block has run. Refuses a chunk not denoised, or
+        one after an uncommitted chunk."""
         ...
 
-    def release(self, state: PipelineState) -> None:
-        """The session ended: free everything held for it. Must not raise twice."""
+    def decode(self, session: SessionState, chunk_index: int) -> ChunkOutput:
+        """Last rank, chunks in order, after the commit: the chunk's frames. Reads its
+        clean latent, reads and writes the session's decoder cache, drops the
+        record. Refuses a chunk not committed, or one with an earlier chunk still
+        undecoded."""
+        ...
+
+    def release(self, session: SessionState) -> None:
+        """All ranks. The session ended: free everything held for it (its state's
+        tensors, chunk records included, and what pools keep for it). Must not
+        raise twice."""
         ...
 
     def held_sessions(self) -> tuple[str, ...]:

@@ -8,10 +8,12 @@ otherwise (``resolve_dtype``). Implements ``ChunkPipeline``:
   the first chunk, 12 after), denoised in 1-4 steps of the Self-Forcing
   schedule (``self_forcing_timesteps``): each step predicts the flow ``v``,
   takes ``x0 = x_t - sigma * v`` and re-noises to the next step's level;
-- after the last step, ``post_decode`` runs the clean commit forward (x0 at
-  t = 0) that writes the chunk into the session's KV cache
-  (``SessionKVCache``: sinks + rolling window, cache-relative RoPE), then
-  decodes the chunk with the session's streaming VAE decoder;
+- the transformer runs in block ranges (``wan_blocks``: embed, blocks, head),
+  so ``forward`` and ``commit`` take a range and hand ``Hidden`` states on;
+- after the last step, ``commit`` runs the clean forward (x0 at t = 0) that
+  writes the chunk into the session's KV cache (``SessionKVCache``: sinks +
+  rolling window, cache-relative RoPE), and ``decode`` turns it into frames
+  with the session's streaming VAE decoder;
 - prompt changes at a boundary, per session (``StartSession.prompt_change``):
   ``soft`` swaps the conditioning and keeps the cache; ``recache`` rebuilds
   the cache by re-committing the cached chunks' clean latents under the new
@@ -20,14 +22,15 @@ otherwise (``resolve_dtype``). Implements ``ChunkPipeline``:
   ``transition_chunks`` blends the text embeddings linearly. Encoded prompts
   are cached by text.
 
-Every session's tensors (KV cache, VAE feature cache, latents, generator
-seeds) live in its ``PipelineState``; ``release`` drops them all.
+Every session's tensors (KV cache, VAE feature cache, cached chunks' clean
+latents) live in its ``CausalWanSession``, and each chunk's (conditioning,
+noise draws, latent, clean latent) in a ``CausalWanChunk`` record of it
+(``causal_wan_state``); ``release`` drops them all.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -37,12 +40,14 @@ import torch
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
-from workers.pipelines.base import PipelineState, StepBatch, refuse_negative_prompt
+from workers.pipelines.base import BatchRow, Hidden, StepBatch, block_range, check_hidden, refuse_negative_prompt
+from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.conditioning import PromptBlend
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.vae_stream import StreamingDecoder
 from workers.pipelines.wan_attention import make_causal
+from workers.pipelines.wan_blocks import Activations, embed, head, run_blocks
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -77,7 +82,7 @@ def _seed_for(*parts: object) -> int:
 class CausalWanPipeline:
     name: ClassVar[str] = "causal_wan"
     supports_chunk_step_grouping: ClassVar[bool] = True
-    supports_micro_step_execution: ClassVar[bool] = False
+    supports_micro_step_execution: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -114,6 +119,7 @@ class CausalWanPipeline:
             for block in self.transformer.blocks:
                 block.compile()
         self.rope = self.transformer.rope
+        self.num_blocks = len(self.transformer.blocks)
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk
         # The attention span is the weights' (the preset's, or the model directory's rtvideo.json); options override.
@@ -129,7 +135,6 @@ class CausalWanPipeline:
         self.warm_up_chunks = warm_up_chunks  # the first chunk and a cached one: both kernel paths
         self.spatial = 8 * self.transformer.config.patch_size[1]  # VAE 8x, then the patch
         self._t_zero = torch.zeros(1, device=self.device)  # the commit forward's timestep
-        self.measure_split = False  # post_decode times commit and decode apart (syncs the device)
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._held: set[str] = set()
 
@@ -206,14 +211,17 @@ class CausalWanPipeline:
             self._prompts.popitem(last=False)
         return embeds
 
-    # -- lifecycle ---------------------------------------------------------------------
+    # -- stages ------------------------------------------------------------------------
 
-    def prepare_encode(self, state: PipelineState) -> None:
-        g = state.geometry
-        h, w = g.height // 8, g.width // 8
-        p = self.transformer.config.patch_size
+    def open(self, start: StartSession, geometry: SessionGeometry, prompt: torch.Tensor) -> CausalWanSession:
+        h, w = geometry.height // 8, geometry.width // 8
         config = self.transformer.config
-        state.extra.update(
+        p = config.patch_size
+        timesteps = self_forcing_timesteps(geometry.num_inference_steps)
+        session = CausalWanSession(
+            session_id=start.session_id,
+            start=start,
+            geometry=geometry,
             kv=SessionKVCache(
                 num_layers=config.num_layers,
                 sink_frames=self.sink_frames,
@@ -227,100 +235,127 @@ class CausalWanPipeline:
             ),
             vae_cache=self.decoder.new_cache(),
             latent_shape=(1, config.in_channels, self.latent_frames, h, w),
-            timesteps=self_forcing_timesteps(g.num_inference_steps),
-            schedule=torch.tensor(self_forcing_timesteps(g.num_inference_steps), device=self.device),
-            prompt=PromptBlend(self.encode_prompt(state.start.prompt)),
-            noise_origin=0,  # chunk index the noise sequence counts from (moved by a reset)
-            sink_chunks=[],  # clean latents of the chunks in the cache, for re-cache
-            window_chunks=[],
-            recache=False,
-            decoded_any=False,
+            timesteps=timesteps,
+            schedule=torch.tensor(timesteps, device=self.device),
+            prompt=PromptBlend(prompt),
         )
-        self._held.add(state.session_id)
+        self._held.add(start.session_id)
+        return session
 
-    def apply_interaction_at_chunk_boundary(self, state: PipelineState, prompt: str, transition_chunks: int) -> None:
-        extra = state.extra
-        extra["prompt"].switch(self.encode_prompt(prompt), transition_chunks)
-        mode = state.start.prompt_change
+    def boundary(
+        self,
+        session: CausalWanSession,
+        chunk_index: int,
+        prompt: torch.Tensor | None = None,
+        transition_chunks: int = 0,
+    ) -> None:
+        """Apply a prompt change (``soft``: the conditioning only; ``reset``: empty
+        the cache and restart the noise sequence; ``recache``: rebuild the cache
+        under the chunk's new conditioning), then prepare the chunk: its
+        conditioning and every noise draw it will take."""
+        session.check_boundary(chunk_index)
+        mode = session.start.prompt_change if prompt is not None else None
+        if prompt is not None:
+            session.prompt.switch(prompt, transition_chunks)
         if mode == "reset":
-            extra["kv"].reset()
-            extra["sink_chunks"], extra["window_chunks"] = [], []
-            extra["noise_origin"] = state.chunk_index
-        elif mode == "recache":
-            extra["recache"] = True
-
-    def prepare_next_chunk(self, state: PipelineState) -> None:
-        extra = state.extra
-        extra["conditioning"] = extra["prompt"].next_chunk()
-        if extra["recache"]:
-            self._recache(state)
+            session.kv.reset()
+            session.sink_chunks, session.window_chunks = [], []
+            session.noise_origin = chunk_index
+        conditioning = session.prompt.next_chunk()
+        if mode == "recache":
+            self._recache(session, conditioning)
         # Every noise draw of the chunk (the start, then one per re-noising), in one
         # copy: a copy from pageable host memory waits for the device, so one per
         # chunk at the boundary rather than one per step.
-        steps = len(extra["timesteps"])
-        draws = torch.stack([self._noise(state, step) for step in range(-1, steps - 1)])
-        extra["noise"] = draws.to(self.device, self.dtype)
-        extra["latent"] = extra["noise"][0]
-        state.step_in_chunk = 0
+        steps = len(session.timesteps)
+        draws = torch.stack([self._noise(session, chunk_index, step) for step in range(-1, steps - 1)])
+        noise = draws.to(self.device, self.dtype)
+        session.chunks[chunk_index] = CausalWanChunk(
+            chunk_index, steps, conditioning=conditioning, noise=noise, latent=noise[0]
+        )
 
     @torch.no_grad()
-    def denoise_step(self, batch: StepBatch, states: Sequence[PipelineState]) -> list[torch.Tensor]:
-        """One forward per group of rows with the same latent shape (sessions of
-        one geometry), each row at its own step, cache and position."""
-        groups: dict[tuple, list[int]] = {}
-        for index, state in enumerate(states):
-            groups.setdefault(state.extra["latent_shape"], []).append(index)
-        predictions: list[torch.Tensor] = [None] * len(states)  # type: ignore[list-item]
-        for indices in groups.values():
-            rows = [states[i] for i in indices]
-            schedule = [state.extra["schedule"] for state in rows]
-            timesteps = torch.stack([schedule[k][batch.rows[i].step] for k, i in enumerate(indices)])
-            latents = torch.cat([state.extra["latent"] for state in rows])
-            out = self._forward(rows, latents, timesteps, commit=False)
-            for i, prediction in zip(indices, out.split(1), strict=True):
+    def forward(
+        self,
+        batch: StepBatch,
+        sessions: Sequence[CausalWanSession],
+        blocks: range | None = None,
+        hidden: Hidden | None = None,
+    ) -> list[torch.Tensor] | Hidden:
+        """One pass per group of rows with the same latent shape (sessions of one
+        geometry), each row at its own step, cache and position."""
+        blocks = block_range(blocks, self.num_blocks)
+        check_hidden(hidden, blocks, batch.rows)
+        groups = self._embed_rows(batch, sessions) if blocks.start == 0 else hidden.tensors
+        groups = [
+            (indices, self._blocks(tuple(sessions[i].kv for i in indices), activations, blocks, commit=False))
+            for indices, activations in groups
+        ]
+        if blocks.stop < self.num_blocks:
+            return Hidden(blocks.stop, batch.rows, groups)
+        predictions: list[torch.Tensor] = [None] * len(sessions)  # type: ignore[list-item]
+        for indices, activations in groups:
+            for i, prediction in zip(indices, head(self.transformer, activations).split(1), strict=True):
                 predictions[i] = prediction
         return predictions
 
-    def step_scheduler(self, state: PipelineState, noise_pred: torch.Tensor) -> None:
-        extra = state.extra
-        timesteps = extra["timesteps"]
-        step = state.step_in_chunk
+    def sampler_step(self, session: CausalWanSession, row: BatchRow, prediction: torch.Tensor) -> None:
+        chunk = session.chunk_at(row)
+        timesteps = session.timesteps
+        step = row.step
         sigma = timesteps[step] / 1000.0
-        x0 = extra["latent"].float() - sigma * noise_pred.float()
+        x0 = chunk.latent.float() - sigma * prediction.float()
         if step + 1 < len(timesteps):
             sigma_next = timesteps[step + 1] / 1000.0
-            extra["latent"] = ((1.0 - sigma_next) * x0 + sigma_next * extra["noise"][step + 1]).to(self.dtype)
+            chunk.latent = ((1.0 - sigma_next) * x0 + sigma_next * chunk.noise[step + 1]).to(self.dtype)
         else:
-            extra["clean"] = x0.to(self.dtype)
-            del extra["noise"]
-        state.step_in_chunk += 1
+            chunk.clean = x0.to(self.dtype)
+            chunk.latent = chunk.noise = None  # freed once the chunk is denoised
+        chunk.at_step = step + 1
 
     @torch.no_grad()
-    def post_decode(self, state: PipelineState) -> ChunkOutput:
-        extra = state.extra
-        clean = extra.pop("clean")
-        started = time.perf_counter()
-        self._commit(state, clean)
-        # Timing the two apart means waiting for the device in between; serving
-        # lets the decode's kernels queue up behind the commit forward instead.
-        committed = self._synchronized() if self.measure_split else started
-        first = not extra["decoded_any"]
-        pixels = self.decoder.decode(clean.float(), extra["vae_cache"], first=first)
-        extra["decoded_any"] = True
-        if self.measure_split:
-            decoded = self._synchronized()
-            extra["post_decode_ms"] = {"commit": (committed - started) * 1e3, "decode": (decoded - committed) * 1e3}
+    def commit(
+        self,
+        session: CausalWanSession,
+        chunk_index: int,
+        blocks: range | None = None,
+        hidden: Hidden | None = None,
+    ) -> Hidden | None:
+        """The clean pass at t = 0: every block's keys and values of the chunk go into
+        the session's cache (no head: its output is not used)."""
+        blocks = block_range(blocks, self.num_blocks)
+        chunk = session.chunk_to_commit(chunk_index)
+        rows = (BatchRow(session.session_id, chunk_index, chunk.steps),)
+        check_hidden(hidden, blocks, rows)
+        caches = (session.kv,)
+        if blocks.start == 0:
+            activations = self._embed(caches, chunk.clean, self._t_zero, chunk.conditioning)
+        else:
+            activations = hidden.tensors
+        activations = self._blocks(caches, activations, blocks, commit=True)
+        if blocks.stop < self.num_blocks:
+            return Hidden(blocks.stop, rows, activations)
+        chunk.committed = True
+        self._keep_for_recache(session, chunk.clean)
+        return None
+
+    @torch.no_grad()
+    def decode(self, session: CausalWanSession, chunk_index: int) -> ChunkOutput:
+        """The chunk's frames, latent frame by latent frame through the session's
+        streaming decoder (its causal feature cache carries over from the last chunk)."""
+        chunk = session.chunk_to_decode(chunk_index)
+        pixels = self.decoder.decode(chunk.clean.float(), session.vae_cache, first=not session.decoded_any)
+        session.decoded_any = True
+        del session.chunks[chunk_index]
         frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
         array = frames.cpu().numpy()
         count, height, width = array.shape[:3]
         return ChunkOutput(num_frames=count, width=width, height=height, payload=np.ascontiguousarray(array).tobytes())
 
-    def release(self, state: PipelineState) -> None:
-        self._held.discard(state.session_id)
-        kv = state.extra.get("kv")
-        if kv is not None:
-            self.context.roped.forget(kv)
-        state.extra.clear()
+    def release(self, session: CausalWanSession) -> None:
+        self._held.discard(session.session_id)
+        self.context.roped.forget(session.kv)
+        session.free()
 
     def held_sessions(self) -> tuple[str, ...]:
         return tuple(self._held)
@@ -328,81 +363,115 @@ class CausalWanPipeline:
     def session_memory_budget(self) -> int | None:
         """On a GPU: the memory free after the warm-up (the device's free memory
         and what torch's allocator holds unused), less the warm-up's transient
-        peak (activations and the roped keys, beyond the model and the warm-up
-        session's state) once per batch row, less 1 GiB. None on a CPU."""
+        peak, less 1 GiB. The warm-up ran a forward of ``max_batch_rows`` rows
+        (``workers.warmup``), so its peak is that of a full batch: activations
+        and roped keys beyond the model and the warm-up sessions' state (about
+        ``state_bytes`` each). None on a CPU."""
         if self.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
         unused = torch.cuda.memory_reserved(self.device) - allocated
         g = self.describe(StartSession(session_id="budget", prompt="budget"))
-        transient = max(0, torch.cuda.max_memory_allocated(self.device) - allocated - g.state_bytes)
-        return max(0, free + unused - transient * self.max_batch_rows - 2**30)
+        peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        transient = max(0, peak - g.state_bytes * self.max_batch_rows)
+        return max(0, free + unused - transient - 2**30)
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished its queued work (timing: benchmarks)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- internals ---------------------------------------------------------------------
 
-    def _synchronized(self) -> float:
-        """``perf_counter`` once the device has finished its queued work."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _noise(self, state: PipelineState, step: int) -> torch.Tensor:
+    def _noise(self, session: CausalWanSession, chunk_index: int, step: int) -> torch.Tensor:
         """Gaussian noise for (seed, chunk since the last reset, step), drawn on
         the CPU in fp32: the same session parameters draw the same noise on any
         device."""
-        chunk = state.chunk_index - state.extra["noise_origin"]
-        generator = torch.Generator(device="cpu").manual_seed(_seed_for(state.start.seed, chunk, step))
-        return torch.randn(state.extra["latent_shape"], generator=generator, dtype=torch.float32)
+        chunk = chunk_index - session.noise_origin
+        generator = torch.Generator(device="cpu").manual_seed(_seed_for(session.start.seed, chunk, step))
+        return torch.randn(session.latent_shape, generator=generator, dtype=torch.float32)
 
-    def _forward(
+    def _embed_rows(
+        self, batch: StepBatch, sessions: Sequence[CausalWanSession]
+    ) -> list[tuple[list[int], Activations]]:
+        """The rows' chunks embedded, one group per latent shape: (row indices, activations)."""
+        chunks = [session.chunk_at(row) for row, session in zip(batch.rows, sessions, strict=True)]
+        groups: dict[tuple, list[int]] = {}
+        for index, session in enumerate(sessions):
+            groups.setdefault(session.latent_shape, []).append(index)
+        embedded = []
+        for indices in groups.values():
+            timesteps = torch.stack([sessions[i].schedule[batch.rows[i].step] for i in indices])
+            latents = torch.cat([chunks[i].latent for i in indices])
+            text = torch.cat([chunks[i].conditioning for i in indices])
+            embedded.append((indices, self._embed(tuple(sessions[i].kv for i in indices), latents, timesteps, text)))
+        return embedded
+
+    def _embed(
         self,
-        states: Sequence[PipelineState],
+        caches: tuple[SessionKVCache, ...],
         latent: torch.Tensor,
         timesteps: torch.Tensor | Sequence[float],
-        commit: bool,
-    ) -> torch.Tensor:
-        """The transformer over ``latent`` (one batch row per state, in order),
-        each row attending to its session's cache at its own position; a commit
-        forward (one row) writes its keys and values into that cache."""
-        caches: tuple[SessionKVCache, ...] = tuple(state.extra["kv"] for state in states)
-        if commit and len(caches) != 1:
-            raise ValueError("a commit forward carries one row")
-        ctx = self.context
-        height, width = latent.shape[3:]
-        ctx.caches, ctx.commit, ctx.grid = caches, commit, (height, width)
+        text: torch.Tensor,
+    ) -> Activations:
+        """Embed ``latent`` (one batch row per cache), each row's RoPE positions
+        after the frames its cache holds."""
         self.rope.frame_offsets = tuple(kv.frames for kv in caches)
         try:
             # fp32, as diffusers' Wan pipelines pass it: the time embedder stays fp32,
             # and bf16 would round 937.5 to 936. A tensor already on the device
             # (the sessions' schedules) costs no host round trip.
             timestep = torch.as_tensor(timesteps, device=self.device, dtype=torch.float32)
-            cond = torch.cat([state.extra["conditioning"] for state in states])
-            out = self.transformer(latent, timestep, encoder_hidden_states=cond, return_dict=False)[0]
-            if commit:
-                caches[0].commit(latent.shape[2])
+            return embed(self.transformer, latent, timestep, text)
+        finally:
+            self.rope.frame_offsets = (0,)
+
+    def _blocks(
+        self, caches: tuple[SessionKVCache, ...], activations: Activations, blocks: range, commit: bool
+    ) -> Activations:
+        """Blocks ``blocks``, each row attending to its cache at its own position; a
+        commit pass (one row) stages its keys and values into that cache, and
+        commits them once the last block has run."""
+        if commit and len(caches) != 1:
+            raise ValueError("a commit forward carries one row")
+        ctx = self.context
+        ctx.caches, ctx.commit, ctx.grid = caches, commit, activations.latent_shape[3:]
+        try:
+            activations = run_blocks(self.transformer, activations, blocks)
+            if commit and blocks.stop == self.num_blocks:
+                caches[0].commit(activations.latent_shape[2])
         finally:
             ctx.caches, ctx.commit = (), False
-            self.rope.frame_offsets = (0,)
-        return out
+        return activations
 
-    def _commit(self, state: PipelineState, clean: torch.Tensor) -> None:
-        """The clean forward at t = 0 that writes the chunk into the cache."""
-        self._forward([state], clean, self._t_zero, commit=True)
-        extra = state.extra
-        if len(extra["sink_chunks"]) * self.latent_frames < self.sink_frames:
-            extra["sink_chunks"].append(clean)
+    def _run(
+        self,
+        caches: tuple[SessionKVCache, ...],
+        latent: torch.Tensor,
+        timesteps: torch.Tensor | Sequence[float],
+        text: torch.Tensor,
+        commit: bool = False,
+    ) -> torch.Tensor:
+        """A whole pass over ``latent`` (one row per cache): embed, every block, head."""
+        activations = self._embed(caches, latent, timesteps, text)
+        return head(self.transformer, self._blocks(caches, activations, range(self.num_blocks), commit))
+
+    def _keep_for_recache(self, session: CausalWanSession, clean: torch.Tensor) -> None:
+        """Keep a committed chunk's clean latent while the cache holds the chunk."""
+        if len(session.sink_chunks) * self.latent_frames < self.sink_frames:
+            session.sink_chunks.append(clean)
         else:
             keep = self.window_frames // self.latent_frames
-            extra["window_chunks"] = [*extra["window_chunks"], clean][-keep:]
+            session.window_chunks = [*session.window_chunks, clean][-keep:]
 
-    def _recache(self, state: PipelineState) -> None:
-        """Rebuild the cache from the cached chunks' clean latents under the new conditioning."""
-        extra = state.extra
-        extra["recache"] = False
-        extra["kv"].reset()
-        for clean in extra["sink_chunks"] + extra["window_chunks"]:
-            self._forward([state], clean, self._t_zero, commit=True)
+    def _recache(self, session: CausalWanSession, conditioning: torch.Tensor) -> None:
+        """Rebuild the cache from the cached chunks' clean latents under ``conditioning``."""
+        session.kv.reset()
+        caches = (session.kv,)
+        for clean in session.cached_chunks:
+            activations = self._embed(caches, clean, self._t_zero, conditioning)
+            self._blocks(caches, activations, range(self.num_blocks), commit=True)
 
 
 def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -87,5 +87,10 @@ class SessionKVCache:
         self._staged.clear()
         self.version += 1
 
+    def free(self) -> None:
+        """Drop the tensors (the session is released); ``nbytes`` is 0 after."""
+        self.keys, self.values = [], []
+        self.reset()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

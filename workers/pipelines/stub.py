@@ -5,6 +5,8 @@ Not a model: each session carries an 8-number "latent"; a prompt becomes an
 sampler are a few float operations whose result depends on every step, the
 seed, the chunk index and the session's history (a running context, like a
 KV cache). Frames are real uint8 RGB so media code downstream can run on it.
+It has the stages of a model (``workers.pipelines.base``), two "blocks"
+included, so engine and runner tests drive the very calls a model gets.
 
 What a test can read back from each decoded frame:
 - row 0 holds the chunk's conditioning (``conditioning_row``), so the prompt,
@@ -17,7 +19,7 @@ Knobs for tests and benchmarks (all keyword options of the constructor):
 ``spin=True`` the way a host thread spins on a GPU sync), ``gates``
 (``StubGate``: block at a chunk and step until released, to place a control
 message mid-chunk deterministically), ``fail_prompt`` / ``fail_chunk`` (raise
-in ``denoise_step`` for sessions started with that prompt), ``startup_gate``
+in ``forward`` for sessions started with that prompt), ``startup_gate``
 (a path: when a FIFO lies there, construction waits until a writer opens it,
 so a test can hold a worker restart for as long as it needs).
 """
@@ -29,14 +31,23 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import ChunkOutput
-from workers.pipelines.base import PipelineState, StepBatch, refuse_negative_prompt
+from workers.pipelines.base import (
+    BatchRow,
+    ChunkRecord,
+    Hidden,
+    SessionState,
+    StepBatch,
+    block_range,
+    check_hidden,
+    refuse_negative_prompt,
+)
 from workers.pipelines.conditioning import PromptBlend
 
 DIM = 8
@@ -61,6 +72,26 @@ def _spin(seconds: float) -> None:
         pass
 
 
+@dataclass(kw_only=True)
+class StubChunk(ChunkRecord):
+    """A stub chunk in flight: its conditioning and noise, the latent being
+    denoised, and the clean latent once its last step ran."""
+
+    conditioning: np.ndarray
+    noise: np.ndarray
+    latent: np.ndarray
+    clean: np.ndarray | None = None
+
+
+@dataclass(kw_only=True)
+class StubSession(SessionState[StubChunk]):
+    """A stub session: its prompt (and any transition), and its running context,
+    which commits fold each chunk into (the stub's KV cache)."""
+
+    prompt: PromptBlend
+    context: np.ndarray = field(default_factory=lambda: np.zeros(DIM))
+
+
 @dataclass
 class StubGate:
     """Block the first denoise step that computes step ``step`` of chunk ``chunk``
@@ -78,7 +109,8 @@ class StubGate:
 class StubPipeline:
     name: ClassVar[str] = "stub"
     supports_chunk_step_grouping: ClassVar[bool] = True
-    supports_micro_step_execution: ClassVar[bool] = False
+    supports_micro_step_execution: ClassVar[bool] = True
+    num_blocks: ClassVar[int] = 2  # block 0: the conditioning; block 1: the committed context
     warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
 
     def __init__(
@@ -150,67 +182,116 @@ class StubPipeline:
             state_bytes=4 * width * height,
         )
 
-    # -- lifecycle ----------------------------------------------------------
+    # -- stages -------------------------------------------------------------
 
-    def prepare_encode(self, state: PipelineState) -> None:
-        self._pool[state.session_id] = bytearray(state.geometry.state_bytes)
-        state.extra.update(prompt=PromptBlend(embed(state.start.prompt)), context=np.zeros(DIM))
+    def encode_prompt(self, prompt: str) -> np.ndarray:
+        return embed(prompt)
 
-    def apply_interaction_at_chunk_boundary(self, state: PipelineState, prompt: str, transition_chunks: int) -> None:
-        state.extra["prompt"].switch(embed(prompt), transition_chunks)
+    def open(self, start: StartSession, geometry: SessionGeometry, prompt: np.ndarray) -> StubSession:
+        session = StubSession(
+            session_id=start.session_id,
+            start=start,
+            geometry=geometry,
+            prompt=PromptBlend(prompt),
+            context=np.zeros(DIM),
+        )
+        self._pool[start.session_id] = bytearray(geometry.state_bytes)
+        return session
 
-    def prepare_next_chunk(self, state: PipelineState) -> None:
-        extra = state.extra
-        extra["conditioning"] = extra["prompt"].next_chunk()
-        rng = random.Random(f"{state.start.seed}:{state.chunk_index}")
-        extra["noise"] = np.array([rng.gauss(0.0, 1.0) for _ in range(DIM)])
-        extra["latent"] = extra["noise"].copy()
-        state.step_in_chunk = 0
+    def boundary(
+        self, session: StubSession, chunk_index: int, prompt: np.ndarray | None = None, transition_chunks: int = 0
+    ) -> None:
+        session.check_boundary(chunk_index)
+        if prompt is not None:
+            session.prompt.switch(prompt, transition_chunks)
+        conditioning = session.prompt.next_chunk()
+        rng = random.Random(f"{session.start.seed}:{chunk_index}")
+        noise = np.array([rng.gauss(0.0, 1.0) for _ in range(DIM)])
+        steps = session.geometry.num_inference_steps
+        session.chunks[chunk_index] = StubChunk(
+            chunk_index, steps, conditioning=conditioning, noise=noise, latent=noise.copy()
+        )
 
-    def denoise_step(self, batch: StepBatch, states: Sequence[PipelineState]) -> list[np.ndarray]:
-        for row, state in zip(batch.rows, states, strict=True):
-            self._pass_gates(row.chunk_index, row.step, state)
-            if state.start.prompt == self.fail_prompt and row.chunk_index == self.fail_chunk:
-                raise RuntimeError(f"stub pipeline: injected failure at chunk {row.chunk_index}")
+    def forward(
+        self,
+        batch: StepBatch,
+        sessions: Sequence[StubSession],
+        blocks: range | None = None,
+        hidden: Hidden | None = None,
+    ) -> list[np.ndarray] | Hidden:
+        """Embed: each row's latent; block 0 puts the conditioning into the row's
+        target, block 1 adds a tenth of the committed context; head: the latent
+        minus the target (flow-like)."""
+        blocks = block_range(blocks, self.num_blocks)
+        check_hidden(hidden, blocks, batch.rows)
+        if blocks.start == 0:
+            chunks = [session.chunk_at(row) for row, session in zip(batch.rows, sessions, strict=True)]
+            for row, session in zip(batch.rows, sessions, strict=True):
+                self._pass_gates(row.chunk_index, row.step, session)
+                if session.start.prompt == self.fail_prompt and row.chunk_index == self.fail_chunk:
+                    raise RuntimeError(f"stub pipeline: injected failure at chunk {row.chunk_index}")
+            carried = [(chunk.latent, chunk.conditioning, None) for chunk in chunks]  # (latent, conditioning, target)
+        else:
+            carried = hidden.tensors
         if self.step_time_s:
-            self._wait(self.step_time_s)  # one forward for the whole batch
-        predictions = []
-        for state in states:
-            extra = state.extra
-            target = extra["conditioning"] + 0.1 * extra["context"]
-            predictions.append(extra["latent"] - target)  # flow-like: latent minus clean target
-        return predictions
+            self._wait(self.step_time_s * len(blocks) / self.num_blocks)  # one forward for the whole batch
+        for block in blocks:
+            if block == 0:
+                carried = [(latent, conditioning, conditioning) for latent, conditioning, _ in carried]
+            else:
+                carried = [
+                    (latent, conditioning, target + 0.1 * session.context)
+                    for (latent, conditioning, target), session in zip(carried, sessions, strict=True)
+                ]
+        if blocks.stop < self.num_blocks:
+            return Hidden(blocks.stop, batch.rows, carried)
+        return [latent - target for latent, _, target in carried]
 
-    def step_scheduler(self, state: PipelineState, noise_pred: np.ndarray) -> None:
-        extra = state.extra
-        steps = state.geometry.num_inference_steps
-        sigma = 1.0 - state.step_in_chunk / steps
-        sigma_next = 1.0 - (state.step_in_chunk + 1) / steps
-        x0 = extra["latent"] - sigma * noise_pred
-        extra["latent"] = (1.0 - sigma_next) * x0 + sigma_next * extra["noise"]
-        state.step_in_chunk += 1
+    def sampler_step(self, session: StubSession, row: BatchRow, prediction: np.ndarray) -> None:
+        chunk = session.chunk_at(row)
+        steps = chunk.steps
+        sigma = 1.0 - row.step / steps
+        sigma_next = 1.0 - (row.step + 1) / steps
+        x0 = chunk.latent - sigma * prediction
+        chunk.latent = (1.0 - sigma_next) * x0 + sigma_next * chunk.noise
+        chunk.at_step = row.step + 1
+        if chunk.denoised:
+            chunk.clean = chunk.latent
 
-    def post_decode(self, state: PipelineState) -> ChunkOutput:
-        extra = state.extra
-        final = extra["latent"]
-        extra["context"] = 0.5 * extra["context"] + 0.5 * final  # commit to the history
+    def commit(
+        self, session: StubSession, chunk_index: int, blocks: range | None = None, hidden: Hidden | None = None
+    ) -> Hidden | None:
+        """The stub's cache is its running context: half the old, half the chunk (in the last block)."""
+        blocks = block_range(blocks, self.num_blocks)
+        chunk = session.chunk_to_commit(chunk_index)
+        rows = (BatchRow(session.session_id, chunk_index, chunk.steps),)
+        check_hidden(hidden, blocks, rows)
+        if blocks.stop < self.num_blocks:
+            return Hidden(blocks.stop, rows, None)
+        session.context = 0.5 * session.context + 0.5 * chunk.clean
+        chunk.committed = True
+        return None
+
+    def decode(self, session: StubSession, chunk_index: int) -> ChunkOutput:
+        chunk = session.chunk_to_decode(chunk_index)
         if self.decode_time_s:
             self._wait(self.decode_time_s)
-        geometry = state.geometry
-        frames = self.first_chunk_frames if state.chunk_index == 0 else self.frames_per_chunk
-        width, height = geometry.width, geometry.height
+        final = chunk.clean
+        frames = self.first_chunk_frames if chunk_index == 0 else self.frames_per_chunk
+        width, height = session.geometry.width, session.geometry.height
         y, x = np.mgrid[0:height, 0:width]
         video = np.empty((frames, height, width, 3), dtype=np.uint8)
         for f in range(frames):
             for c in range(3):
                 values = np.abs(final[(y + x + f + c) % DIM]) * 997.0
-                video[f, :, :, c] = (np.floor(values).astype(np.int64) + 7 * state.chunk_index + f) % 256
-            video[f, 0] = conditioning_row(extra["conditioning"], width)
+                video[f, :, :, c] = (np.floor(values).astype(np.int64) + 7 * chunk_index + f) % 256
+            video[f, 0] = conditioning_row(chunk.conditioning, width)
+        del session.chunks[chunk_index]
         return ChunkOutput(num_frames=frames, width=width, height=height, payload=video.tobytes())
 
-    def release(self, state: PipelineState) -> None:
-        self._pool.pop(state.session_id, None)
-        state.extra.clear()
+    def release(self, session: StubSession) -> None:
+        self._pool.pop(session.session_id, None)
+        session.chunks.clear()
 
     def held_sessions(self) -> tuple[str, ...]:
         return tuple(self._pool)
@@ -220,7 +301,7 @@ class StubPipeline:
 
     # -- test hooks ---------------------------------------------------------
 
-    def _pass_gates(self, chunk: int, step: int, state: PipelineState) -> None:
+    def _pass_gates(self, chunk: int, step: int, state: StubSession) -> None:
         for gate in list(self.gates):
             if gate.chunk != chunk or gate.step != step:
                 continue

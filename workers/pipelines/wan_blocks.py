@@ -1,0 +1,65 @@
+"""The Wan transformer's forward in three parts, so that a range of its blocks
+can run on its own.
+
+Worker process. ``WanTransformer3DModel.forward`` (diffusers) embeds, runs
+every block and applies the output head in one call. ``embed``,
+``run_blocks`` and ``head`` do the same operations in the same order, on the
+model's own modules, so a forward split into block ranges computes bit for
+bit what the one call computes (tested), and blocks 0..k and k+1..N can run
+as two calls that hand ``Activations`` from one to the other (on two ranks,
+later). Only what the causal pipeline uses: text-to-video, one timestep per
+batch row, no image conditioning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The state of a forward between two blocks: what the later blocks and the head read."""
+
+    hidden: torch.Tensor  # [rows, tokens, inner_dim]: the tokens, after the blocks run so far
+    text: torch.Tensor  # [rows, text_length, inner_dim]: the projected text embeddings (cross-attention)
+    modulation: torch.Tensor  # [rows, 6, inner_dim]: the timestep's projection, every block's shift/scale/gate
+    temb: torch.Tensor  # [rows, inner_dim]: the timestep embedding (the head's modulation)
+    rotary: tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin of the rows' tokens
+    latent_shape: tuple[int, ...]  # [rows, channels, frames, height, width] of the latent embedded
+
+
+def embed(
+    model: WanTransformer3DModel, latent: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor
+) -> Activations:
+    """Patch-embed ``latent`` [rows, C, F, H, W], embed ``timestep`` [rows] and
+    project ``text`` [rows, L, text_dim]; RoPE comes from ``model.rope`` (with
+    whatever frame offsets it was given)."""
+    rotary = model.rope(latent)
+    tokens = model.patch_embedding(latent).flatten(2).transpose(1, 2).contiguous()
+    temb, projection, text, _ = model.condition_embedder(timestep, text, None, timestep_seq_len=None)
+    return Activations(tokens, text, projection.unflatten(1, (6, -1)), temb, rotary, tuple(latent.shape))
+
+
+def run_blocks(model: WanTransformer3DModel, activations: Activations, blocks: range) -> Activations:
+    """Blocks ``blocks`` of ``model``, in order, from ``activations``."""
+    hidden = activations.hidden
+    for index in blocks:
+        hidden = model.blocks[index](hidden, activations.text, activations.modulation, activations.rotary)
+    return replace(activations, hidden=hidden)
+
+
+def head(model: WanTransformer3DModel, activations: Activations) -> torch.Tensor:
+    """The output norm (modulated by the timestep), the projection, and the
+    tokens put back into a latent's shape: the prediction, [rows, C, F, H, W]."""
+    rows, _, frames, height, width = activations.latent_shape
+    p_t, p_h, p_w = model.config.patch_size
+    hidden, temb = activations.hidden, activations.temb
+    shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    shift, scale = shift.to(hidden.device), scale.to(hidden.device)
+    out = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+    out = model.proj_out(out)
+    out = out.reshape(rows, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
+    return out.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
