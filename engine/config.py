@@ -33,7 +33,12 @@ class EngineConfig:
     """Run all denoise steps of a chunk in one runner invocation when the pipeline
     supports it. The chunk boundary is never grouped (see docs/ENGINE.md)."""
     max_batch_rows: int = 1
-    """Session rows one plan may carry (capped by the pipeline's own limit)."""
+    """Session rows one forward may carry; the worker builds its pipeline for this many."""
+    overlap_decode: bool | None = None
+    """Decode a committed chunk on a stage of its own (a thread; a CUDA stream on a
+    GPU) while the session's next chunk denoises (True), or in the micro-step that
+    committed it (False). None: where the pipeline says it pays
+    (``decode_overlap_pays``: causal Wan on a GPU)."""
     session_memory_bytes: int | None = None
     """Device memory the open sessions' state may hold together; a start that
     would pass it is refused (server_full). None: what the pipeline finds free

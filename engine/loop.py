@@ -54,7 +54,7 @@ from engine.messages import (
     StopSession,
 )
 from engine.pacing import wait_seconds
-from engine.plan import BoundaryTask, Executor, MicroStep, RowResult, StepResult
+from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
 from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase
 
@@ -120,6 +120,10 @@ class EngineLoop:
 
     def collect(self) -> None:
         for result in self.executor.results():
+            if isinstance(result, DecodeResult):
+                self.stats.pipeline_s += result.decode_ms / 1000.0
+                self.decoded(result)
+                continue
             self.stats.iterations += 1
             self.stats.pipeline_s += result.pipeline_s
             self.emit(result)
@@ -191,7 +195,7 @@ class EngineLoop:
         row per scheduled session."""
         step = MicroStep(number=self._number + 1)
         for sid, session in self.sessions.items():
-            if session.phase is Phase.FINISHING and not session.release_planned:
+            if session.phase is Phase.FINISHING and not session.release_planned and not session.decoding:
                 step.release.append(sid)
                 session.release_planned = True
         held, wake_in = self._paced(playheads)
@@ -321,18 +325,50 @@ class EngineLoop:
         chunk.done += 1
         chunk.denoise_ms += row.denoise_ms
         chunk.micro_steps.append(number)
-        if row.chunk is not None:
-            self._chunk_ready(session, chunk, row)
+        if row.committed:
+            chunk.commit_ms += row.decode_ms
+            self._committed(session, chunk)
+            if row.chunk is not None:  # decoded in the same micro-step
+                self._emit_chunk(session, session.decoding.pop(chunk.index), row.chunk, 0.0)
 
-    def _chunk_ready(self, session: EngineSession, chunk: ChunkInFlight, row: RowResult) -> None:
-        output = row.chunk
+    def _committed(self, session: EngineSession, chunk: ChunkInFlight) -> None:
+        """The chunk is in the cache: the session's next chunk may begin while this
+        one decodes (its frames are counted now, for pacing and the next chunk's
+        first frame); after its last chunk the session finishes, and is released
+        once every decode came back."""
+        session.chunk = None
+        session.decoding[chunk.index] = chunk
+        session.chunk_index += 1
+        geometry = session.geometry
+        session.frames_done += geometry.first_chunk_frames if chunk.index == 0 else geometry.frames_per_chunk
+        self.control.chunk_finished(session.session_id)
+        if session.is_last_chunk(chunk.index):
+            session.finish("completed")
+        elif session.phase is Phase.DENOISING:
+            session.phase = Phase.BOUNDARY
+
+    def decoded(self, result: DecodeResult) -> None:
+        """A chunk the decode stage finished: emit it, in the session's chunk order.
+        A failed decode fails the session, and the chunks after it are not emitted."""
+        session = self.sessions.get(result.session_id)
+        if session is None:
+            return
+        chunk = session.decoding.pop(result.chunk_index)
+        if result.error is not None and not session.decodes_dropped:
+            session.decodes_dropped = True
+            self._fail(session, result.error)
+        elif not session.decodes_dropped:
+            self._emit_chunk(session, chunk, result.chunk, result.decode_ms)
+        self._say_failure_when_decoded(session)
+
+    def _emit_chunk(self, session: EngineSession, chunk: ChunkInFlight, output: ChunkOutput, decode_ms: float) -> None:
         self.send(
             ChunkReady(
                 session_id=session.session_id,
                 generation_chunk_index=chunk.index,
                 num_frames=output.num_frames,
                 first_frame_index=chunk.first_frame,
-                media_start_seconds=session.media_seconds_done,
+                media_start_seconds=chunk.first_frame / session.geometry.fps,
                 width=output.width,
                 height=output.height,
                 started_event_ids=chunk.events.started,
@@ -341,7 +377,7 @@ class EngineLoop:
                 timing=ChunkTiming(
                     boundary_ms=chunk.boundary_ms,
                     denoise_ms=chunk.denoise_ms,
-                    decode_ms=row.decode_ms,
+                    decode_ms=chunk.commit_ms + decode_ms,
                     steps=chunk.done,
                     runner_calls=tuple(chunk.micro_steps),
                 ),
@@ -351,19 +387,13 @@ class EngineLoop:
         self.stats.chunks += 1
         if session.first_emit_at is None:
             session.first_emit_at = self.clock()
-        self.control.chunk_finished(session.session_id)
-        session.frames_done += output.num_frames
         session.chunks_done += 1
-        session.chunk = None
-        session.chunk_index += 1
-        if session.is_last_chunk(chunk.index):
-            session.finish("completed")
-        elif session.phase is Phase.DENOISING:
-            session.phase = Phase.BOUNDARY
 
     def _end(self, sid: str) -> None:
         """The runner released a finishing session: say so, with its replay log."""
         session = self.sessions.pop(sid)
+        if session.failure is not None:
+            return  # SessionFailed was its last word
         message = "the session ended before this interaction reached a chunk boundary"
         self._reject_leftovers(sid, "session_ended", message)
         reason = session.end_reason or "completed"
@@ -379,11 +409,23 @@ class EngineLoop:
         )
 
     def _fail(self, session: EngineSession, error: str) -> None:
+        """A pipeline call failed the session. Chunks it committed before are still
+        decoding: they are emitted first, then ``SessionFailed`` (its stream's last
+        message) goes out, and a micro-step frees its state (the runner freed it at
+        once when nothing was left to decode)."""
+        if session.failure is None:
+            session.failure = error
+        session.finish("failed")
+        self._say_failure_when_decoded(session)
+
+    def _say_failure_when_decoded(self, session: EngineSession) -> None:
+        if session.failure is None or session.failure_said or session.decoding:
+            return
+        session.failure_said = True
         sid = session.session_id
-        self.sessions.pop(sid, None)
-        message = f"the session failed before this interaction reached a chunk boundary: {error}"
+        message = f"the session failed before this interaction reached a chunk boundary: {session.failure}"
         self._reject_leftovers(sid, "session_failed", message)
-        self.send(SessionFailed(session_id=sid, code="pipeline_error", message=error))
+        self.send(SessionFailed(session_id=sid, code="pipeline_error", message=session.failure))
 
     def _reject_leftovers(self, sid: str, code: str, message: str) -> None:
         """Reject what the session's mailbox still holds; before the session's

@@ -71,11 +71,11 @@ class SessionGeometry(msgspec.Struct, frozen=True, kw_only=True):
 class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
     """Worker-side cost of one chunk, measured around the pipeline calls."""
 
-    boundary_ms: float  # apply interaction + prepare_next_chunk
-    denoise_ms: float  # every denoise_step + step_scheduler of the chunk
-    decode_ms: float  # post_decode (commit + decode)
+    boundary_ms: float  # open (first chunk), prompt encode and the boundary stage
+    denoise_ms: float  # every forward (its share of a batched one) and sampler step of the chunk
+    decode_ms: float  # the commit pass and the decode
     steps: int  # denoise steps the chunk ran
-    runner_calls: tuple[int, ...]  # runner invocation number of each step, in order
+    runner_calls: tuple[int, ...]  # number of the micro-step that ran each step, in order
 
 
 # --------------------------------------------------------------------------
@@ -163,6 +163,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     defaults: SessionGeometry  # what a start that sets nothing gets (num_chunks None)
     session_memory_bytes: int | None = None  # device memory open sessions may hold; None: not limited
     max_batch_rows: int = 1  # session rows one forward may carry (EngineConfig.max_batch_rows)
+    overlap_decode: bool = False  # chunks decode on a stage of their own while the next chunk denoises
 
 
 class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):

@@ -5,7 +5,10 @@ draining the control queue, and hands it to an executor (``Executor``); the
 executor runs it on the workers (``workers.executor.LocalExecutor``: one rank,
 in process, on a thread of its own) and returns a ``StepResult`` later, while
 the loop goes on draining control and planning. A micro-step is executed in
-field order: release, open, boundaries, then one forward over its rows.
+field order: release, open, boundaries, then one forward over its rows; a
+row's last step commits its chunk, and the decode follows in the same
+micro-step or, with the decode stage, on a thread of its own while the next
+micro-steps run (``DecodeResult``).
 Plain dataclasses; they stay inside the worker process.
 """
 
@@ -52,7 +55,7 @@ class MicroStep:
 
     number: int  # increasing per worker; results come back in this order
     release: list[str] = field(default_factory=list)  # session ids whose state is freed
-    open: list[StartSession] = field(default_factory=list)  # sessions to encode (prepare_encode)
+    open: list[StartSession] = field(default_factory=list)  # sessions to open (prompt encode, allocate)
     boundaries: list[BoundaryTask] = field(default_factory=list)
     ranks: list[list[StepRow]] = field(default_factory=lambda: [[]])
     """Per rank, the rows it runs in this micro-step (one rank today: one list)."""
@@ -82,7 +85,8 @@ class RowResult:
 
     session_id: str
     stepped: bool = False  # its denoise step ran
-    chunk: ChunkOutput | None = None  # set when its chunk finished (last step, commit, decode)
+    committed: bool = False  # its chunk's last step ran and the chunk is in the cache (decode follows)
+    chunk: ChunkOutput | None = None  # its chunk's frames, when decoded in this micro-step
     boundary_ms: float = 0.0  # open and boundary calls
     denoise_ms: float = 0.0  # its share of the forward, and its sampler update
     decode_ms: float = 0.0  # commit and decode
@@ -97,12 +101,25 @@ class StepResult:
     number: int  # the micro-step's number
     rows: dict[str, RowResult] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)  # sessions whose state it freed
+    decodes: list[tuple[str, int]] = field(default_factory=list)  # (session, chunk) committed, decode deferred
     pipeline_s: float = 0.0
 
     def row(self, session_id: str) -> RowResult:
         if session_id not in self.rows:
             self.rows[session_id] = RowResult(session_id)
         return self.rows[session_id]
+
+
+@dataclass
+class DecodeResult:
+    """A chunk decoded by the decode stage, after the micro-step that committed it
+    (``RowResult.committed``); a session's chunks come back in order."""
+
+    session_id: str
+    chunk_index: int
+    chunk: ChunkOutput | None  # None: the decode failed (``error``)
+    decode_ms: float
+    error: str | None = None
 
 
 class Runner(Protocol):
@@ -135,9 +152,11 @@ class Executor(Protocol):
 
     def submit(self, step: MicroStep) -> None: ...
 
-    def results(self) -> list[StepResult]:
-        """The results finished since the last call, in submission order. Raises
-        what the runner itself raised (a bug: the loop fails with it)."""
+    def results(self) -> list[StepResult | DecodeResult]:
+        """The results finished since the last call: micro-steps in submission
+        order, and the decodes they deferred (each after its micro-step, a
+        session's in chunk order). Raises what the runner itself raised (a bug:
+        the loop fails with it)."""
         ...
 
     def in_flight(self) -> int:

@@ -76,6 +76,7 @@ class ChunkInFlight:
     done: int = 0  # denoise steps whose result came back
     boundary_ms: float = 0.0
     denoise_ms: float = 0.0
+    commit_ms: float = 0.0  # the commit pass (and the decode, when it ran in the same micro-step)
     micro_steps: list[int] = field(default_factory=list)  # number of the micro-step of each step run
 
     def next_row(self, session_id: str) -> StepRow:
@@ -113,6 +114,10 @@ class EngineSession:
     frames_done: int = 0
     end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
     release_planned: bool = False  # FINISHING: the micro-step that frees its state was submitted
+    decoding: dict[int, ChunkInFlight] = field(default_factory=dict)  # committed chunks the decode stage has
+    failure: str | None = None  # why it failed; said (SessionFailed) once its decodes came back
+    failure_said: bool = False
+    decodes_dropped: bool = False  # a decode failed: later chunks would leave a gap, so none is emitted
     max_lead_seconds: float | None = None  # pacing budget; None: never held back
     first_emit_at: float | None = None  # time.monotonic() when chunk 0 was emitted
     events: EventTracker = field(default_factory=EventTracker)

@@ -38,6 +38,10 @@ class ServerSettings:
     attention buffers and the memory reserved for a forward follow. Batching raises
     throughput but steps sessions in lockstep, so their chunks arrive in bursts
     and a new prompt waits up to a whole round longer: 1 favours latency."""
+    overlap_decode: bool | None = None
+    """Decode each chunk on a stage of its own while the session's next chunk denoises
+    (true), or in line after its commit (false); unset: where the model says it pays
+    (causal Wan: on a GPU, not on a CPU). Frames are the same either way."""
     api_key: str | None = None
     """When set, the realtime WebSocket and every ``/v1/`` route need it (Bearer
     header, ``api_key`` query parameter, or the WebSocket subprotocol

@@ -13,6 +13,7 @@ ENGINE_KEYS = {
     "max_sessions",
     "group_chunk_steps",
     "max_batch_rows",
+    "overlap_decode",
     "max_worker_restarts",
     "session_memory_bytes",
 }

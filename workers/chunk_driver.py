@@ -7,16 +7,20 @@ It plans as the engine loop does (``engine.plan``): a micro-step opens
 sessions, crosses a session's chunk boundary together with its chunk's first
 step, and carries one row per session, at most ``max_rows`` rows (sessions take
 turns round-robin when they do not all fit); a chunk's boundary comes only after its previous
-chunk came back. After a chunk's last step the runner commits and decodes it.
-A pipeline error is raised here, as the pipeline raised it.
+chunk came back. After a chunk's last step the runner commits and decodes it;
+with ``overlap_decode`` the decode goes to the decode stage
+(``workers.decode_stage``, as in the worker) and the next micro-steps run while
+it decodes. A pipeline error is raised here, as the pipeline raised it.
 """
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable, Mapping, Sequence
 
 from engine.messages import StartSession
-from engine.plan import BoundaryTask, ChunkOutput, MicroStep, StepResult, StepRow
+from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, MicroStep, StepResult, StepRow
+from workers.decode_stage import DecodeStage
 from workers.pipelines.base import ChunkPipeline, SessionState
 from workers.runner import ModelRunner, StageCall
 
@@ -29,6 +33,7 @@ class ChunkDriver:
         max_rows: int | None = None,
         synchronize: Callable[[str], None] | None = None,
         on_stage: Callable[[StageCall], None] | None = None,
+        overlap_decode: bool = False,
     ) -> None:
         """``max_rows``: rows per micro-step (default: the pipeline's
         ``max_batch_rows``; 1 steps one session per forward). ``synchronize``
@@ -41,6 +46,11 @@ class ChunkDriver:
         self.next_chunk: dict[str, int] = {}  # per open session: the chunk its next boundary begins
         self._number = 0
         self._last: str | None = None  # the session served last
+        self._decoder: DecodeStage | None = None
+        self._decoded: queue.SimpleQueue[DecodeResult] = queue.SimpleQueue()
+        if overlap_decode:
+            self.runner.defer_decode = True
+            self._decoder = DecodeStage(self.runner, self._decoded.put)
 
     def open(self, *starts: StartSession) -> list[SessionState]:
         """Open sessions (one micro-step); returns their pipeline states."""
@@ -62,6 +72,7 @@ class ChunkDriver:
         left = {sid: chunks for sid in session_ids}
         at_step: dict[str, int] = {}  # sessions inside a chunk: the step of their next row
         outputs: dict[str, list[ChunkOutput]] = {sid: [] for sid in session_ids}
+        decoding = 0  # decodes handed to the decode stage
         while any(left.values()):
             waiting = [sid for sid in session_ids if left[sid]]
             if len(waiting) <= self.max_rows:
@@ -84,16 +95,30 @@ class ChunkDriver:
                 if not row.last:
                     at_step[sid] = row.step + 1
                     continue
-                outputs[sid].append(result.rows[sid].chunk)
+                if self._decoder is None:
+                    outputs[sid].append(result.rows[sid].chunk)
                 at_step.pop(sid, None)
                 self.next_chunk[sid] += 1
                 left[sid] -= 1
+            for sid, chunk in result.decodes:
+                self._decoder.submit(sid, chunk)
+                decoding += 1
+        for _ in range(decoding):  # a session's chunks come back in order
+            decoded = self._decoded.get()
+            if decoded.error is not None:
+                raise self._errors.get(decoded.session_id) or RuntimeError(decoded.error)
+            outputs[decoded.session_id].append(decoded.chunk)
         return outputs
 
     def run_chunk(self, session_id: str, prompt: str | None = None, transition_chunks: int = 0) -> ChunkOutput:
         """The next chunk of one session, with an interaction at its boundary if ``prompt`` is given."""
         interactions = None if prompt is None else {session_id: (prompt, transition_chunks)}
         return self.run([session_id], 1, interactions)[session_id][0]
+
+    def close(self) -> None:
+        """Stop the decode stage's thread (when there is one)."""
+        if self._decoder is not None:
+            self._decoder.close()
 
     def release(self, *session_ids: str) -> None:
         """Release sessions (one micro-step); ids not open are ignored."""

@@ -9,9 +9,15 @@ taken out (reported cancelled), so a stop cuts a grouped chunk between two
 steps. This is the one-rank case of the executor seam; the ring of several
 ranks plugs in at the same seam.
 
+With ``overlap_decode`` (the default when threaded), a chunk's decode is the
+decode stage's (``workers.decode_stage``): the micro-step that ends a chunk
+commits it and returns, and the decode runs on a thread of its own while the
+next chunk denoises; its ``DecodeResult`` comes back through ``results`` after
+that micro-step's result.
+
 ``threaded=False`` runs each micro-step inside ``submit``, on the caller's
-thread, through the same runner: in-process tests drive the loop one
-micro-step per ``run_once`` that way, deterministically.
+thread, through the same runner, decodes included: in-process tests drive the
+loop one micro-step per ``run_once`` that way, deterministically.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from engine.plan import MicroStep, StepResult
+from engine.plan import DecodeResult, MicroStep, StepResult
+from workers.decode_stage import DecodeStage
 from workers.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,7 @@ class LocalExecutor:
         on_result: Callable[[], None],
         depth: int = 2,
         threaded: bool = True,
+        overlap_decode: bool = True,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -45,13 +53,17 @@ class LocalExecutor:
         self._on_result = on_result
         self._lock = threading.Condition()
         self._queue: deque[MicroStep] = deque()
-        self._done: deque[StepResult] = deque()
+        self._done: deque[StepResult | DecodeResult] = deque()
         self._failure: BaseException | None = None
         self._submitted = 0
         self._returned = 0
         self._running_since: float | None = None
         self._held = runner.held_sessions()
         self._closing = False
+        self._decoder: DecodeStage | None = None
+        if threaded and overlap_decode:
+            runner.defer_decode = True
+            self._decoder = DecodeStage(runner, self._decoded)
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="executor", daemon=True)
@@ -69,13 +81,13 @@ class LocalExecutor:
         if self._thread is None:
             self._run_queued()
 
-    def results(self) -> list[StepResult]:
+    def results(self) -> list[StepResult | DecodeResult]:
         with self._lock:
             if self._failure is not None:
                 raise self._failure
             done = list(self._done)
             self._done.clear()
-            self._returned += len(done)
+            self._returned += sum(isinstance(result, StepResult) for result in done)
             return done
 
     def in_flight(self) -> int:
@@ -96,6 +108,8 @@ class LocalExecutor:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self._decoder is not None:
+            self._decoder.close()
 
     # -- the executor thread ---------------------------------------------------
 
@@ -128,8 +142,15 @@ class LocalExecutor:
             self._done.append(result)
             self._held = held
             self._running_since = None
+        for session_id, chunk_index in result.decodes:  # after its micro-step's result, so it comes back after it
+            self._decoder.submit(session_id, chunk_index)
         self._on_result()
         return True
+
+    def _decoded(self, result: DecodeResult) -> None:
+        with self._lock:
+            self._done.append(result)
+        self._on_result()
 
     def _execute(self, step: MicroStep) -> StepResult:
         cancelled = [row for row in step.rows if self._is_cancelled(row.session_id)]

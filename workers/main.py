@@ -61,7 +61,8 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     if budget is not None:
         log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
     control = ControlPlane(config, runner.describe, sender.send, memory_budget=budget)
-    executor = LocalExecutor(runner, control.is_stopping, control.wake)
+    overlap = pipeline.decode_overlap_pays if config.overlap_decode is None else config.overlap_decode
+    executor = LocalExecutor(runner, control.is_stopping, control.wake, overlap_decode=overlap)
     loop = EngineLoop(config, control, executor, sender.send, grouping=grouping, max_rows=pipeline.max_batch_rows)
     receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
     receiver.start()
@@ -76,6 +77,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             defaults=pipeline.describe(StartSession(session_id="defaults", prompt="defaults")),
             session_memory_bytes=budget,
             max_batch_rows=pipeline.max_batch_rows,
+            overlap_decode=overlap,
         )
     )
     exit_code = 0

@@ -16,12 +16,13 @@ session.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any, NamedTuple
 
 from engine.messages import SessionGeometry, StartSession
-from engine.plan import BoundaryTask, MicroStep, StepResult, StepRow
+from engine.plan import BoundaryTask, DecodeResult, MicroStep, StepResult, StepRow
 from workers.pipelines.base import BatchRow, ChunkPipeline, SessionState, StepBatch
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,13 @@ class ModelRunner:
         self.states: dict[str, SessionState] = {}
         self._synchronize = synchronize
         self._on_stage = on_stage
+        self.defer_decode = False
+        """True: a committed chunk is left for ``decode`` (the decode stage, on a
+        thread of its own) and listed in ``StepResult.decodes``; False: it is
+        decoded in the micro-step that committed it."""
+        self._decodes_lock = threading.Lock()
+        self._decodes_pending: dict[str, int] = {}  # deferred decodes not yet run, per session
+        self._failed: set[str] = set()  # failed with decodes pending: kept for them, run no more
 
     # -- engine.plan.Runner --------------------------------------------------
 
@@ -83,11 +91,36 @@ class ModelRunner:
                 result.row(sid).boundary_ms += ms
         for task in step.boundaries:
             self._boundary(task, result)
-        rows = [row for row in step.rows if row.session_id in self.states]
+        rows = [row for row in step.rows if row.session_id in self.states and row.session_id not in self._failed]
         width = self.pipeline.max_batch_rows
         for first in range(0, len(rows), width):
             self._forward(rows[first : first + width], result)
         return result
+
+    def decode(self, session_id: str, chunk_index: int) -> DecodeResult:
+        """Decode a chunk a micro-step committed and deferred (the decode stage's
+        thread). The pipeline keeps the decoder's state per session and the
+        chunk's clean latent in its record, which no later micro-step touches; a
+        session is released only once its deferred decodes came back. An error
+        is returned, not raised, and releases nothing: the engine releases the
+        session in a micro-step of its own."""
+        self._sync("decode")
+        started = perf_counter()
+        chunk, failure = None, None
+        try:
+            chunk = self.pipeline.decode(self.states[session_id], chunk_index)
+        except Exception as error:
+            failure = error
+        finally:
+            with self._decodes_lock:
+                self._decodes_pending[session_id] -= 1
+                if not self._decodes_pending[session_id]:
+                    del self._decodes_pending[session_id]
+        self._sync("decode")
+        ms = (perf_counter() - started) * 1000.0
+        self._report(session_id, "decode", ms, failure)
+        error = None if failure is None else f"decode failed: {type(failure).__name__}: {failure}"
+        return DecodeResult(session_id, chunk_index, chunk, ms, error)
 
     # -- internals -------------------------------------------------------------
 
@@ -96,7 +129,7 @@ class ModelRunner:
 
     def _boundary(self, task: BoundaryTask, result: StepResult) -> None:
         sid = task.session_id
-        if sid not in self.states:  # failed earlier in this micro-step
+        if sid not in self.states or sid in self._failed:  # failed earlier
             return
         prompt = None
         if task.prompt is not None:
@@ -154,10 +187,17 @@ class ModelRunner:
             committed, commit_ms = self._call(result, sid, "commit", self.pipeline.commit, session, row.chunk_index)
             if committed is _FAILED:
                 continue
+            out.committed = True
+            out.decode_ms += commit_ms
+            if self.defer_decode:
+                with self._decodes_lock:
+                    self._decodes_pending[sid] = self._decodes_pending.get(sid, 0) + 1
+                result.decodes.append((sid, row.chunk_index))
+                continue
             chunk, decode_ms = self._call(result, sid, "decode", self.pipeline.decode, session, row.chunk_index)
             if chunk is not _FAILED:
                 out.chunk = chunk
-                out.decode_ms += commit_ms + decode_ms
+                out.decode_ms += decode_ms
 
     def _call(
         self, result: StepResult, session_id: str, stage: str, function: Callable, *args: Any
@@ -175,10 +215,15 @@ class ModelRunner:
             failure = error
             row = result.row(session_id)
             row.error = f"{stage} failed: {type(error).__name__}: {error}"
-            try:
-                self._release(session_id)
-            except Exception as release_error:
-                row.error += f" (release also failed: {type(release_error).__name__}: {release_error})"
+            with self._decodes_lock:
+                decoding = session_id in self._decodes_pending
+            if decoding:  # its committed chunks still decode from its state: the engine releases it after
+                self._failed.add(session_id)
+            else:
+                try:
+                    self._release(session_id)
+                except Exception as release_error:
+                    row.error += f" (release also failed: {type(release_error).__name__}: {release_error})"
             value = _FAILED
         self._sync(stage)
         ms = (perf_counter() - started) * 1000.0
@@ -195,6 +240,7 @@ class ModelRunner:
             self._on_stage(StageCall(session_id, stage, ms, error))
 
     def _release(self, session_id: str) -> None:
+        self._failed.discard(session_id)
         session = self.states.pop(session_id, None)
         if session is not None:
             self.pipeline.release(session)

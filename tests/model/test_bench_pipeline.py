@@ -27,6 +27,10 @@ def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
     assert summary["warm_up_s"] > 0 and summary["dtype"] == summary["vae_dtype"] == "float32"
     assert summary["state_bytes"] > 0 and summary["session_memory_budget"] is None  # a CPU: not limited
     assert summary["side_by_side"] is None
+    overlap = summary["decode_overlap"]
+    for mode in ("in_line", "overlapped"):
+        assert overlap[mode]["time_to_first_chunk_s"] > 0 and overlap[mode]["fps"] > 0
+    assert overlap["fps_overlapped_over_in_line"] > 0
 
 
 def test_bench_pipeline_runs_bf16_cold_writes_a_profile_and_compares_batching(tmp_path):

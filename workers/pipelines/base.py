@@ -200,6 +200,11 @@ class ChunkPipeline(Protocol):
     between them, and chunks are records of their own: what splitting the blocks
     over ranks and overlapping chunks of a session (temporal pipeline
     parallelism) need."""
+    decode_overlap_pays: bool
+    """Whether decoding on a stage of its own, while the next chunk denoises, is
+    worth it here: what the worker does unless ``EngineConfig.overlap_decode``
+    says otherwise. On a GPU the decode gets a stream of its own and overlaps;
+    on a small CPU two threads only contend for the same cores."""
     num_blocks: int
     """Transformer blocks; a block range is within ``[0, num_blocks)``."""
     max_batch_rows: int

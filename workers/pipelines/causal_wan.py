@@ -30,7 +30,9 @@ noise draws, latent, clean latent) in a ``CausalWanChunk`` record of it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -120,6 +122,7 @@ class CausalWanPipeline:
                 block.compile()
         self.rope = self.transformer.rope
         self.num_blocks = len(self.transformer.blocks)
+        self._decode_streams: dict[int, torch.cuda.Stream] = {}  # per decoding thread (CUDA only)
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk
         # The attention span is the weights' (the preset's, or the model directory's rtvideo.json); options override.
@@ -336,6 +339,9 @@ class CausalWanPipeline:
         if blocks.stop < self.num_blocks:
             return Hidden(blocks.stop, rows, activations)
         chunk.committed = True
+        if self.device.type == "cuda":  # the decode may run on another stream (the decode stage's thread)
+            chunk.committed_on_device = torch.cuda.Event()
+            chunk.committed_on_device.record()
         self._keep_for_recache(session, chunk.clean)
         return None
 
@@ -344,11 +350,12 @@ class CausalWanPipeline:
         """The chunk's frames, latent frame by latent frame through the session's
         streaming decoder (its causal feature cache carries over from the last chunk)."""
         chunk = session.chunk_to_decode(chunk_index)
-        pixels = self.decoder.decode(chunk.clean.float(), session.vae_cache, first=not session.decoded_any)
+        with self._decode_stream(chunk):
+            pixels = self.decoder.decode(chunk.clean.float(), session.vae_cache, first=not session.decoded_any)
+            frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            array = frames.cpu().numpy()  # waits for this stream's kernels
         session.decoded_any = True
         del session.chunks[chunk_index]
-        frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
-        array = frames.cpu().numpy()
         count, height, width = array.shape[:3]
         return ChunkOutput(num_frames=count, width=width, height=height, payload=np.ascontiguousarray(array).tobytes())
 
@@ -376,6 +383,26 @@ class CausalWanPipeline:
         peak = torch.cuda.max_memory_allocated(self.device) - allocated
         transient = max(0, peak - g.state_bytes * self.max_batch_rows)
         return max(0, free + unused - transient - 2**30)
+
+    def _decode_stream(self, chunk: CausalWanChunk) -> contextlib.AbstractContextManager:
+        """On a GPU, a CUDA stream of the calling thread's own, waiting for the
+        chunk's commit: the decode stage's kernels then overlap the next chunk's
+        forward on the default stream. Elsewhere, nothing."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = self._decode_streams.get(threading.get_ident())
+        if stream is None:
+            stream = self._decode_streams[threading.get_ident()] = torch.cuda.Stream(self.device)
+        if chunk.committed_on_device is not None:
+            stream.wait_event(chunk.committed_on_device)
+        return torch.cuda.stream(stream)
+
+    @property
+    def decode_overlap_pays(self) -> bool:
+        """On a GPU (the decode runs on a stream of its own); on a CPU the decode
+        thread and the forward share the cores and the interpreter: measured on 2
+        cores, 0.5x the frames per second at 64x64 and no gain at 256x256."""
+        return self.device.type == "cuda"
 
     def synchronize(self) -> None:
         """Wait until the device has finished its queued work (timing: benchmarks)."""

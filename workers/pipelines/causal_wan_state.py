@@ -28,6 +28,7 @@ class CausalWanChunk(ChunkRecord):
     noise: torch.Tensor | None  # [steps, *latent_shape]: the starting noise, then one draw per re-noising
     latent: torch.Tensor | None  # x_t at step ``at_step``; None once clean
     clean: torch.Tensor | None = None  # x0 after the last step: what is committed and decoded
+    committed_on_device: torch.cuda.Event | None = None  # CUDA: recorded after the commit, waited on by the decode
 
 
 @dataclass(kw_only=True)

@@ -18,8 +18,9 @@ Knobs for tests and benchmarks (all keyword options of the constructor):
 ``step_time_s`` / ``decode_time_s`` (simulated compute: slept, or spun with
 ``spin=True`` the way a host thread spins on a GPU sync), ``gates``
 (``StubGate``: block at a chunk and step until released, to place a control
-message mid-chunk deterministically), ``fail_prompt`` / ``fail_chunk`` (raise
-in ``forward`` for sessions started with that prompt), ``startup_gate``
+message mid-chunk deterministically; at step ``DECODE_GATE_STEP``, the chunk's
+decode), ``fail_prompt`` / ``fail_chunk`` (raise in ``forward`` for sessions
+started with that prompt; in ``decode`` with ``fail_in_decode``), ``startup_gate``
 (a path: when a FIFO lies there, construction waits until a writer opens it,
 so a test can hold a worker restart for as long as it needs).
 """
@@ -92,6 +93,9 @@ class StubSession(SessionState[StubChunk]):
     context: np.ndarray = field(default_factory=lambda: np.zeros(DIM))
 
 
+DECODE_GATE_STEP = -1  # a StubGate at this step blocks the decode of its chunk
+
+
 @dataclass
 class StubGate:
     """Block the first denoise step that computes step ``step`` of chunk ``chunk``
@@ -110,6 +114,7 @@ class StubPipeline:
     name: ClassVar[str] = "stub"
     supports_chunk_step_grouping: ClassVar[bool] = True
     supports_micro_step_execution: ClassVar[bool] = True
+    decode_overlap_pays: ClassVar[bool] = True  # simulated compute sleeps: the stages overlap for real
     num_blocks: ClassVar[int] = 2  # block 0: the conditioning; block 1: the committed context
     warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
 
@@ -129,6 +134,7 @@ class StubPipeline:
         spin: bool = False,
         gates: Sequence[StubGate] = (),
         fail_prompt: str | None = None,
+        fail_in_decode: bool = False,
         fail_chunk: int = 0,
         memory_budget: int | None = None,
         startup_gate: str | None = None,
@@ -150,6 +156,7 @@ class StubPipeline:
         self._wait = _spin if spin else time.sleep
         self.gates = list(gates)
         self.fail_prompt = fail_prompt
+        self.fail_in_decode = fail_in_decode
         self.fail_chunk = fail_chunk
         self.memory_budget = memory_budget  # what session_memory_budget() reports (tests of admission)
         self._pool: dict[str, bytearray] = {}  # stands in for a KV-cache pool: 4 bytes a pixel
@@ -228,7 +235,11 @@ class StubPipeline:
             chunks = [session.chunk_at(row) for row, session in zip(batch.rows, sessions, strict=True)]
             for row, session in zip(batch.rows, sessions, strict=True):
                 self._pass_gates(row.chunk_index, row.step, session)
-                if session.start.prompt == self.fail_prompt and row.chunk_index == self.fail_chunk:
+                if (
+                    not self.fail_in_decode
+                    and session.start.prompt == self.fail_prompt
+                    and row.chunk_index == self.fail_chunk
+                ):
                     raise RuntimeError(f"stub pipeline: injected failure at chunk {row.chunk_index}")
             carried = [(chunk.latent, chunk.conditioning, None) for chunk in chunks]  # (latent, conditioning, target)
         else:
@@ -274,6 +285,9 @@ class StubPipeline:
 
     def decode(self, session: StubSession, chunk_index: int) -> ChunkOutput:
         chunk = session.chunk_to_decode(chunk_index)
+        self._pass_gates(chunk_index, DECODE_GATE_STEP, session)
+        if self.fail_in_decode and session.start.prompt == self.fail_prompt and chunk_index == self.fail_chunk:
+            raise RuntimeError(f"stub pipeline: injected decode failure at chunk {chunk_index}")
         if self.decode_time_s:
             self._wait(self.decode_time_s)
         final = chunk.clean
