@@ -13,11 +13,10 @@ chunk's forward.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from collections.abc import Callable
 
 from engine.plan import DecodeResult
+from workers.ordered_thread import OrderedThread
 from workers.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -28,36 +27,21 @@ class DecodeStage:
         """``on_done`` is called on this stage's thread with each result, in order."""
         self._runner = runner
         self._on_done = on_done
-        self._lock = threading.Condition()
-        self._queue: deque[tuple[str, int]] = deque()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
-        self._thread.start()
+        self._thread: OrderedThread[tuple[str, int]] = OrderedThread("decode", self._decode)
 
     def submit(self, session_id: str, chunk_index: int) -> None:
-        with self._lock:
-            if self._closing:
-                raise RuntimeError("the decode stage is closed")
-            self._queue.append((session_id, chunk_index))
-            self._lock.notify_all()
+        self._thread.submit((session_id, chunk_index))
 
     def close(self) -> None:
         """Decode what was submitted, then stop the thread."""
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
-        self._thread.join()
+        self._thread.close()
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-                session_id, chunk_index = self._queue.popleft()
-            try:
-                result = self._runner.decode(session_id, chunk_index)
-            except Exception as error:  # the runner returns pipeline errors; this is a bug of ours
-                log.exception("decode of session %s chunk %d failed", session_id, chunk_index)
-                result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {error!r}")
-            self._on_done(result)
+    def _decode(self, item: tuple[str, int]) -> bool:
+        session_id, chunk_index = item
+        try:
+            result = self._runner.decode(session_id, chunk_index)
+        except Exception as error:  # the runner returns pipeline errors; this is a bug of ours
+            log.exception("decode of session %s chunk %d failed", session_id, chunk_index)
+            result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {error!r}")
+        self._on_done(result)
+        return True

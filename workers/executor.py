@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from engine.plan import DecodeResult, MicroStep, StepResult
 from workers.decode_stage import DecodeStage
+from workers.ordered_thread import OrderedThread
 from workers.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -51,35 +52,28 @@ class LocalExecutor:
         self._runner = runner
         self._is_cancelled = is_cancelled
         self._on_result = on_result
-        self._lock = threading.Condition()
-        self._queue: deque[MicroStep] = deque()
+        self._lock = threading.Lock()
         self._done: deque[StepResult | DecodeResult] = deque()
         self._failure: BaseException | None = None
         self._submitted = 0
         self._returned = 0
         self._running_since: float | None = None
         self._held = runner.held_sessions()
-        self._closing = False
         self._decoder: DecodeStage | None = None
         if threaded and overlap_decode:
             runner.defer_decode = True
             self._decoder = DecodeStage(runner, self._decoded)
-        self._thread: threading.Thread | None = None
-        if threaded:
-            self._thread = threading.Thread(target=self._run, name="executor", daemon=True)
-            self._thread.start()
+        self._thread: OrderedThread[MicroStep] | None = OrderedThread("executor", self._run) if threaded else None
 
     # -- engine.plan.Executor -------------------------------------------------
 
     def submit(self, step: MicroStep) -> None:
         with self._lock:
-            if self._closing:
-                raise RuntimeError("the executor is closed")
-            self._queue.append(step)
             self._submitted += 1
-            self._lock.notify_all()
         if self._thread is None:
-            self._run_queued()
+            self._run(step)
+        else:
+            self._thread.submit(step)
 
     def results(self) -> list[StepResult | DecodeResult]:
         with self._lock:
@@ -103,30 +97,17 @@ class LocalExecutor:
             return self._held
 
     def close(self) -> None:
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.close()
         if self._decoder is not None:
             self._decoder.close()
 
     # -- the executor thread ---------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-            if not self._run_queued():
-                return
-
-    def _run_queued(self) -> bool:
-        """Run the oldest queued micro-step; False when the runner raised (the loop
-        gets the error from ``results``)."""
+    def _run(self, step: MicroStep) -> bool:
+        """Run one micro-step; False when the runner raised (the loop gets the
+        error from ``results``, and nothing more runs)."""
         with self._lock:
-            step = self._queue.popleft()
             self._running_since = time.monotonic()
         try:
             result = self._execute(step)

@@ -1,0 +1,50 @@
+"""A thread that handles submitted items one at a time, in submission order.
+
+Worker process. The executor runs micro-steps on one (``workers.executor``)
+and the decode stage its decodes on another (``workers.decode_stage``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+
+
+class OrderedThread(Generic[Item]):
+    def __init__(self, name: str, handle: Callable[[Item], bool]) -> None:
+        """``handle`` runs on the thread for each item; returning False stops the
+        thread (what was submitted after it is not handled)."""
+        self._handle = handle
+        self._lock = threading.Condition()
+        self._queue: deque[Item] = deque()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Item) -> None:
+        with self._lock:
+            if self._closing:
+                raise RuntimeError(f"{self._thread.name} is closed")
+            self._queue.append(item)
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """Handle what was submitted, then stop the thread."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+            if not self._handle(item):
+                return
