@@ -152,7 +152,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.get("/health", tags=["operations"])
     async def health(request: Request) -> JSONResponse:
         """Readiness: 200 while the workers are up and the server takes new work;
-        503 when they are down or the server is draining."""
+        503 when they are down or the server is draining. With an API key set,
+        the details (worker pids, session ids) only for a request that presents
+        it; the bare status stays open for probes."""
         engine = engine_of(request)
         if request.app.state.drainer.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -163,6 +165,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             probe = await engine.probe(timeout=5.0)
         except (EngineDeadError, TimeoutError) as error:
             return JSONResponse({"status": "unavailable", "reason": str(error) or "probe timed out"}, status_code=503)
+        if not is_authorized(request, settings.api_key):
+            return JSONResponse({"status": "ok"})
         return JSONResponse(
             {
                 "status": "ok",

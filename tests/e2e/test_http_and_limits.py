@@ -97,7 +97,10 @@ async def test_auth_refuses_a_missing_or_wrong_key_before_any_engine_work(make_s
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
     assert httpx.get(f"{server.http}/v1/videos", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert httpx.get(f"{server.http}/v1/models?api_key=s3cret").status_code == 200
-    assert httpx.get(f"{server.http}/health").status_code == 200  # probes need no key
+    bare = httpx.get(f"{server.http}/health")  # probes need no key, and learn nothing more than the status
+    assert bare.status_code == 200 and bare.json() == {"status": "ok"}
+    detailed = httpx.get(f"{server.http}/health", headers={"Authorization": "Bearer s3cret"}).json()
+    assert detailed["status"] == "ok" and detailed["workers"][0]["pid"] > 0
 
     for url, options in [
         (server.ws, {}),
@@ -107,7 +110,7 @@ async def test_auth_refuses_a_missing_or_wrong_key_before_any_engine_work(make_s
         async with open_realtime(url, **options) as ws:
             got = await Realtime(ws).rest(timeout=10)  # closed before anything is asked
         assert got.close_code == 1008 and "unauthorized" in got.close_reason
-    assert server.health()["sessions"] == 0
+    assert httpx.get(f"{server.http}/health?api_key=s3cret").json()["sessions"] == 0
 
     async with open_realtime(server.ws, subprotocols=["rtvideo.key.s3cret"]) as ws:
         assert ws.subprotocol == "rtvideo.key.s3cret"
