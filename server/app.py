@@ -23,7 +23,7 @@ from engine.client import EngineClient, EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized, redact_access_log
 from server.drain import Drainer
-from server.jobs import JobManager
+from server.jobs import JobManager, JobsFullError
 from server.limits import BodyLimits
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
@@ -252,6 +252,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)])
     async def list_videos(request: Request) -> dict:
+        request.app.state.jobs.expire()
         jobs = sorted(request.app.state.jobs.jobs.values(), key=lambda j: j.created_at, reverse=True)
         return {"object": "list", "data": [job.public() for job in jobs]}
 
@@ -282,6 +283,9 @@ async def _create(request: Request, body: JobRequest):
         return await request.app.state.jobs.create(body)
     except RequestError as error:
         raise HTTPException(422, detail={"code": "invalid_request", "message": str(error)}) from None
+    except JobsFullError as error:
+        retry = {"Retry-After": str(math.ceil(error.retry_after_s))}
+        raise HTTPException(429, detail={"code": error.code, "message": error.message}, headers=retry) from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -291,6 +295,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def _job(request: Request, video_id: str):
+    request.app.state.jobs.expire()
     job = request.app.state.jobs.jobs.get(video_id)
     if job is None:
         raise HTTPException(404, detail={"code": "not_found", "message": f"no video {video_id!r}"})

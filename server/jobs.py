@@ -2,8 +2,12 @@
 
 API process. A job is a finite session whose prompt changes are scheduled in
 advance; its chunks are encoded as they arrive and kept in memory until the
-job is deleted or pushed out by newer ones (``max_jobs_kept``). A job waits
-(``queued``) while the engine is full and starts when a session ends.
+job is deleted or ``job_ttl_s`` after it finished, never pushed out earlier by
+other clients' jobs. A job waits (``queued``) while the engine is full and
+starts when a session ends. The work is bounded: at most ``max_jobs_kept``
+jobs at once (queued, running, or finished and kept) and ``max_queued_jobs``
+waiting for the engine; beyond either a new job is refused (``JobsFullError``,
+HTTP 429 with ``Retry-After``) before anything is kept.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Job:
     payloads: list[bytes] = field(default_factory=list)
     compute_ms: float = 0.0
     outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)  # scheduled event id -> where it landed
+    waiting: bool = False  # queued for want of an engine session (max_queued_jobs counts these)
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -111,6 +116,16 @@ class Job:
             self.outcomes[message.event_id] = {"status": "rejected", "error": error}
 
 
+class JobsFullError(Exception):
+    """No room for another job now; try again after ``retry_after_s``."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
 class JobManager:
     def __init__(
         self,
@@ -137,6 +152,14 @@ class JobManager:
             raise RequestError("num_frames: a job needs a length (num_frames, num_chunks or seconds)")
         if (unavailable := self.engine.unavailable()) is not None:
             raise unavailable  # answered 503 before anything is kept
+        self.expire()
+        if len(self.jobs) >= self.settings.max_jobs_kept:
+            raise JobsFullError(
+                "too_many_jobs",
+                f"{len(self.jobs)} jobs are kept (queued, running, or finished less than "
+                f"{self.settings.job_ttl_s:g} s ago); at most {self.settings.max_jobs_kept}",
+                self._soonest_expiry_s(),
+            )
         job_id = f"video_{uuid.uuid4().hex}"
         start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False)
         handle = None
@@ -145,9 +168,13 @@ class JobManager:
         except SessionRejectedError as error:
             if error.code != "server_full":
                 raise RequestError(error.message) from None
-        job = Job(job_id, request, config)
+            waiting = sum(1 for j in self.jobs.values() if j.waiting)
+            if waiting >= self.settings.max_queued_jobs:
+                limit = self.settings.max_queued_jobs
+                message = f"{waiting} jobs wait for the engine already; at most {limit}"
+                raise JobsFullError("queue_full", message, CAPACITY_RETRY_S) from None
+        job = Job(job_id, request, config, waiting=handle is None)
         self.jobs[job_id] = job
-        self._evict()
         job.task = asyncio.create_task(self._run(job, start, handle), name=f"job-{job_id}")
         return job
 
@@ -173,6 +200,7 @@ class JobManager:
             log.exception("job %s failed", job.id)
             self._fail(job, "internal_error", f"{type(error).__name__}: {error}")
         finally:
+            job.waiting = False
             job.completed_at = job.completed_at or time.time()
             job.finished.set()
             self.metrics.jobs.labels(job.status).inc()
@@ -193,6 +221,7 @@ class JobManager:
                     return self._fail(job, error.code, error.message)
             except EngineRestartingError:
                 pass  # a queued job outlives a worker restart: try again once it is up
+        job.waiting = False
         job.status = "in_progress"
         output = SessionOutput(job.id, job.config, self.metrics)
         try:
@@ -226,10 +255,18 @@ class JobManager:
         job.status = "failed"
         job.error = {"code": code, "message": message}
 
-    def _evict(self) -> None:
-        finished = [j for j in self.jobs.values() if j.finished.is_set()]
-        for job in sorted(finished, key=lambda j: j.created_at)[: max(0, len(self.jobs) - self.settings.max_jobs_kept)]:
-            del self.jobs[job.id]
+    def expire(self) -> None:
+        """Forget finished jobs kept for ``job_ttl_s`` already."""
+        now = time.time()
+        for job in [j for j in self.jobs.values() if j.finished.is_set()]:
+            if now - (job.completed_at or now) >= self.settings.job_ttl_s:
+                del self.jobs[job.id]
+
+    def _soonest_expiry_s(self) -> float:
+        """Seconds until a kept job expires (a fair Retry-After when the store is full)."""
+        now = time.time()
+        ends = [j.completed_at + self.settings.job_ttl_s - now for j in self.jobs.values() if j.finished.is_set()]
+        return max(1.0, min(ends)) if ends else CAPACITY_RETRY_S
 
 
 async def _stop_and_drain(engine: EngineClient, handle: SessionHandle) -> None:

@@ -65,6 +65,13 @@ class ServerSettings:
     max_height: int = 1280
     """Tallest frame a request may ask for (the model may allow less)."""
     max_jobs_kept: int = 64
+    """Jobs kept at once: queued, running, or finished less than ``job_ttl_s`` ago. A
+    new job beyond it is refused with 429 (too_many_jobs); none is pushed out early."""
+    max_queued_jobs: int = 16
+    """Jobs that may wait for the engine at once; a new one that would wait beyond
+    it is refused with 429 (queue_full)."""
+    job_ttl_s: float = 3600.0
+    """How long a finished job (and its video) is kept for download."""
     """Finished jobs kept for download; the oldest finished ones go first."""
     worker_startup_timeout_s: float = 300.0
     """How long a worker may take to load its model and say READY."""

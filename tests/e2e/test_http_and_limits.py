@@ -252,3 +252,42 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(server):
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     gone = httpx.get(f"{server.http}/v1/videos/video_nope")
     assert gone.status_code == 404 and gone.json()["error"]["message"] == "no video 'video_nope'"
+
+
+async def test_jobs_are_bounded_and_a_finished_one_is_kept_for_its_ttl(make_server):
+    server = make_server(
+        "--max-sessions", "1", "--max-queued-jobs", "1", "--max-jobs-kept", "3", "--job-ttl-s", "3600",
+        pipeline={"step_time_s": 0.002},
+    )
+    done = poll(server, httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1}).json()["id"], "completed")
+    async with open_realtime(server.ws) as ws:  # holds the only session
+        holder = Realtime(ws)
+        await holder.send({"type": "session.start", "prompt": "holder", "format": "raw"})
+        await holder.until("video.start")
+        waiting = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1})
+        assert waiting.status_code == 202 and waiting.json()["status"] == "queued"
+        refused = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["retry-after"]) >= 1
+        await holder.send({"type": "session.stop"})
+        await holder.rest()
+    poll(server, waiting.json()["id"], "completed")
+    third = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1})
+    assert third.status_code == 202
+    poll(server, third.json()["id"], "completed")
+    # Three jobs kept: a fourth is refused rather than pushing the first one out.
+    full = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1})
+    assert full.status_code == 429 and full.json()["error"]["code"] == "too_many_jobs"
+    assert 3000 < int(full.headers["retry-after"]) <= 3600  # when the oldest one expires
+    assert httpx.get(f"{server.http}/v1/videos/{done['id']}/content").status_code == 200
+
+
+def test_a_finished_job_expires_after_its_ttl(make_server):
+    server = make_server("--job-ttl-s", "0.5", pipeline={"step_time_s": 0.002})
+    job = poll(server, httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1}).json()["id"], "completed")
+    assert httpx.get(f"{server.http}/v1/videos/{job['id']}/content").status_code == 200
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.http}/v1/videos/{job['id']}").status_code != 404:  # the condition is time itself
+        assert time.monotonic() < deadline, "the job outlived its ttl"
+        time.sleep(0.1)
+    assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
