@@ -37,6 +37,7 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.messages import (
     ControlMessage,
+    Delivered,
     EngineDead,
     Interaction,
     Playback,
@@ -473,6 +474,13 @@ class EngineClient:
         if session_id not in self._sessions:
             raise UnknownSessionError(f"no open session {session_id!r}")
         await self._send(SubmitInteraction(session_id=session_id, event_id=event_id, interaction=interaction))
+
+    async def delivered(self, session_id: str, media_seconds: float) -> None:
+        """Tell the worker the session's media up to ``media_seconds`` was written
+        to its client's socket (transport backpressure for pacing)."""
+        if session_id not in self._sessions:
+            raise UnknownSessionError(f"no open session {session_id!r}")
+        await self._send(Delivered(session_id=session_id, media_seconds=media_seconds))
 
     async def playback(self, session_id: str, position_seconds: float) -> None:
         if session_id not in self._sessions:

@@ -34,6 +34,9 @@ class EngineConfig:
     supports it. The chunk boundary is never grouped (see docs/ENGINE.md)."""
     max_batch_rows: int = 1
     """Session rows one forward may carry; the worker builds its pipeline for this many."""
+    max_undelivered_seconds: float = 4.0
+    """Media a realtime session may have made beyond what was written to its
+    client's socket; past it the session waits (transport backpressure)."""
     overlap_decode: bool | None = None
     """Decode a committed chunk on a stage of its own (a thread; a CUDA stream on a
     GPU) while the session's next chunk denoises (True), or in the micro-step that
@@ -57,6 +60,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.max_sessions >= 1, "max_sessions", "must be >= 1")
         _check(self.max_batch_rows >= 1, "max_batch_rows", "must be >= 1")
+        _check(self.max_undelivered_seconds > 0, "max_undelivered_seconds", "must be > 0")
         budget = self.session_memory_bytes
         _check(budget is None or budget > 0, "session_memory_bytes", "must be > 0")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")

@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.mailbox import InteractionMailbox, OfferStatus, PendingInteraction, TakeResult
 from engine.messages import (
     ControlMessage,
+    Delivered,
     InteractionQueued,
     InteractionRejected,
     InteractionSuperseded,
@@ -46,6 +47,7 @@ from engine.messages import (
     StopSession,
     SubmitInteraction,
 )
+from engine.pacing import Playhead
 from engine.validation import check_interaction, check_start
 
 
@@ -60,6 +62,7 @@ class SessionControl:
     in_progress: int | None = None  # chunk being generated, None between chunks
     stopping: bool = False
     playback_s: float | None = None
+    delivered_s: float | None = None  # media written to the client's socket, as the API process reported
 
 
 class ControlPlane:
@@ -84,6 +87,7 @@ class ControlPlane:
             StartSession: self._on_start,
             SubmitInteraction: self._on_interaction,
             Playback: self._on_playback,
+            Delivered: self._on_delivered,
             StopSession: self._on_stop,
             Probe: self._to_inbox,
             Shutdown: self._on_shutdown,
@@ -162,6 +166,12 @@ class ControlPlane:
             control.playback_s = playback.position_seconds
             self._wake()
 
+    def _on_delivered(self, delivered: Delivered) -> None:
+        control = self._sessions.get(delivered.session_id)
+        if control is not None:
+            control.delivered_s = delivered.media_seconds
+            self._wake()
+
     def _on_stop(self, stop: StopSession) -> None:
         control = self._sessions.get(stop.session_id)
         if control is not None and not control.stopping:
@@ -217,12 +227,13 @@ class ControlPlane:
             self._inbox.clear()
         return messages
 
-    def pacing_state(self) -> tuple[int, dict[str, float | None]]:
-        """The wake-up count and every session's last reported playhead, read
-        together: the loop decides its pacing on these and hands the count to
-        ``wait``."""
+    def pacing_state(self) -> tuple[int, dict[str, Playhead]]:
+        """The wake-up count and every session's last reported playhead and
+        delivered position, read together: the loop decides its pacing on these
+        and hands the count to ``wait``."""
         with self._lock:
-            return self._wakeups, {sid: control.playback_s for sid, control in self._sessions.items()}
+            playheads = {sid: Playhead(c.playback_s, c.delivered_s) for sid, c in self._sessions.items()}
+            return self._wakeups, playheads
 
     def wait(self, seen: int, timeout: float | None = None) -> bool:
         """Block until the inbox has something or anything arrived after the

@@ -53,7 +53,7 @@ from engine.messages import (
     StartSession,
     StopSession,
 )
-from engine.pacing import wait_seconds
+from engine.pacing import Playhead, wait_seconds
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
 from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase
@@ -142,7 +142,11 @@ class EngineLoop:
     def _on_start(self, start: StartSession) -> None:
         geometry = self.control.geometry(start.session_id)
         self.sessions[start.session_id] = EngineSession(
-            start.session_id, geometry, start=start, max_lead_seconds=start.max_lead_seconds
+            start.session_id,
+            geometry,
+            start=start,
+            max_lead_seconds=start.max_lead_seconds,
+            max_undelivered_seconds=self.config.max_undelivered_seconds,
         )
 
     def _on_stop(self, stop: StopSession) -> None:
@@ -177,7 +181,7 @@ class EngineLoop:
     # boundary work + schedule, submit
     # ------------------------------------------------------------------
 
-    def submit(self, playheads: dict[str, float | None]) -> float | None:
+    def submit(self, playheads: dict[str, Playhead]) -> float | None:
         """Plan and submit micro-steps while the executor has room; returns when
         a paced session may run again (None: no session is waiting on time)."""
         wake_in = None
@@ -190,7 +194,7 @@ class EngineLoop:
             self.executor.submit(step)
         return wake_in
 
-    def plan(self, playheads: dict[str, float | None]) -> tuple[MicroStep, float | None]:
+    def plan(self, playheads: dict[str, Playhead]) -> tuple[MicroStep, float | None]:
         """The next micro-step: sessions to release and open, boundaries, and one
         row per scheduled session."""
         step = MicroStep(number=self._number + 1)
@@ -212,13 +216,14 @@ class EngineLoop:
             self._number = step.number
         return step, wake_in
 
-    def _paced(self, playheads: dict[str, float | None]) -> tuple[set[str], float | None]:
+    def _paced(self, playheads: dict[str, Playhead]) -> tuple[set[str], float | None]:
         """Sessions held back by pacing, and the soonest one of them may run."""
         now = self.clock()
         held: set[str] = set()
         wake: float | None = None
         for sid, session in self.sessions.items():
-            wait = wait_seconds(session, playheads.get(sid), now)
+            playhead = playheads.get(sid, Playhead(None, None))
+            wait = wait_seconds(session, playhead.reported, now, playhead.delivered)
             if wait == 0.0:
                 continue
             held.add(sid)

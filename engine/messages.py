@@ -124,6 +124,15 @@ class Playback(_Wire, tag="playback"):
     position_seconds: float
 
 
+class Delivered(_Wire, tag="delivered"):
+    """The session's media up to ``media_seconds`` was written to its client's
+    socket (the API process says so after each chunk it wrote): pacing holds a
+    session whose client does not take what was made."""
+
+    session_id: str
+    media_seconds: float
+
+
 class StopSession(_Wire, tag="stop_session"):
     """End a session; idempotent. Answered by ``SessionDone(stopped=True)``."""
 
@@ -143,7 +152,7 @@ class Shutdown(_Wire, tag="shutdown"):
     reason: str = "shutdown"
 
 
-ControlMessage = StartSession | SubmitInteraction | Playback | StopSession | Probe | Shutdown
+ControlMessage = StartSession | SubmitInteraction | Playback | Delivered | StopSession | Probe | Shutdown
 
 
 # --------------------------------------------------------------------------

@@ -8,16 +8,29 @@ exceeds the budget by more than one chunk, and a new prompt becomes
 
 The playhead is the last ``Playback`` position the client reported; a client
 that never reports one is assumed to play in real time from the moment the
-first chunk was emitted. A session that waits is simply not scheduled: other
+first chunk was emitted. Apart from that budget, a session never gets more
+than ``max_undelivered_seconds`` of media ahead of what was written to its
+client's socket (``Delivered``, reported by the API process): a client that
+stops reading holds its session's generation, paced or not, and the server
+buffers a bounded amount for it. A session that waits is simply not scheduled: other
 sessions run, and control (interactions, stops, pings) stays live because it
 never waits for the loop.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from engine.session import EngineSession, Phase
 
 EPSILON_S = 1e-3  # wake a little after the lead drops under budget, not a little before
+
+
+class Playhead(NamedTuple):
+    """What the engine knows of where a session's media has got to."""
+
+    reported: float | None  # the client's last reported playhead (Playback)
+    delivered: float | None  # media written to its socket (Delivered, from the API process)
 
 
 def playhead_seconds(session: EngineSession, reported: float | None, now: float) -> float:
@@ -34,11 +47,21 @@ def lead_seconds(session: EngineSession, reported: float | None, now: float) -> 
     return session.media_seconds_done - playhead_seconds(session, reported, now)
 
 
-def wait_seconds(session: EngineSession, reported: float | None, now: float) -> float | None:
+def wait_seconds(
+    session: EngineSession, reported: float | None, now: float, delivered: float | None = None
+) -> float | None:
     """0 when the session may run now; else seconds until it may (the real-time
-    estimate catches up), or None when only a new playback report can free it."""
+    estimate catches up), or None when only a new report can free it: a playback
+    report, or a delivery report when the media not yet written to the client's
+    socket reaches ``max_undelivered_seconds`` (transport backpressure, whatever
+    the pacing budget)."""
+    if session.phase is not Phase.BOUNDARY:
+        return 0.0
+    undelivered = session.max_undelivered_seconds
+    if delivered is not None and undelivered is not None and session.media_seconds_done - delivered >= undelivered:
+        return None
     budget = session.max_lead_seconds
-    if budget is None or session.phase is not Phase.BOUNDARY:
+    if budget is None:
         return 0.0
     excess = lead_seconds(session, reported, now) - budget
     if excess < 0:

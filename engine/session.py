@@ -118,7 +118,8 @@ class EngineSession:
     failure: str | None = None  # why it failed; said (SessionFailed) once its decodes came back
     failure_said: bool = False
     decodes_dropped: bool = False  # a decode failed: later chunks would leave a gap, so none is emitted
-    max_lead_seconds: float | None = None  # pacing budget; None: never held back
+    max_lead_seconds: float | None = None  # pacing budget; None: never held back for the playhead
+    max_undelivered_seconds: float | None = None  # transport budget beyond what was written to the client
     first_emit_at: float | None = None  # time.monotonic() when chunk 0 was emitted
     events: EventTracker = field(default_factory=EventTracker)
     applied: list[AppliedInteraction] = field(default_factory=list)

@@ -51,6 +51,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         group_chunk_steps=settings.group_chunk_steps,
         max_batch_rows=settings.max_batch_rows,
         overlap_decode=settings.overlap_decode,
+        max_undelivered_seconds=settings.max_undelivered_seconds,
         session_memory_bytes=None if settings.session_memory_gib is None else int(settings.session_memory_gib * 2**30),
         startup_timeout_s=settings.worker_startup_timeout_s,
         max_worker_restarts=settings.max_worker_restarts,

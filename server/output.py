@@ -42,6 +42,13 @@ from server.schemas import EffectiveConfig
 class MediaChunk:
     metadata: dict[str, Any]  # the video.chunk_metadata event
     payload: bytes
+    compute_s: float  # the worker's pipeline time for it
+    fps: float  # the session's
+
+    @property
+    def media_end_seconds(self) -> float:
+        """Where the chunk's media ends, in session seconds."""
+        return self.metadata["media_start_seconds"] + self.metadata["num_frames"] / self.fps
 
 
 class SessionOutput:
@@ -74,10 +81,7 @@ class SessionOutput:
         timing = ready.timing
         compute_ms = timing.boundary_ms + timing.denoise_ms + timing.decode_ms
         self.compute_ms += compute_ms
-        if self.clock is not None:
-            seconds = len(frames) / self.config.fps
-            self.clock.chunk(ready.media_start_seconds, seconds, len(frames), compute_ms / 1000.0)
-        else:  # request mode: no delivery clock, but the same compute and frame counts
+        if self.clock is None:  # request mode: no delivery clock, but the same compute and frame counts
             self.metrics.frames.inc(len(frames))
             self.metrics.compute.observe(compute_ms / 1000.0)
         metadata = ChunkMetadata(
@@ -96,7 +100,13 @@ class SessionOutput:
         self.transport_index += 1
         self.frames_sent += len(frames)
         self.chunks_sent += 1
-        return MediaChunk(metadata, payload)
+        return MediaChunk(metadata, payload, compute_ms / 1000.0, self.config.fps)
+
+    def delivered(self, chunk: MediaChunk) -> None:
+        """A realtime chunk was written to the client's socket: only now is it
+        delivered, for the delivery clock and ``/metrics``."""
+        frames = chunk.metadata["num_frames"]
+        self.clock.chunk(chunk.metadata["media_start_seconds"], frames / chunk.fps, frames, chunk.compute_s)
 
     def event(self, message: ResultMessage) -> dict[str, Any] | None:
         """The protocol event for a non-media engine result (None: nothing to say)."""

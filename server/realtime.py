@@ -42,7 +42,7 @@ from server.drain import Drainer
 from server.events import SessionPong, VideoStart
 from server.limits import TooDeepError, too_deep
 from server.metrics import Metrics, SessionClock
-from server.output import SessionOutput, error_event
+from server.output import MediaChunk, SessionOutput, error_event
 from server.schemas import (
     CLIENT_EVENT_TYPES,
     ClientEvent,
@@ -78,8 +78,7 @@ class Event:
 class Media:
     """A ``video.chunk_metadata`` text frame and its binary frame, sent back to back."""
 
-    metadata: dict[str, Any]
-    payload: bytes
+    chunk: MediaChunk
 
 
 @dataclass(frozen=True)
@@ -327,7 +326,7 @@ class RealtimeConnection:
             if isinstance(message, ChunkReady):
                 chunk = await self.output.chunk(message)
                 if chunk is not None:
-                    self.outbox.put_nowait(Media(chunk.metadata, chunk.payload))
+                    self.outbox.put_nowait(Media(chunk))
                 continue
             if isinstance(message, SessionStarted):
                 continue
@@ -354,6 +353,13 @@ class RealtimeConnection:
         self._send(error_event(code, message, fatal=True))
         self.outbox.put_nowait(Close(close_code, message[:120]))
 
+    async def _delivered(self, chunk: MediaChunk) -> None:
+        """The chunk is written to the socket: count it delivered, and tell the
+        engine, whose pacing holds a session whose client stops taking media."""
+        self.output.delivered(chunk)
+        with contextlib.suppress(EngineDeadError, UnknownSessionError):
+            await self.engine.delivered(self.handle.session_id, chunk.media_end_seconds)
+
     async def _writer(self) -> None:
         """The socket's only sender: events, metadata + binary pairs, and the close."""
         while True:
@@ -364,9 +370,10 @@ class RealtimeConnection:
                 match item:
                     case Event(event):
                         await self.ws.send_text(json.dumps(event))
-                    case Media(metadata, payload):
-                        await self.ws.send_text(json.dumps(metadata))
-                        await self.ws.send_bytes(payload)
+                    case Media(chunk):
+                        await self.ws.send_text(json.dumps(chunk.metadata))
+                        await self.ws.send_bytes(chunk.payload)
+                        await self._delivered(chunk)
                     case Close(code, reason):
                         if self.ws.client_state is WebSocketState.CONNECTED:
                             await self.ws.close(code, reason)

@@ -38,6 +38,10 @@ class ServerSettings:
     attention buffers and the memory reserved for a forward follow. Batching raises
     throughput but steps sessions in lockstep, so their chunks arrive in bursts
     and a new prompt waits up to a whole round longer: 1 favours latency."""
+    max_undelivered_seconds: float = 4.0
+    """Media a realtime session may have made beyond what was written to its client's
+    socket; past it generation waits for the client (a slow or stalled reader holds
+    its own session, and the server buffers a bounded amount for it)."""
     overlap_decode: bool | None = None
     """Decode each chunk on a stage of its own while the session's next chunk denoises
     (true), or in line after its commit (false); unset: where the model says it pays

@@ -164,3 +164,29 @@ async def test_client_disconnect_mid_chunk_frees_the_session(make_server):
     health = server.health()  # the worker released everything the session held
     assert health["sessions"] == 0
     assert health["runner_sessions"] == [] and health["pipeline_sessions"] == []
+
+
+async def test_a_client_that_stops_reading_holds_its_own_session(make_server):
+    """Pacing off, 2.3 MB chunks, a client that reads nothing for two seconds: the
+    engine makes at most max_undelivered_seconds of media beyond what the socket
+    took (plus what the socket buffers hold), instead of all it can; a client
+    reading alongside is not held."""
+    server = make_server("--max-undelivered-seconds", "1", pipeline={"step_time_s": 0.001, "max_size": 512})
+    start = {**START, "format": "raw", "width": 448, "height": 448, "max_lead_seconds": None}
+    # No compression: the stub's frames deflate to almost nothing, and the socket would never fill.
+    stalled = open_realtime(server.ws, max_queue=1, compression=None)
+    async with stalled as stalled_ws, open_realtime(server.ws) as reader_ws:
+        stalled, reader = Realtime(stalled_ws), Realtime(reader_ws)
+        await stalled.send(start)
+        await reader.send({**start, "width": 32, "height": 32})
+        await stalled.until("video.start")
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while asyncio.get_running_loop().time() < deadline:  # the stalled client reads nothing meanwhile
+            await reader.next()
+        await stalled.send({"type": "session.stop"})
+        got = await stalled.rest()
+        await reader.send({"type": "session.stop"})
+        read = await reader.rest()
+    done = got.of("session.done")[0]
+    assert done["chunks"] == len(got.chunks) and len(got.chunks) < 30, len(got.chunks)  # unheld: hundreds
+    assert len(read.chunks) > 2 * len(got.chunks)

@@ -8,7 +8,8 @@ import threading
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
-from engine.messages import ChunkReady, Playback, Probe, StartSession
+from engine.messages import ChunkReady, Delivered, Playback, Probe, StartSession
+from engine.pacing import Playhead
 from tests.support import inline_loop
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
@@ -26,7 +27,7 @@ def test_wait_returns_at_once_for_a_report_after_the_pacing_read():
     control.handle(StartSession(session_id="s", prompt="p"))
     control.drain()
     seen, playheads = control.pacing_state()
-    assert playheads == {"s": None}
+    assert playheads == {"s": Playhead(None, None)}
     assert control.wait(seen, timeout=0) is False  # nothing new since the read
 
     receiver = threading.Thread(target=control.handle, args=(Playback(session_id="s", position_seconds=1.5),))
@@ -34,7 +35,9 @@ def test_wait_returns_at_once_for_a_report_after_the_pacing_read():
     receiver.join()
     assert control.wait(seen, timeout=0) is True  # the report came after the read: no sleep
     seen, playheads = control.pacing_state()
-    assert playheads == {"s": 1.5} and control.wait(seen, timeout=0) is False
+    assert playheads == {"s": Playhead(1.5, None)} and control.wait(seen, timeout=0) is False
+    control.handle(Delivered(session_id="s", media_seconds=0.75))  # the API process's delivery report wakes it too
+    assert control.wait(seen, timeout=0) is True and control.pacing_state()[1] == {"s": Playhead(1.5, 0.75)}
 
 
 def test_wait_returns_at_once_for_a_message_already_in_the_inbox():

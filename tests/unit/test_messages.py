@@ -39,6 +39,7 @@ CONTROL = [
         session_id="s", event_id="e1", interaction=m.Interaction(prompt="ünïcødé ✓", transition_chunks=0)
     ),
     m.Playback(session_id="s", position_seconds=1.25),
+    m.Delivered(session_id="s", media_seconds=2.25),
     m.StopSession(session_id="s", reason="client_disconnected"),
     m.Probe(probe_id=3),
     m.Shutdown(reason="sigterm"),

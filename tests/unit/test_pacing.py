@@ -188,3 +188,16 @@ def test_a_report_overrides_the_clock_and_frees_exactly_what_it_allows():
     loop.run_once()
     _held(loop)
     assert _chunks(sent) == [0, 1, 2, 3, 4]
+
+
+def test_a_client_that_takes_no_media_holds_its_session_paced_or_not():
+    """Past max_undelivered_seconds of media beyond what was written to its socket,
+    a session waits for a delivery report, whatever its pacing budget says."""
+    for budget in (None, 100.0):
+        s = session(frames_done=64, budget=budget)  # 4 s made at 16 fps
+        s.max_undelivered_seconds = 2.0
+        assert wait_seconds(s, None, now=100.0, delivered=2.5) == 0.0  # 1.5 s undelivered
+        assert wait_seconds(s, None, now=100.0, delivered=2.0) is None  # 2 s: only a report frees it
+        assert wait_seconds(s, None, now=100.0) == 0.0  # nothing delivered yet, nothing to hold on
+        s.phase = Phase.DENOISING
+        assert wait_seconds(s, None, now=100.0, delivered=0.0) == 0.0  # a chunk in progress is never held
