@@ -8,6 +8,7 @@ app and shuts down with it, the job manager lives in ``app.state``.
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,7 +16,9 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,6 +35,7 @@ from server.schemas import JobRequest, RequestError
 from server.settings import ServerSettings
 
 STATIC = Path(__file__).parent / "static"
+SWAGGER_UI = str(importlib.resources.files("swagger_ui") / "static")  # Swagger UI 5's files, from swagger-ui-py
 LIVENESS_PROBE_S = 1.0  # how long /health/live waits for the loop; a forward this long is "busy"
 
 
@@ -86,7 +90,22 @@ def create_app(settings: ServerSettings) -> FastAPI:
         version="0.1.0",
         summary="Realtime video generation: prompts in, video chunks out, each new prompt at the next chunk.",
         lifespan=lifespan,
+        docs_url=None,  # served below from local files, not a CDN
+        redoc_url=None,
     )
+    app.mount("/docs/assets", StaticFiles(directory=SWAGGER_UI), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        """Swagger UI over /openapi.json, every file from this server (nothing is
+        downloaded: the page works offline)."""
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title="rtvideo API",
+            swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs/assets/swagger-ui.css",
+            swagger_favicon_url="/docs/assets/favicon-32x32.png",
+        )
     app.state.settings = settings
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
     redact_access_log()

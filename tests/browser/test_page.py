@@ -75,3 +75,20 @@ def test_the_page_streams_applies_a_prompt_and_downloads_an_mp4(browser, api_key
         assert errors == []
     finally:
         stop_server(server)
+
+
+def test_the_api_docs_render_with_no_request_leaving_the_machine(browser):
+    """Swagger UI from the server's own files: every request the page makes goes to
+    the server, and the operations render."""
+    server = start_server(model="stub")
+    try:
+        page = browser.new_page()
+        requested: list[str] = []
+        page.on("request", lambda request: requested.append(request.url))
+        page.goto(server.http + "/docs")
+        page.wait_for_selector("[data-path='/v1/videos/sync']", timeout=30_000)
+        assert requested and all(url.startswith(server.http) for url in requested), requested
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "api-docs.png"))
+    finally:
+        stop_server(server)

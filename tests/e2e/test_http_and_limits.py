@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import time
 
 import av
@@ -291,3 +292,16 @@ def test_a_finished_job_expires_after_its_ttl(make_server):
         assert time.monotonic() < deadline, "the job outlived its ttl"
         time.sleep(0.1)
     assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
+
+
+def test_the_api_docs_are_served_from_this_server_alone(server):
+    page = httpx.get(f"{server.http}/docs")
+    assert page.status_code == 200 and "swagger-ui" in page.text
+    links = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", page.text)
+    assert links and all(link.startswith("/docs/assets/") for link in links), links  # no CDN
+    assert "http://" not in page.text and "https://" not in page.text
+    for link in links:
+        asset = httpx.get(f"{server.http}{link}")
+        assert asset.status_code == 200 and len(asset.content) > 500, link
+    assert httpx.get(f"{server.http}/openapi.json").json()["info"]["title"] == "rtvideo"
+    assert httpx.get(f"{server.http}/redoc").status_code == 404
