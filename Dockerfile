@@ -7,7 +7,7 @@
 ARG VARIANT=cpu
 
 FROM python:3.11-slim-bookworm AS base-cpu
-# Installs requirements/cpu.lock, which pins torch==2.13.0+cpu by its hash: pass
+# Installs requirements-cpu.lock, which pins torch==2.13.0+cpu by its hash: pass
 # --build-arg PIP_EXTRA_INDEX_URL=<an index serving torch's CPU builds>.
 ARG PIP_EXTRA_INDEX_URL=""
 ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} \
@@ -17,7 +17,7 @@ FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS base-cuda
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv python3-dev make \
  && rm -rf /var/lib/apt/lists/*
-# The build has no driver to detect: name the lock. requirements/cuda.lock pins
+# The build has no driver to detect: name the lock. requirements-cuda.lock pins
 # torch 2.13.0's default build, which brings its own CUDA 13 libraries (the host
 # needs a driver that supports CUDA 13).
 ENV RTVIDEO_LOCK=cuda
@@ -28,7 +28,7 @@ RUN (command -v make >/dev/null || (apt-get update && apt-get install -y --no-in
 WORKDIR /app
 COPY pyproject.toml README.md Makefile ./
 COPY scripts ./scripts
-COPY requirements ./requirements
+COPY requirements-cpu.lock requirements-cuda.lock ./
 COPY engine ./engine
 COPY workers ./workers
 COPY server ./server

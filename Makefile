@@ -1,13 +1,13 @@
 # Two commands for a fresh machine: `make serve` and `make test`.
 # Both install into .venv first, from the lock of this machine's platform
-# (scripts/install: requirements/cpu.lock without an NVIDIA driver, else cuda.lock).
+# (scripts/install: requirements-cpu.lock without an NVIDIA driver, else requirements-cuda.lock).
 # `make lock` refreshes the locks after a dependency changed in pyproject.toml.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install serve test bench lock clean
 
-$(VENV)/.installed: pyproject.toml scripts/install requirements/cpu.lock requirements/cuda.lock
+$(VENV)/.installed: pyproject.toml scripts/install requirements-cpu.lock requirements-cuda.lock
 	VENV=$(VENV) sh scripts/install
 	touch $@
 
