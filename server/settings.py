@@ -83,8 +83,9 @@ class ServerSettings:
     """Workers restarted after a death within five minutes; past that the replica
     stays down (liveness fails) until it is restarted."""
     worker_wedged_after_s: float = 180.0
-    """``/health/live`` fails once the worker's loop has answered no probe for this
-    long (a wedged worker); keep it above the longest single forward you serve."""
+    """``/health/live`` fails once one forward has run, or the worker's loop has
+    answered no probe, for this long (a wedged worker); keep it above the longest
+    single forward you serve."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long running sessions and jobs may go on before they are ended."""
 

@@ -341,3 +341,19 @@ def test_models_nested_in_fields_are_walked():
         items: list[Inner] | None = None
 
     assert model_fields([Outer]) == {"type", "items", "deep"}
+
+
+NOT_LIMITS = {"host", "port", "model", "pipeline_options", "group_chunk_steps", "overlap_decode", "api_key"}
+
+
+def test_every_server_limit_is_in_the_limits_table():
+    """docs/SERVER.md lists every limit option with its default and what a client gets past it."""
+    from dataclasses import fields
+
+    from server.settings import ServerSettings
+
+    server_doc = (ROOT / "docs" / "SERVER.md").read_text()
+    table = server_doc[server_doc.index("## Limits") :].split("\n## ")[0]
+    limits = {f.name for f in fields(ServerSettings)} - NOT_LIMITS
+    assert {"max_sessions", "max_request_bytes", "job_ttl_s"} <= limits
+    assert [name for name in sorted(limits) if f"`{name}`" not in table] == []
