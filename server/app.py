@@ -31,7 +31,7 @@ from server.limits import BodyLimits
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
 from server.realtime import RealtimeConnection
-from server.schemas import JobRequest, RequestError
+from server.schemas import ErrorBody, JobRequest, RequestError
 from server.settings import ServerSettings
 
 STATIC = Path(__file__).parent / "static"
@@ -209,7 +209,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         """Prometheus text format: realtime sessions, latencies, interactions, jobs, workers."""
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", tags=["models"], dependencies=[Depends(authorized)])
+    @app.get("/v1/models", tags=["models"], dependencies=[Depends(authorized)], responses=errors(401))
     async def models(request: Request) -> dict:
         ready = engine_of(request).ready
         d = ready.defaults
@@ -245,12 +245,24 @@ def create_app(settings: ServerSettings) -> FastAPI:
             async with websocket.app.state.capacity:
                 websocket.app.state.capacity.notify_all()
 
-    @app.post("/v1/videos", status_code=202, tags=["videos"], dependencies=[Depends(authorized)])
+    @app.post(
+        "/v1/videos",
+        status_code=202,
+        tags=["videos"],
+        dependencies=[Depends(authorized)],
+        responses=errors(401, 413, 422, 429, 503),
+    )
     async def create_video(body: JobRequest, request: Request) -> dict:
         """Start a job; poll it, then fetch ``/content``."""
         return (await _create(request, body)).public()
 
-    @app.post("/v1/videos/sync", tags=["videos"], dependencies=[Depends(authorized)])
+    @app.post(
+        "/v1/videos/sync",
+        tags=["videos"],
+        dependencies=[Depends(authorized)],
+        response_class=Response,
+        responses={**VIDEO_CONTENT, **errors(401, 413, 422, 429, 499, 500, 503)},
+    )
     async def create_video_sync(body: JobRequest, request: Request) -> Response:
         """Run a job and answer with its content. A client that leaves before the
         answer cancels the job: nobody would fetch it, so it frees its slot."""
@@ -270,24 +282,34 @@ def create_app(settings: ServerSettings) -> FastAPI:
             return _error(status, code, _job_error(job))
         return _content(job)
 
-    @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)])
+    @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401))
     async def list_videos(request: Request) -> dict:
         request.app.state.jobs.expire()
         jobs = sorted(request.app.state.jobs.jobs.values(), key=lambda j: j.created_at, reverse=True)
         return {"object": "list", "data": [job.public() for job in jobs]}
 
-    @app.get("/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)])
+    @app.get(
+        "/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 404, 422)
+    )
     async def get_video(video_id: str, request: Request) -> dict:
         return _job(request, video_id).public()
 
-    @app.get("/v1/videos/{video_id}/content", tags=["videos"], dependencies=[Depends(authorized)])
+    @app.get(
+        "/v1/videos/{video_id}/content",
+        tags=["videos"],
+        dependencies=[Depends(authorized)],
+        response_class=Response,
+        responses={**VIDEO_CONTENT, **errors(401, 404, 409, 422)},
+    )
     async def video_content(video_id: str, request: Request) -> Response:
         job = _job(request, video_id)
         if job.status != "completed":
             return _error(409, "not_ready", f"video {video_id} is {job.status}, not completed")
         return _content(job)
 
-    @app.delete("/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)])
+    @app.delete(
+        "/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 404, 422)
+    )
     async def delete_video(video_id: str, request: Request) -> dict:
         _job(request, video_id)
         job = await request.app.state.jobs.cancel(video_id)
@@ -332,6 +354,30 @@ def _content(job) -> Response:
     suffix = "mp4" if c.format == "fmp4" else "bin"
     headers = {"Content-Disposition": f'attachment; filename="{job.id}.{suffix}"'}
     return Response(job.content, media_type=media_type, headers=headers)
+
+
+ERROR_MEANINGS = {
+    401: "an API key is configured and the request did not present it (unauthorized)",
+    404: "no such video (not_found)",
+    409: "the video is not completed yet (not_ready)",
+    413: "the request body is over max_request_bytes (body_too_large)",
+    422: "the request was refused; the message names the field (invalid_request)",
+    429: "too many jobs kept or waiting (too_many_jobs, queue_full); see Retry-After",
+    499: "the client left before the answer; the job was cancelled (client_closed)",
+    500: "the job did not complete: its own error code",
+    503: "no worker can take it (engine_unavailable; Retry-After while one restarts) or the server drains",
+}
+VIDEO_CONTENT = {
+    200: {
+        "description": "The video: MP4 for fmp4; for raw and jpeg the chunk payloads, concatenated",
+        "content": {"video/mp4": {}, "application/octet-stream": {}},
+    }
+}
+
+
+def errors(*statuses: int) -> dict[int, dict]:
+    """OpenAPI responses for these error statuses, each in the project's error shape."""
+    return {status: {"model": ErrorBody, "description": ERROR_MEANINGS[status]} for status in statuses}
 
 
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -23,7 +23,8 @@ FORMAT_ALIASES = {"m4s": "fmp4"}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Field docstrings become the descriptions in the OpenAPI schema (/docs).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class VideoRequest(_Strict):
@@ -31,22 +32,40 @@ class VideoRequest(_Strict):
     ``num_chunks``, ``seconds``; none means "until stopped" (realtime only)."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    """What the video shows at first (not blank)."""
     model: str | None = None
+    """The served model's id (GET /v1/models); another one is refused. Null: the served one."""
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     """Only for a model that samples with classifier-free guidance; the models served
     today do not, and refuse a non-blank one (null or "" is no negative prompt)."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Same seed, parameters and prompt changes: the same frames."""
     width: int | None = Field(None, ge=2)
+    """Frame width in pixels; null: the model's default. At most the server's max_width,
+    and what the model allows (causal Wan: a multiple of 16)."""
     height: int | None = Field(None, ge=2)
+    """Frame height in pixels; null: the model's default (causal Wan: a multiple of 16)."""
     fps: float | None = Field(None, gt=0, le=120, allow_inf_nan=False)
+    """Frames per second of the media; null: the model's default (causal Wan: at most 60)."""
     num_frames: int | None = Field(None, ge=1)
+    """Total frames (the last chunk is trimmed). At most one of num_frames, num_chunks,
+    seconds; none: until stopped (realtime only)."""
     num_chunks: int | None = Field(None, ge=1)
+    """Length in chunks (the first chunk may be shorter: see frames_per_chunk in the answer)."""
     seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Length in seconds of media."""
     num_inference_steps: int | None = Field(None, ge=1, le=MAX_INFERENCE_STEPS)
+    """Denoise steps per chunk; null: the model's default. The model bounds it (causal Wan: 1-4)."""
     format: Literal["fmp4", "m4s", "jpeg", "raw"] = "fmp4"
+    """Media format: fmp4 (fragmented MP4, H.264; m4s is an alias), jpeg, or raw RGB frames."""
     transition_chunks: int = Field(0, ge=0, le=MAX_TRANSITION_CHUNKS)
+    """Default for prompt changes: blend the new prompt in over this many chunks (0 or 1: a cut)."""
     prompt_change: Literal[PROMPT_CHANGE_MODES] = "soft"
+    """What a prompt change does to the model's cache: soft keeps it, recache re-encodes
+    it under the new prompt, reset starts afresh."""
     max_lead_seconds: float | None = Field(2.0, gt=0, allow_inf_nan=False)
+    """Pacing: how far generated media may run ahead of the viewer (null: no pacing).
+    Jobs are never paced."""
 
     @model_validator(mode="after")
     def _one_length(self) -> VideoRequest:
@@ -60,14 +79,18 @@ class VideoRequest(_Strict):
 
 class ScheduledPrompt(_Strict):
     at_chunk: int = Field(ge=0)
+    """The chunk the prompt takes effect at (less than the job's chunk count; one a chunk)."""
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    """The new prompt."""
     transition_chunks: int | None = Field(None, ge=0, le=MAX_TRANSITION_CHUNKS)
+    """Chunks to blend it in over; null: the request's transition_chunks."""
 
 
 class JobRequest(VideoRequest):
     """``POST /v1/videos``: a finite request, with prompt changes fixed in advance."""
 
     interactions: list[ScheduledPrompt] = Field(default_factory=list, max_length=1000)
+    """Prompt changes fixed in advance; the job object says where each one landed."""
 
 
 # -- WebSocket client events ---------------------------------------------------------
@@ -122,6 +145,17 @@ def describe_validation_error(error: ValidationError) -> str:
 
 
 # -- resolution ----------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="A stable machine-readable code (docs/PROTOCOL.md lists them)")
+    message: str = Field(description="What was wrong, naming the field where there is one")
+
+
+class ErrorBody(BaseModel):
+    """Every error the HTTP API answers: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
 
 
 class RequestError(ValueError):
