@@ -112,8 +112,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in error.errors()]
-        return _error(422, "invalid_request", "; ".join(parts))
+        content_type = request.headers.get("content-type")
+        return _error(422, "invalid_request", describe_body_errors(error.errors(), content_type))
 
     @app.exception_handler(EngineDeadError)
     async def _engine_unavailable(request: Request, error: EngineDeadError) -> JSONResponse:
@@ -378,6 +378,28 @@ VIDEO_CONTENT = {
 def errors(*statuses: int) -> dict[int, dict]:
     """OpenAPI responses for these error statuses, each in the project's error shape."""
     return {status: {"model": ErrorBody, "description": ERROR_MEANINGS[status]} for status in statuses}
+
+
+def describe_body_errors(errors: list[dict], content_type: str | None = None) -> str:
+    """One line naming each field the request got wrong, in the client's terms:
+    ``width: Input should be ...``; ``body: not valid JSON (Expecting value) at
+    character 18``; ``body: expected a JSON object ...`` for a body that is not
+    one (a list, or a body sent without ``content-type: application/json``)."""
+    parts = []
+    for e in errors:
+        where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+        if e["type"] == "json_invalid":
+            at = e["loc"][1] if len(e["loc"]) > 1 else "?"
+            parts.append(f"body: not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}) at character {at}")
+        elif where == "body" and e["type"] == "model_attributes_type":
+            if isinstance(e.get("input"), bytes | str):  # not parsed: the content type was not JSON
+                got = f"content-type {content_type}" if content_type else "no content-type"
+                parts.append(f"body: expected a JSON object with content-type: application/json, got {got}")
+            else:
+                parts.append(f"body: expected a JSON object, got {type(e.get('input')).__name__}")
+        else:
+            parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
 
 
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -188,6 +188,31 @@ class EffectiveConfig:
         return asdict(self)
 
 
+def _frames_asked(request: VideoRequest, fps: float, first: int, per: int, max_frames: int) -> int | None:
+    """The frame count the request's length comes to (None: until stopped). Past
+    the server's ``max_frames`` the error names the field the client sent
+    (``num_frames``, ``num_chunks`` or ``seconds``), in that field's unit, and
+    says which server limit it hit."""
+    limit = f"this server's max_frames is {max_frames} frames (rtvideo serve --max-frames)"
+    if request.seconds is not None:
+        if request.seconds * fps > max_frames:  # checked before rounding: a huge float has no int
+            most = max_frames / fps
+            raise RequestError(f"seconds: at most {most:g} s at {fps:g} fps, asked for {request.seconds:g}; {limit}")
+        return max(1, round(request.seconds * fps))
+    if request.num_chunks is not None:
+        num_frames = first + (request.num_chunks - 1) * per
+        if num_frames > max_frames:
+            most = 1 + (max_frames - first) // per if max_frames >= first else 0
+            raise RequestError(
+                f"num_chunks: at most {most} chunks ({first} frames, then {per} a chunk), "
+                f"asked for {request.num_chunks}; {limit}"
+            )
+        return num_frames
+    if request.num_frames is not None and request.num_frames > max_frames:
+        raise RequestError(f"num_frames: at most {max_frames}, asked for {request.num_frames}; {limit}")
+    return request.num_frames
+
+
 def resolve(
     request: VideoRequest,
     session_id: str,
@@ -208,15 +233,7 @@ def resolve(
     if height > settings.max_height:
         raise RequestError(f"height: at most {settings.max_height}, got {height}")
     first, per = defaults.first_chunk_frames, defaults.frames_per_chunk
-    num_frames = request.num_frames
-    if request.seconds is not None:
-        if request.seconds * fps > settings.max_frames:  # checked before rounding: a huge float has no int
-            raise RequestError(f"seconds: at most {settings.max_frames / fps:g} s ({settings.max_frames} frames)")
-        num_frames = max(1, round(request.seconds * fps))
-    if request.num_chunks is not None:
-        num_frames = first + (request.num_chunks - 1) * per
-    if num_frames is not None and num_frames > settings.max_frames:
-        raise RequestError(f"num_frames: at most {settings.max_frames} frames, asked for {num_frames}")
+    num_frames = _frames_asked(request, fps, first, per, settings.max_frames)
     num_chunks = None if num_frames is None else 1 + max(0, math.ceil((num_frames - first) / per))
     scheduled = []
     for i, item in enumerate(getattr(request, "interactions", [])):

@@ -1,0 +1,62 @@
+"""Refusals name the field the client sent, in that field's unit, and say which
+server limit was hit (``resolve`` for lengths; ``describe_body_errors`` for a
+body that is not a JSON object)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.messages import SessionGeometry
+from server.app import describe_body_errors
+from server.schemas import JobRequest, RequestError, resolve
+from server.settings import ServerSettings
+
+# The tiny model's shape: 9 frames in chunk 0, then 12 a chunk, 16 fps.
+TINY = SessionGeometry(
+    width=64, height=64, fps=16.0, num_inference_steps=4, first_chunk_frames=9, frames_per_chunk=12,
+    num_chunks=None, transition_chunks=0,
+)  # fmt: skip
+SETTINGS = ServerSettings(max_frames=93)  # exactly 8 chunks
+
+
+def refusal(**fields) -> str:
+    with pytest.raises(RequestError) as caught:
+        resolve(JobRequest(prompt="p", **fields), "job", TINY, SETTINGS, "tiny", paced=False)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"num_chunks": 9}, "num_chunks: at most 8 chunks (9 frames, then 12 a chunk), asked for 9;"),
+        ({"num_chunks": 100_000}, "num_chunks: at most 8 chunks"),
+        ({"seconds": 7200}, "seconds: at most 5.8125 s at 16 fps, asked for 7200;"),
+        ({"num_frames": 94}, "num_frames: at most 93, asked for 94;"),
+    ],
+)
+def test_a_length_past_max_frames_names_the_field_that_was_sent(fields, expected):
+    message = refusal(**fields)
+    assert message.startswith(expected), message
+    assert message.endswith("this server's max_frames is 93 frames (rtvideo serve --max-frames)")
+
+
+def test_lengths_at_the_limit_are_accepted():
+    for fields in ({"num_chunks": 8}, {"num_frames": 93}, {"seconds": 93 / 16}):
+        _, config = resolve(JobRequest(prompt="p", **fields), "job", TINY, SETTINGS, "tiny", paced=False)
+        assert (config.num_frames, config.num_chunks) == (93, 8), fields
+
+
+def test_a_body_that_is_not_a_json_object_says_what_was_wrong():
+    bad_json = [
+        {"type": "json_invalid", "loc": ("body", 18), "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}
+    ]
+    assert describe_body_errors(bad_json) == "body: not valid JSON (Expecting value) at character 18"
+    form = [{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be ...", "input": b"prompt=x"}]
+    assert describe_body_errors(form, "application/x-www-form-urlencoded") == (
+        "body: expected a JSON object with content-type: application/json, "
+        "got content-type application/x-www-form-urlencoded"
+    )
+    listed = [{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be ...", "input": [1]}]
+    assert describe_body_errors(listed) == "body: expected a JSON object, got list"
+    field = [{"type": "int_parsing", "loc": ("body", "interactions", 0, "at_chunk"), "msg": "Input should be an int"}]
+    assert describe_body_errors(field) == "interactions.0.at_chunk: Input should be an int"
