@@ -31,7 +31,15 @@ from server.limits import BodyLimits
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
 from server.realtime import RealtimeConnection
-from server.schemas import ErrorBody, JobRequest, RequestError
+from server.schemas import (
+    DeletedVideo,
+    ErrorBody,
+    JobRequest,
+    ModelList,
+    RequestError,
+    VideoList,
+    VideoObject,
+)
 from server.settings import ServerSettings
 
 STATIC = Path(__file__).parent / "static"
@@ -210,27 +218,20 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", tags=["models"], dependencies=[Depends(authorized)], responses=errors(401))
-    async def models(request: Request) -> dict:
+    async def models(request: Request) -> ModelList:
+        """The served model and what a request that leaves a field out gets."""
         ready = engine_of(request).ready
         d = ready.defaults
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": ready.pipeline,
-                    "object": "model",
-                    "owned_by": "rtvideo",
-                    "defaults": {
-                        "width": d.width,
-                        "height": d.height,
-                        "fps": d.fps,
-                        "num_inference_steps": d.num_inference_steps,
-                        "first_chunk_frames": d.first_chunk_frames,
-                        "frames_per_chunk": d.frames_per_chunk,
-                    },
-                }
-            ],
+        defaults = {
+            "width": d.width,
+            "height": d.height,
+            "fps": d.fps,
+            "num_inference_steps": d.num_inference_steps,
+            "first_chunk_frames": d.first_chunk_frames,
+            "frames_per_chunk": d.frames_per_chunk,
         }
+        card = {"id": ready.pipeline, "object": "model", "owned_by": "rtvideo", "defaults": defaults}
+        return ModelList(object="list", data=[card])
 
     @app.websocket("/v1/realtime/video")
     async def realtime(websocket: WebSocket) -> None:
@@ -252,7 +253,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         dependencies=[Depends(authorized)],
         responses=errors(401, 413, 422, 429, 503),
     )
-    async def create_video(body: JobRequest, request: Request) -> dict:
+    async def create_video(body: JobRequest, request: Request) -> VideoObject:
         """Start a job; poll it, then fetch ``/content``."""
         return (await _create(request, body)).public()
 
@@ -283,15 +284,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return _content(job)
 
     @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401))
-    async def list_videos(request: Request) -> dict:
+    async def list_videos(request: Request) -> VideoList:
+        """The jobs kept (queued, running, or finished less than job_ttl_s ago), newest first."""
         request.app.state.jobs.expire()
         jobs = sorted(request.app.state.jobs.jobs.values(), key=lambda j: j.created_at, reverse=True)
-        return {"object": "list", "data": [job.public() for job in jobs]}
+        return VideoList(object="list", data=[job.public() for job in jobs])
 
     @app.get(
         "/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 404, 422)
     )
-    async def get_video(video_id: str, request: Request) -> dict:
+    async def get_video(video_id: str, request: Request) -> VideoObject:
+        """The job: status, progress, its request, and where each scheduled prompt landed."""
         return _job(request, video_id).public()
 
     @app.get(
@@ -310,10 +313,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.delete(
         "/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 404, 422)
     )
-    async def delete_video(video_id: str, request: Request) -> dict:
+    async def delete_video(video_id: str, request: Request) -> DeletedVideo:
+        """Stop the job if it runs, and forget it and its video."""
         _job(request, video_id)
         job = await request.app.state.jobs.cancel(video_id)
-        return {"id": job.id, "object": "video", "deleted": True, "status": job.status}
+        return DeletedVideo(id=job.id, object="video", deleted=True, status=job.status)
 
     return app
 

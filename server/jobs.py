@@ -40,7 +40,7 @@ from engine.messages import (
 from server.drain import Drainer
 from server.metrics import Metrics
 from server.output import SessionOutput
-from server.schemas import EffectiveConfig, JobRequest, RequestError, resolve
+from server.schemas import EffectiveConfig, JobRequest, RequestError, VideoObject, resolve
 from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -68,27 +68,28 @@ class Job:
     def content(self) -> bytes:
         return b"".join(self.payloads)
 
-    def public(self) -> dict[str, Any]:
+    def public(self) -> VideoObject:
+        """The job as the API answers it (``VideoObject``, the schema /openapi.json documents)."""
         total = self.config.num_chunks
         progress = 100 if self.status == "completed" else int(100 * self.chunks_done / total)
-        return {
-            "id": self.id,
-            "object": "video",
-            "model": self.config.model,
-            "status": self.status,
-            "progress": progress,
-            "created_at": int(self.created_at),
-            "completed_at": None if self.completed_at is None else int(self.completed_at),
-            "error": self.error,
-            "format": self.config.format,
-            "num_frames": self.config.num_frames,
-            "num_chunks": total,
-            "width": self.config.width,
-            "height": self.config.height,
-            "fps": self.config.fps,
-            "seed": self.config.seed,
-            "prompt": self.config.prompt,
-            "interactions": [
+        return VideoObject(
+            id=self.id,
+            object="video",
+            model=self.config.model,
+            status=self.status,
+            progress=progress,
+            created_at=int(self.created_at),
+            completed_at=None if self.completed_at is None else int(self.completed_at),
+            error=self.error,
+            format=self.config.format,
+            num_frames=self.config.num_frames,
+            num_chunks=total,
+            width=self.config.width,
+            height=self.config.height,
+            fps=self.config.fps,
+            seed=self.config.seed,
+            prompt=self.config.prompt,
+            interactions=[
                 {
                     "at_chunk": item.at_chunk,
                     "prompt": item.prompt,
@@ -97,8 +98,8 @@ class Job:
                 }
                 for i, item in enumerate(self.request.interactions)
             ],
-            "inference_time_s": self.compute_ms / 1000.0,
-        }
+            inference_time_s=self.compute_ms / 1000.0,
+        )
 
     def record(self, message: Any) -> None:
         """Where a scheduled prompt landed (applied: chunk, first frame, media time) or why not."""

@@ -144,18 +144,164 @@ def describe_validation_error(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-# -- resolution ----------------------------------------------------------------------
+# -- HTTP answers --------------------------------------------------------------------
+# What the /v1/ routes answer, as the OpenAPI schema documents it. Routes return
+# these models, so the server cannot answer a field the schema does not name
+# (extra="forbid" also makes the schema say additionalProperties: false), and
+# tests/e2e/test_first_contact.py validates real answers against /openapi.json.
 
 
-class ErrorDetail(BaseModel):
-    code: str = Field(description="A stable machine-readable code (docs/PROTOCOL.md lists them)")
-    message: str = Field(description="What was wrong, naming the field where there is one")
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-class ErrorBody(BaseModel):
+class ErrorDetail(_Answer):
+    code: str
+    """A stable machine-readable code (docs/PROTOCOL.md lists them)."""
+    message: str
+    """What was wrong, for people, naming the field where there is one."""
+
+
+class ErrorBody(_Answer):
     """Every error the HTTP API answers: ``{"error": {"code", "message"}}``."""
 
     error: ErrorDetail
+
+
+class _ScheduledPromptAnswer(_Answer):
+    at_chunk: int
+    """The chunk it was scheduled for, as asked."""
+    prompt: str
+    """The prompt, as asked."""
+    transition_chunks: int | None
+    """The blend length asked for; null: the request's transition_chunks."""
+
+
+class PendingPrompt(_ScheduledPromptAnswer):
+    """Not reached yet."""
+
+    status: Literal["pending"]
+    """pending: the job has not reached its chunk yet."""
+
+
+class AppliedPrompt(_ScheduledPromptAnswer):
+    """Took effect: where, in chunks, frames and media time."""
+
+    status: Literal["applied"]
+    """applied: the prompt took effect."""
+    generation_chunk_index: int
+    """The chunk whose first frame the new prompt starts at."""
+    first_frame_index: int
+    """That frame's index in the video."""
+    media_start_seconds: float
+    """That frame's time in the video, in seconds (match it with a player's clock)."""
+
+
+class SupersededPrompt(_ScheduledPromptAnswer):
+    """Replaced before it took effect."""
+
+    status: Literal["superseded"]
+    """superseded: another prompt replaced it at the same boundary."""
+    by_event_id: str
+    """The one that replaced it."""
+
+
+class RejectedPrompt(_ScheduledPromptAnswer):
+    """Refused by the model."""
+
+    status: Literal["rejected"]
+    """rejected: it never took effect; error says why."""
+    error: ErrorDetail
+
+
+ScheduledPromptOutcome = Annotated[
+    PendingPrompt | AppliedPrompt | SupersededPrompt | RejectedPrompt, Field(discriminator="status")
+]
+
+
+class VideoObject(_Answer):
+    """A /v1/videos job: its request, its state, and where each scheduled prompt landed."""
+
+    id: str
+    """video_..."""
+    object: Literal["video"]
+    model: str
+    """The served model that makes it."""
+    status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+    """queued (waiting for the engine, or not begun yet), in_progress, completed, failed,
+    cancelled (stopped by a shutdown, or deleted)."""
+    progress: int = Field(ge=0, le=100)
+    """Chunks done over chunks, in percent."""
+    created_at: int
+    """Unix seconds."""
+    completed_at: int | None
+    """Unix seconds; null until the job ends."""
+    error: ErrorDetail | None
+    """Why it failed; null otherwise."""
+    format: Literal["fmp4", "jpeg", "raw"]
+    """The media format of /content."""
+    num_frames: int
+    """Frames in the video (the first chunk may be shorter than the others: see GET /v1/models)."""
+    num_chunks: int
+    """Chunks the engine runs for it."""
+    width: int
+    height: int
+    fps: float
+    seed: int
+    prompt: str
+    """The prompt the job began with."""
+    interactions: list[ScheduledPromptOutcome]
+    """Each scheduled prompt as asked, with where it landed (or why not)."""
+    inference_time_s: float
+    """The worker's pipeline time for the chunks so far, in seconds."""
+
+
+class VideoList(_Answer):
+    """The jobs kept, newest first."""
+
+    object: Literal["list"]
+    data: list[VideoObject]
+
+
+class DeletedVideo(_Answer):
+    """A job that was stopped if it ran, and forgotten."""
+
+    id: str
+    object: Literal["video"]
+    deleted: Literal[True]
+    status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+    """Its status when it was deleted (cancelled if it had not finished)."""
+
+
+class ModelDefaults(_Answer):
+    width: int
+    height: int
+    fps: float
+    num_inference_steps: int
+    first_chunk_frames: int
+    """Frames in chunk 0."""
+    frames_per_chunk: int
+    """Frames in every later chunk."""
+
+
+class ModelCard(_Answer):
+    id: str
+    """The model's id: what a request's model field may name."""
+    object: Literal["model"]
+    owned_by: Literal["rtvideo"]
+    """Who serves it: always rtvideo (the field OpenAI-style model lists carry)."""
+    defaults: ModelDefaults
+    """What a request that leaves these out gets."""
+
+
+class ModelList(_Answer):
+    """The one model this server serves."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+# -- resolution ----------------------------------------------------------------------
 
 
 class RequestError(ValueError):

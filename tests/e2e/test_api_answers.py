@@ -1,0 +1,113 @@
+"""The server's real answers are what its own /openapi.json documents: every
+status code is listed for its route, every content type too, and every JSON
+body validates against the documented schema (typed models, closed: a field
+the schema does not name fails). Driven over HTTP against ``rtvideo serve``."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+KEY = "answers-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {**AUTH, "content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def served():
+    from tests.e2e.conftest import start_server, stop_server
+
+    server = start_server("--api-key", KEY, pipeline={"step_time_s": 0.002, "width": 64, "height": 64})
+    spec = httpx.get(f"{server.http}/openapi.json").json()
+    yield server, spec
+    stop_server(server)
+
+
+def check(spec: dict, method: str, route: str, answer: httpx.Response) -> dict | None:
+    """``answer`` is documented for ``method route``; its JSON body (returned) validates."""
+    operation = spec["paths"][route][method]
+    documented = operation["responses"].get(str(answer.status_code))
+    assert documented is not None, f"{method} {route} answered {answer.status_code}, not documented: {answer.text}"
+    media_type = answer.headers["content-type"].split(";")[0]
+    assert media_type in documented.get("content", {}), (method, route, answer.status_code, media_type)
+    if media_type != "application/json":
+        return None
+    body = answer.json()
+    schema = {**documented["content"][media_type]["schema"], "components": spec["components"]}
+    jsonschema.Draft202012Validator(schema).validate(body)
+    return body
+
+
+def wait_for(http: str, video_id: str, *statuses: str) -> dict:
+    deadline = time.monotonic() + 60
+    while (job := httpx.get(f"{http}/v1/videos/{video_id}", headers=AUTH).json())["status"] not in statuses:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.02)
+    return job
+
+
+def test_real_answers_match_the_documented_schema(served):
+    server, spec = served
+    http = server.http
+    get = lambda path, **kw: httpx.get(http + path, headers=kw.pop("headers", AUTH), **kw)  # noqa: E731
+
+    models = check(spec, "get", "/v1/models", get("/v1/models"))
+    assert models["data"][0]["defaults"]["width"] == 64
+    check(spec, "get", "/v1/models", get("/v1/models", headers={}))  # 401
+
+    body = {
+        "prompt": "a windmill",
+        "num_chunks": 4,
+        "format": "fmp4",
+        "interactions": [{"at_chunk": 2, "prompt": "a storm", "transition_chunks": 2}],
+    }
+    created = check(spec, "post", "/v1/videos", httpx.post(f"{http}/v1/videos", json=body, headers=AUTH))
+    assert created["interactions"][0]["status"] == "pending"
+    wait_for(http, created["id"], "completed")
+    done = check(spec, "get", "/v1/videos/{video_id}", get(f"/v1/videos/{created['id']}"))
+    assert done["interactions"][0]["status"] == "applied"
+    content = get(f"/v1/videos/{created['id']}/content")
+    check(spec, "get", "/v1/videos/{video_id}/content", content)
+    assert content.headers["content-type"] == "video/mp4"
+
+    long = httpx.post(f"{http}/v1/videos", json={**body, "num_chunks": 2000, "format": "raw"}, headers=AUTH).json()
+    wait_for(http, long["id"], "in_progress")
+    check(spec, "get", "/v1/videos/{video_id}/content", get(f"/v1/videos/{long['id']}/content"))  # 409
+    listed = check(spec, "get", "/v1/videos", get("/v1/videos"))
+    assert [job["id"] for job in listed["data"]] == [long["id"], created["id"]]
+    gone = httpx.delete(f"{http}/v1/videos/{long['id']}", headers=AUTH)
+    deleted = check(spec, "delete", "/v1/videos/{video_id}", gone)
+    assert deleted == {"id": long["id"], "object": "video", "deleted": True, "status": "cancelled"}
+    check(spec, "get", "/v1/videos/{video_id}", get(f"/v1/videos/{long['id']}"))  # 404 now
+
+    for refused in (
+        httpx.post(f"{http}/v1/videos", json={**body, "num_chunks": 10**6}, headers=AUTH),
+        httpx.post(f"{http}/v1/videos", content=b'{"prompt": "p", "num_chunks": }', headers=JSON),
+        httpx.post(f"{http}/v1/videos", json={**body, "width": "wide"}, headers=AUTH),
+    ):
+        error = check(spec, "post", "/v1/videos", refused)
+        assert refused.status_code == 422 and error["error"]["code"] == "invalid_request"
+    sync = httpx.post(f"{http}/v1/videos/sync", json={**body, "format": "raw"}, headers=AUTH, timeout=60)
+    check(spec, "post", "/v1/videos/sync", sync)
+    assert sync.headers["content-type"] == "application/octet-stream"
+
+
+def test_refusals_name_the_field_that_was_sent(served):
+    server, _ = served
+    cases = [
+        ({"prompt": "p", "num_chunks": 100_000}, "num_chunks: at most"),
+        ({"prompt": "p", "seconds": 7200}, "seconds: at most"),
+        ({"prompt": "p", "num_frames": 10**9}, "num_frames: at most"),
+    ]
+    for body, start in cases:
+        refused = httpx.post(f"{server.http}/v1/videos", json=body, headers=AUTH)
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 422 and message.startswith(start), message
+        assert "max_frames" in message, message
+    bad_json = httpx.post(f"{server.http}/v1/videos", content=b'{"prompt": "p", "num_chunks": }', headers=JSON)
+    assert bad_json.json()["error"]["message"] == "body: not valid JSON (Expecting value) at character 30"
+    form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p"}, headers=AUTH)
+    assert "content-type: application/json" in form.json()["error"]["message"]
