@@ -1,0 +1,68 @@
+"""A server's log stays clean through every way a session ends: no "Task
+exception was never retrieved", no traceback, from the first request to the
+last line uvicorn writes after SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+
+from tests.e2e.client import Realtime, open_realtime
+
+START = {"type": "session.start", "prompt": "a quiet harbour", "format": "fmp4"}
+DIRTY = ("never retrieved", "Traceback", "Exception in ASGI", "Task was destroyed but it is pending")
+
+
+def wait_for_line(log: list[str], text: str, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while not any(text in line for line in log):
+        assert time.monotonic() < deadline, f"no {text!r} in the server log:\n" + "".join(log)
+        time.sleep(0.02)
+
+
+async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(make_server):
+    server = make_server("--shutdown-grace-s", "0.5", pipeline={"step_time_s": 0.002})
+
+    async with open_realtime(server.ws) as ws:  # ends by itself: its length is reached
+        client = Realtime(ws)
+        await client.send({**START, "num_chunks": 2})
+        assert (await client.rest()).of("session.done")[0]["reason"] == "completed"
+
+    async with open_realtime(server.ws) as ws:  # stopped by its client
+        client = Realtime(ws)
+        await client.send(START)
+        await client.until("video.start")
+        await client.next()
+        await client.send({"type": "session.stop"})
+        assert (await client.rest()).of("session.done")[0]["reason"] == "stopped"
+
+    async with open_realtime(server.ws) as ws:  # the client leaves without a word
+        client = Realtime(ws)
+        await client.send(START)
+        await client.until("video.start")
+        await client.next()
+    async with open_realtime(server.ws) as ws:  # refused before it starts
+        refused = Realtime(ws)
+        await refused.send({"type": "session.dance"})
+        assert (await refused.rest()).close_code == 1008
+
+    job = httpx.post(f"{server.http}/v1/videos", json={"prompt": "p", "num_chunks": 2, "format": "raw"}).json()
+    while httpx.get(f"{server.http}/v1/videos/{job['id']}").json()["status"] != "completed":
+        await asyncio.sleep(0.02)
+
+    async with open_realtime(server.ws) as ws:  # still open at SIGTERM: ended by the drain
+        client = Realtime(ws)
+        await client.send(START)
+        await client.until("video.start")
+        await client.next()
+        server.process.send_signal(signal.SIGTERM)
+        assert (await client.rest()).of("session.done")[0]["reason"] == "shutdown"
+    assert server.process.wait(timeout=30) == 0
+    wait_for_line(server.log, "Finished server process")  # the last line: everything before it was read
+
+    dirty = [line for line in server.log if any(mark in line for mark in DIRTY)]
+    assert dirty == [], "".join(server.log)
+
