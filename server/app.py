@@ -212,6 +212,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         """The bundled browser client (no CDN: everything is in the one file)."""
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        """The page's icon (browsers ask every site for one; also linked from the page)."""
+        cache = {"Cache-Control": "max-age=86400"}
+        return FileResponse(STATIC / "favicon.ico", media_type="image/x-icon", headers=cache)
+
     @app.get("/metrics", tags=["operations"], response_class=Response)
     async def metrics(request: Request) -> Response:
         """Prometheus text format: realtime sessions, latencies, interactions, jobs, workers."""

@@ -4,37 +4,14 @@ Playwright with ``executable_path``; no browser is downloaded)."""
 from __future__ import annotations
 
 import io
-import shutil
-from pathlib import Path
 
 import av
 import pytest
 
+from tests.browser.conftest import ARTIFACTS, needs_browser
 from tests.e2e.conftest import start_server, stop_server
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-playwright = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
-
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with playwright.sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        yield launched
-        launched.close()
+pytestmark = needs_browser
 
 
 @pytest.mark.parametrize("api_key", [None, "browser-key"], ids=["open", "with-auth"])
