@@ -207,7 +207,9 @@ class EngineClient:
             target=_bootstrap,
             args=(self.config.worker_entry, self.config, self._endpoints, parent_alive_reader, 0),
             name="rtvideo-worker-0",
-            daemon=True,
+            # A worker that starts pipeline ranks of its own cannot be daemonic; it
+            # exits with this process either way (the liveness pipe, and shutdown).
+            daemon=self.config.pp == 1,
         )
         self._exited = asyncio.Event()
         began = time.monotonic()

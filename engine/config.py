@@ -42,6 +42,20 @@ class EngineConfig:
     GPU) while the session's next chunk denoises (True), or in the micro-step that
     committed it (False). None: where the pipeline says it pays
     (``decode_overlap_pays``: causal Wan on a GPU)."""
+    pp: int = 1
+    """Pipeline ranks the transformer's blocks are split over (temporal pipeline
+    parallelism): worker rank 0 starts ranks 1..pp-1 on this machine, one GPU
+    each (gloo ranks sharing the cores on a CPU)."""
+    pp_timeout_s: float = 30.0
+    """How long a pipeline rank waits on another's message before it gives up
+    (the group is then restarted): no rank ever hangs in a receive."""
+    stream_batch: bool = False
+    """Split over ranks: let a session's next chunk enter the pipeline while its
+    chunk before is still being denoised (more throughput for few sessions; the
+    output differs from the exact one by design). Off: exact."""
+    slo_first_chunk_s: float | None = None
+    """The SLO controller's time-to-first-chunk target per session (None: only the
+    playback rate, the session's fps, is a target)."""
     session_memory_bytes: int | None = None
     """Device memory the open sessions' state may hold together; a start that
     would pass it is refused (server_full). None: what the pipeline finds free
@@ -60,6 +74,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.max_sessions >= 1, "max_sessions", "must be >= 1")
         _check(self.max_batch_rows >= 1, "max_batch_rows", "must be >= 1")
+        _check(self.pp >= 1, "pp", "must be >= 1")
+        _check(self.pp_timeout_s > 0, "pp_timeout_s", "must be > 0")
+        first = self.slo_first_chunk_s
+        _check(first is None or first > 0, "slo_first_chunk_s", "must be > 0")
         _check(self.max_undelivered_seconds > 0, "max_undelivered_seconds", "must be > 0")
         budget = self.session_memory_bytes
         _check(budget is None or budget > 0, "session_memory_bytes", "must be > 0")

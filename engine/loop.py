@@ -57,6 +57,7 @@ from engine.pacing import Playhead, wait_seconds
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
 from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase
+from engine.stream_batch import StreamBatchScheduler
 
 
 @dataclass
@@ -84,7 +85,10 @@ class EngineLoop:
         self.control = control
         self.executor = executor
         self.send = send
-        self.scheduler = ChunkScheduler(grouping, max_rows)
+        self.split = config.pp > 1  # the blocks run on several ranks: a chunk's commit is a pass of its own
+        self.scheduler = (
+            StreamBatchScheduler(config.pp, grouping, max_rows) if self.split else ChunkScheduler(grouping, max_rows)
+        )
         self.sessions: dict[str, EngineSession] = {}
         self.stats = LoopStats()
         self._running = True
@@ -199,7 +203,12 @@ class EngineLoop:
         row per scheduled session."""
         step = MicroStep(number=self._number + 1)
         for sid, session in self.sessions.items():
-            if session.phase is Phase.FINISHING and not session.release_planned and not session.decoding:
+            if (
+                session.phase is Phase.FINISHING
+                and not session.release_planned
+                and not session.decoding
+                and not self.scheduler.in_flight(sid)
+            ):
                 step.release.append(sid)
                 session.release_planned = True
         held, wake_in = self._paced(playheads)
@@ -212,8 +221,11 @@ class EngineLoop:
             chunk = session.chunk
             step.ranks[0].append(chunk.next_row(session.session_id))
             chunk.planned += 1
+        entering = step.ranks[0]
+        step.ranks, step.returning = self.scheduler.place(entering)
         if not step.is_empty():
             self._number = step.number
+            self.scheduler.advance(entering)
         return step, wake_in
 
     def _paced(self, playheads: dict[str, Playhead]) -> tuple[set[str], float | None]:
@@ -240,6 +252,7 @@ class EngineLoop:
         session.chunk = ChunkInFlight(
             index=index,
             steps=session.steps_per_chunk,
+            passes=session.steps_per_chunk + (1 if self.split else 0),
             first_frame=session.frames_done,
             events=session.events.begin_chunk(
                 index,
@@ -324,12 +337,13 @@ class EngineLoop:
         chunk.boundary_ms += row.boundary_ms
         if row.cancelled:
             return  # its session is stopping: the chunk is discarded with it
-        if not row.stepped:
-            return
-        self.stats.steps += 1
-        chunk.done += 1
-        chunk.denoise_ms += row.denoise_ms
-        chunk.micro_steps.append(number)
+        if row.stepped:
+            self.stats.steps += 1
+            chunk.done += 1
+            chunk.denoise_ms += row.denoise_ms
+            chunk.micro_steps.append(number)
+        elif self.split:
+            chunk.denoise_ms += row.denoise_ms  # its share of the first rank's commit pass
         if row.committed:
             chunk.commit_ms += row.decode_ms
             self._committed(session, chunk)

@@ -173,6 +173,8 @@ class WorkerReady(_Wire, tag="worker_ready"):
     session_memory_bytes: int | None = None  # device memory open sessions may hold; None: not limited
     max_batch_rows: int = 1  # session rows one forward may carry (EngineConfig.max_batch_rows)
     overlap_decode: bool = False  # chunks decode on a stage of their own while the next chunk denoises
+    pipeline_ranks: tuple[int, ...] = ()  # pids of pipeline ranks 1..pp-1 (EngineConfig.pp); () with one rank
+    blocks_per_rank: tuple[int, ...] = ()  # transformer blocks each rank runs, rank 0 first; () with one rank
 
 
 class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):

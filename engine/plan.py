@@ -48,6 +48,13 @@ class StepRow:
         """The chunk's last denoise step: commit and decode follow."""
         return self.step == self.steps_per_chunk - 1
 
+    @property
+    def commit(self) -> bool:
+        """The chunk's commit pass (``step == steps_per_chunk``): planned as a row of
+        its own only when the blocks are split over ranks (with one rank the
+        last denoise step's row commits)."""
+        return self.step == self.steps_per_chunk
+
 
 @dataclass
 class MicroStep:
@@ -58,7 +65,14 @@ class MicroStep:
     open: list[StartSession] = field(default_factory=list)  # sessions to open (prompt encode, allocate)
     boundaries: list[BoundaryTask] = field(default_factory=list)
     ranks: list[list[StepRow]] = field(default_factory=lambda: [[]])
-    """Per rank, the rows it runs in this micro-step (one rank today: one list)."""
+    """Per rank, the rows it runs in this micro-step: rank r runs the rows that
+    entered rank 0 r micro-steps ago (``engine.stream_batch``)."""
+    cancelled: list[StepRow] = field(default_factory=list)
+    """Rows entering rank 0 that the executor took out before running the
+    micro-step: their session was stopping (reported ``RowResult.cancelled``)."""
+    returning: list[StepRow] = field(default_factory=list)
+    """Split over ranks: the rows the last rank ran in the micro-step before, back
+    at rank 0, which runs their sampler step (or finishes their commit) first."""
 
     @property
     def rows(self) -> list[StepRow]:
@@ -66,7 +80,7 @@ class MicroStep:
         return [row for rank in self.ranks for row in rank]
 
     def is_empty(self) -> bool:
-        return not (self.release or self.open or self.boundaries or any(self.ranks))
+        return not (self.release or self.open or self.boundaries or any(self.ranks) or self.returning)
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,7 @@ class StepResult:
     released: list[str] = field(default_factory=list)  # sessions whose state it freed
     decodes: list[tuple[str, int]] = field(default_factory=list)  # (session, chunk) committed, decode deferred
     pipeline_s: float = 0.0
+    wall_s: float = 0.0  # the micro-step's wall time on rank 0 (split over ranks: waits for the ring included)
 
     def row(self, session_id: str) -> RowResult:
         if session_id not in self.rows:

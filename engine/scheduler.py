@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.plan import StepRow
 from engine.session import EngineSession
 
 
@@ -43,3 +44,14 @@ class ChunkScheduler:
         chosen = ordered[: self.max_rows]
         self._last_served = chosen[-1].session_id
         return chosen
+
+    # One rank: a micro-step's rows are all rank 0's, and none is ever in a ring.
+
+    def place(self, entering: list[StepRow]) -> tuple[list[list[StepRow]], list[StepRow]]:
+        return [entering], []
+
+    def advance(self, entering: list[StepRow]) -> None:
+        pass
+
+    def in_flight(self, session_id: str) -> bool:
+        return False

@@ -72,7 +72,8 @@ class ChunkInFlight:
     events: ChunkEvents
     boundary: BoundaryTaken | None  # reported once the micro-step that crossed it came back
     boundary_step: int  # number of that micro-step
-    planned: int = 0  # denoise steps handed to the executor
+    passes: int = 0  # rows it takes: its steps, and its commit pass when that is a row of its own (0: steps)
+    planned: int = 0  # rows (steps, then the commit pass) handed to the executor
     done: int = 0  # denoise steps whose result came back
     boundary_ms: float = 0.0
     denoise_ms: float = 0.0
@@ -90,7 +91,7 @@ class ChunkInFlight:
 
     @property
     def all_planned(self) -> bool:
-        return self.planned >= self.steps
+        return self.planned >= (self.passes or self.steps)
 
 
 @dataclass(frozen=True)

@@ -134,10 +134,12 @@ class LocalExecutor:
         self._on_result()
 
     def _execute(self, step: MicroStep) -> StepResult:
-        cancelled = [row for row in step.rows if self._is_cancelled(row.session_id)]
+        # Only rows entering now: split over ranks, later ranks' rows are already on their way.
+        cancelled = [row for row in step.ranks[0] if self._is_cancelled(row.session_id)]
         if cancelled:
             gone = {row.session_id for row in cancelled}
-            step.ranks = [[row for row in rank if row.session_id not in gone] for rank in step.ranks]
+            step.ranks[0] = [row for row in step.ranks[0] if row.session_id not in gone]
+            step.cancelled = cancelled
         result = self._runner.execute(step)
         for row in cancelled:
             result.row(row.session_id).cancelled = True

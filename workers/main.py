@@ -1,7 +1,9 @@
 """Entry point of a worker process (spawned by ``engine.client.EngineClient``).
 
 Rank 0 builds its pipeline, warms it up (``workers.warmup``), settles the
-device memory its sessions may hold, wires the control plane, the
+device memory its sessions may hold, with ``EngineConfig.pp`` > 1 splits the
+transformer's blocks by measured cost and starts the other pipeline ranks
+(``workers.parallel``: they live and die with it, as one group), wires the control plane, the
 control-receiver thread and the engine loop together, says READY, and runs
 the loop until shutdown. On a pipeline that cannot be built it says so
 (``WorkerStartupFailed``) and exits 1; on an engine bug it says
@@ -28,6 +30,7 @@ from engine.messages import EngineDead, StartSession, WorkerReady, WorkerStartup
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.executor import LocalExecutor
+from workers.parallel.ring import RingRunner
 from workers.pipelines import build_pipeline
 from workers.runner import ModelRunner
 from workers.warmup import warm_up
@@ -41,22 +44,27 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     context = zmq.Context()
     sender = ResultSender(context, endpoints.results)
+    group = None
     try:
         pipeline = build_pipeline(config.pipeline, config.max_batch_rows)
         warm_up_s = warm_up(pipeline)
         budget = config.session_memory_bytes
         if budget is None:
             budget = pipeline.session_memory_budget()
+        if config.pp > 1:
+            group = _start_ranks(config, pipeline, sender)
     except Exception as error:
         log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
+        if group is not None:
+            group.close()
         sender.close()
         context.term()
         raise SystemExit(1) from None
 
     if warm_up_s:
         log.info("pipeline %r warmed up in %.2f s", pipeline.name, warm_up_s)
-    runner = ModelRunner(pipeline)
+    runner = ModelRunner(pipeline) if group is None else RingRunner(pipeline, group)
     grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
     if budget is not None:
         log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
@@ -78,6 +86,8 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             session_memory_bytes=budget,
             max_batch_rows=pipeline.max_batch_rows,
             overlap_decode=overlap,
+            pipeline_ranks=() if group is None else tuple(group.pids()),
+            blocks_per_rank=() if group is None else tuple(len(blocks) for blocks in group.splits),
         )
     )
     exit_code = 0
@@ -90,6 +100,50 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
         exit_code = 2
     finally:
         receiver.stop()
+        if group is not None:
+            group.close()
         sender.close()
         context.term()
     raise SystemExit(exit_code)
+
+
+def _start_ranks(config: EngineConfig, pipeline, sender: ResultSender):
+    """Split the blocks over ``config.pp`` ranks by measured cost, keep rank 0's,
+    start the others; a rank that dies later ends this worker (``EngineDead``,
+    then exit 3), so the API process restarts the group as one."""
+    import torch
+
+    from workers.parallel.group import RankGroup, rank_device, rank_threads
+    from workers.parallel.partition import measure_costs, split_blocks
+
+    if config.stream_batch:
+        raise ValueError("stream_batch: not available yet; run exact pipeline parallelism (leave it off)")
+    if not getattr(pipeline, "supports_micro_step_execution", False) or not hasattr(pipeline, "own_blocks"):
+        raise ValueError(f"pp: the {pipeline.name!r} pipeline cannot be split over pipeline ranks")
+    costs = measure_costs(pipeline)
+    splits = split_blocks(costs, config.pp)
+    log.info(
+        "blocks split over %d ranks: %s (measured ms per pass: blocks %s, first rank +%.2f, last rank +%.2f)",
+        config.pp,
+        ", ".join(f"{r.start}..{r.stop - 1}" for r in splits),
+        ", ".join(f"{c * 1000:.2f}" for c in costs.blocks),
+        costs.first_extra * 1000,
+        costs.last_extra * 1000,
+    )
+    pipeline.own_blocks(splits[0])
+    if rank_device(0).type == "cpu":
+        torch.set_num_threads(rank_threads(config.pp))
+
+    def on_death(reason: str) -> None:
+        log.error("%s: ending this worker, so the group restarts as one", reason)
+        sender.send(EngineDead(reason=reason))
+        sender.close(timeout=2.0)
+        os._exit(3)
+
+    group = RankGroup(config, splits, on_death)
+    try:
+        group.start()
+    except BaseException:
+        group.close()
+        raise
+    return group

@@ -76,6 +76,15 @@ class ModelRunner:
         ``step`` (in groups of the pipeline's ``max_batch_rows``), each row's sampler
         step, and commit then decode for rows whose chunk ended."""
         result = StepResult(step.number)
+        self._prepare(step, result)
+        rows = [row for row in step.rows if row.session_id in self.states and row.session_id not in self._failed]
+        width = self.pipeline.max_batch_rows
+        for first in range(0, len(rows), width):
+            self._forward(rows[first : first + width], result)
+        return result
+
+    def _prepare(self, step: MicroStep, result: StepResult) -> None:
+        """Release, open (encode the prompt, allocate), cross boundaries."""
         for session_id in step.release:
             try:
                 self._release(session_id)
@@ -91,11 +100,6 @@ class ModelRunner:
                 result.row(sid).boundary_ms += ms
         for task in step.boundaries:
             self._boundary(task, result)
-        rows = [row for row in step.rows if row.session_id in self.states and row.session_id not in self._failed]
-        width = self.pipeline.max_batch_rows
-        for first in range(0, len(rows), width):
-            self._forward(rows[first : first + width], result)
-        return result
 
     def decode(self, session_id: str, chunk_index: int) -> DecodeResult:
         """Decode a chunk a micro-step committed and deferred (the decode stage's
@@ -185,19 +189,24 @@ class ModelRunner:
             if not row.last:
                 continue
             committed, commit_ms = self._call(result, sid, "commit", self.pipeline.commit, session, row.chunk_index)
-            if committed is _FAILED:
-                continue
-            out.committed = True
-            out.decode_ms += commit_ms
-            if self.defer_decode:
-                with self._decodes_lock:
-                    self._decodes_pending[sid] = self._decodes_pending.get(sid, 0) + 1
-                result.decodes.append((sid, row.chunk_index))
-                continue
-            chunk, decode_ms = self._call(result, sid, "decode", self.pipeline.decode, session, row.chunk_index)
-            if chunk is not _FAILED:
-                out.chunk = chunk
-                out.decode_ms += decode_ms
+            if committed is not _FAILED:
+                out.decode_ms += commit_ms
+                self._committed(result, sid, row.chunk_index)
+
+    def _committed(self, result: StepResult, sid: str, chunk_index: int) -> None:
+        """Chunk ``chunk_index`` of ``sid`` is in every block's cache: decode it now,
+        or leave it to the decode stage (``defer_decode``)."""
+        out = result.row(sid)
+        out.committed = True
+        if self.defer_decode:
+            with self._decodes_lock:
+                self._decodes_pending[sid] = self._decodes_pending.get(sid, 0) + 1
+            result.decodes.append((sid, chunk_index))
+            return
+        chunk, decode_ms = self._call(result, sid, "decode", self.pipeline.decode, self.states[sid], chunk_index)
+        if chunk is not _FAILED:
+            out.chunk = chunk
+            out.decode_ms += decode_ms
 
     def _call(
         self, result: StepResult, session_id: str, stage: str, function: Callable, *args: Any

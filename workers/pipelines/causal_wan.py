@@ -49,7 +49,15 @@ from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.vae_stream import StreamingDecoder
 from workers.pipelines.wan_attention import make_causal
-from workers.pipelines.wan_blocks import Activations, embed, head, run_blocks
+from workers.pipelines.wan_blocks import (
+    Activations,
+    activation_tensors,
+    activations_from,
+    embed,
+    head,
+    run_blocks,
+    select_rows,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -122,6 +130,7 @@ class CausalWanPipeline:
                 block.compile()
         self.rope = self.transformer.rope
         self.num_blocks = len(self.transformer.blocks)
+        self.owned = range(self.num_blocks)  # the blocks this process runs (``own_blocks``)
         self._decode_streams: dict[int, torch.cuda.Stream] = {}  # per decoding thread (CUDA only)
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk
@@ -148,6 +157,11 @@ class CausalWanPipeline:
         (Model-independent fields, ``prompt_change`` among them, are the engine's
         to check: ``engine.validation``.)"""
         refuse_negative_prompt(start, self.name)
+        if start.prompt_change == "recache" and self.split:
+            raise ValueError(
+                "prompt_change: 'recache' re-runs every cached chunk through every block, which a "
+                "transformer split over pipeline ranks cannot do at a boundary; use 'soft' or 'reset', or --pp 1"
+            )
         width = start.width if start.width is not None else self.default_size[0]
         height = start.height if start.height is not None else self.default_size[1]
         for name, value in (("width", width), ("height", height)):
@@ -226,7 +240,7 @@ class CausalWanPipeline:
             start=start,
             geometry=geometry,
             kv=SessionKVCache(
-                num_layers=config.num_layers,
+                layers=self.owned,
                 sink_frames=self.sink_frames,
                 window_frames=self.window_frames,
                 tokens_per_frame=(h // p[1]) * (w // p[2]),
@@ -289,7 +303,7 @@ class CausalWanPipeline:
         geometry), each row at its own step, cache and position."""
         blocks = block_range(blocks, self.num_blocks)
         check_hidden(hidden, blocks, batch.rows)
-        groups = self._embed_rows(batch, sessions) if blocks.start == 0 else hidden.tensors
+        groups = self.embed_rows(batch, sessions) if blocks.start == 0 else hidden.tensors
         groups = [
             (indices, self._blocks(tuple(sessions[i].kv for i in indices), activations, blocks, commit=False))
             for indices, activations in groups
@@ -325,25 +339,50 @@ class CausalWanPipeline:
         hidden: Hidden | None = None,
     ) -> Hidden | None:
         """The clean pass at t = 0: every block's keys and values of the chunk go into
-        the session's cache (no head: its output is not used)."""
+        the session's cache (no head: its output is not used). A range from block 0
+        embeds the chunk's clean latent; a later one continues from ``hidden`` (on
+        a later pipeline rank, which holds no chunk record, only its blocks' cache).
+        The range that ends at the last block marks the record committed where the
+        record lives in this process; across ranks the first rank does that
+        (``finish_commit``) when the pass comes back."""
         blocks = block_range(blocks, self.num_blocks)
-        chunk = session.chunk_to_commit(chunk_index)
-        rows = (BatchRow(session.session_id, chunk_index, chunk.steps),)
-        check_hidden(hidden, blocks, rows)
+        sid = session.session_id
         caches = (session.kv,)
         if blocks.start == 0:
+            chunk = session.chunk_to_commit(chunk_index)
+            rows = (BatchRow(sid, chunk_index, chunk.steps),)
             activations = self._embed(caches, chunk.clean, self._t_zero, chunk.conditioning)
         else:
+            if chunk_index in session.chunks:
+                session.chunk_to_commit(chunk_index)
+            if hidden is None or len(hidden.rows) != 1 or hidden.rows[0][:2] != (sid, chunk_index):
+                raise ValueError(f"blocks from {blocks.start} need the hidden states of chunk {chunk_index} of {sid}")
+            rows = hidden.rows
+            check_hidden(hidden, blocks, rows)
             activations = hidden.tensors
         activations = self._blocks(caches, activations, blocks, commit=True)
         if blocks.stop < self.num_blocks:
             return Hidden(blocks.stop, rows, activations)
+        if chunk_index in session.chunks:
+            self.finish_commit(session, chunk_index)
+        return None
+
+    def finish_commit(self, session: CausalWanSession, chunk_index: int) -> None:
+        """The commit pass has run through every block: mark the record committed
+        (only ``decode`` is left) and keep its clean latent for a re-cache."""
+        chunk = session.chunk_to_commit(chunk_index)
         chunk.committed = True
         if self.device.type == "cuda":  # the decode may run on another stream (the decode stage's thread)
             chunk.committed_on_device = torch.cuda.Event()
             chunk.committed_on_device.record()
         self._keep_for_recache(session, chunk.clean)
-        return None
+
+    def follow_boundary(self, session: CausalWanSession, chunk_index: int, prompt_changed: bool) -> None:
+        """A later pipeline rank's part of a boundary: its blocks' cache follows the
+        first rank's (a ``reset`` prompt change empties it). Run before any row of
+        the chunk reaches this rank, after every pass of the chunk before it left."""
+        if prompt_changed and session.start.prompt_change == "reset":
+            session.kv.reset()
 
     @torch.no_grad()
     def decode(self, session: CausalWanSession, chunk_index: int) -> ChunkOutput:
@@ -358,6 +397,66 @@ class CausalWanPipeline:
         del session.chunks[chunk_index]
         count, height, width = array.shape[:3]
         return ChunkOutput(num_frames=count, width=width, height=height, payload=np.ascontiguousarray(array).tobytes())
+
+    # -- pipeline ranks ---------------------------------------------------------------
+
+    @property
+    def split(self) -> bool:
+        """Whether this process runs only part of the blocks (a pipeline rank)."""
+        return len(self.owned) != self.num_blocks
+
+    def own_blocks(self, blocks: range) -> None:
+        """Keep only ``blocks`` (a contiguous range): the other blocks' weights are
+        dropped, sessions opened from now on hold only these blocks' KV cache, and
+        a rank after the first drops the text encoder (prompts are encoded on the
+        first rank). Called once, before any session opens."""
+        blocks = block_range(blocks, self.num_blocks)
+        if self._held:
+            raise RuntimeError("own_blocks must be called before any session opens")
+        for index in range(self.num_blocks):
+            if index not in blocks:
+                self.transformer.blocks[index] = torch.nn.Identity()
+        if blocks.start > 0:
+            self.text_encoder = None
+            self._prompts.clear()
+        self.owned = blocks
+
+    def pack(self, hidden: Hidden) -> tuple[dict, list[torch.Tensor]]:
+        """``hidden`` as (a plain description, its tensors), to send to the next rank."""
+        groups = hidden.tensors if isinstance(hidden.tensors, list) else [(None, hidden.tensors)]
+        meta = {
+            "blocks_done": hidden.blocks_done,
+            "rows": [list(row) for row in hidden.rows],
+            "grouped": isinstance(hidden.tensors, list),
+            "groups": [[indices, list(activations.latent_shape)] for indices, activations in groups],
+        }
+        return meta, [tensor for _, activations in groups for tensor in activation_tensors(activations)]
+
+    def unpack(self, meta: dict, tensors: list[torch.Tensor]) -> Hidden:
+        """The ``Hidden`` that ``pack`` described, from the tensors received."""
+        per_group = len(tensors) // max(1, len(meta["groups"]))
+        groups = []
+        for number, (indices, latent_shape) in enumerate(meta["groups"]):
+            part = [t.to(self.device) for t in tensors[number * per_group : (number + 1) * per_group]]
+            groups.append((indices, activations_from(part, tuple(latent_shape))))
+        rows = tuple(BatchRow(str(sid), int(chunk), int(step)) for sid, chunk, step in meta["rows"])
+        payload = groups if meta["grouped"] else groups[0][1]
+        return Hidden(int(meta["blocks_done"]), rows, payload)
+
+    def select(self, hidden: Hidden, keep: list[int]) -> Hidden:
+        """The rows ``keep`` (indices into ``hidden.rows``, in order) of ``hidden``:
+        a later rank runs on without rows that failed or are not its to run."""
+        new_index = {old: new for new, old in enumerate(keep)}
+        rows = tuple(hidden.rows[i] for i in keep)
+        if not isinstance(hidden.tensors, list):  # a commit pass: one row
+            return Hidden(hidden.blocks_done, rows, hidden.tensors)
+        groups = []
+        for indices, activations in hidden.tensors:
+            kept = [i for i in indices if i in new_index]
+            if kept:
+                positions = [indices.index(i) for i in kept]
+                groups.append(([new_index[i] for i in kept], select_rows(activations, positions)))
+        return Hidden(hidden.blocks_done, rows, groups)
 
     def release(self, session: CausalWanSession) -> None:
         self._held.discard(session.session_id)
@@ -419,9 +518,7 @@ class CausalWanPipeline:
         generator = torch.Generator(device="cpu").manual_seed(_seed_for(session.start.seed, chunk, step))
         return torch.randn(session.latent_shape, generator=generator, dtype=torch.float32)
 
-    def _embed_rows(
-        self, batch: StepBatch, sessions: Sequence[CausalWanSession]
-    ) -> list[tuple[list[int], Activations]]:
+    def embed_rows(self, batch: StepBatch, sessions: Sequence[CausalWanSession]) -> list[tuple[list[int], Activations]]:
         """The rows' chunks embedded, one group per latent shape: (row indices, activations)."""
         chunks = [session.chunk_at(row) for row, session in zip(batch.rows, sessions, strict=True)]
         groups: dict[tuple, list[int]] = {}
@@ -466,7 +563,7 @@ class CausalWanPipeline:
         ctx.caches, ctx.commit, ctx.grid = caches, commit, activations.latent_shape[3:]
         try:
             activations = run_blocks(self.transformer, activations, blocks)
-            if commit and blocks.stop == self.num_blocks:
+            if commit and blocks.stop == self.owned.stop:
                 caches[0].commit(activations.latent_shape[2])
         finally:
             ctx.caches, ctx.commit = (), False

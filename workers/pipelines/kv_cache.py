@@ -11,6 +11,10 @@ table, however many chunks the session makes.
 Layout per layer: ``[batch, capacity_frames * tokens_per_frame, heads, head_dim]``,
 frames in time order: the first ``sink_frames`` frames ever committed stay;
 after them the most recent frames, oldest first.
+
+A cache holds the layers it is given (``layers``): all of them on one rank,
+a rank's own block range when the transformer is split over ranks. Every
+rank commits every chunk, so their ``frames`` agree.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ _uids = itertools.count()
 class SessionKVCache:
     def __init__(
         self,
-        num_layers: int,
+        layers: range | int,
         sink_frames: int,
         window_frames: int,
         tokens_per_frame: int,
@@ -42,8 +46,9 @@ class SessionKVCache:
         self.capacity = sink_frames + window_frames
         self.tokens_per_frame = tokens_per_frame
         shape = (batch, self.capacity * tokens_per_frame, heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.layers = range(layers) if isinstance(layers, int) else layers
+        self.keys = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.layers}
+        self.values = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.layers}
         self.uid = next(_uids)  # unique for the process's lifetime (unlike id())
         self.version = 0  # bumped whenever what ``read`` returns changes
         self.frames = 0  # frames held now
@@ -60,9 +65,9 @@ class SessionKVCache:
         self._staged[layer] = (keys, values)
 
     def commit(self, num_frames: int) -> None:
-        """Append the staged chunk (``num_frames`` frames) to every layer, evicting
+        """Append the staged chunk (``num_frames`` frames) to every layer held, evicting
         the oldest window frames when full."""
-        if len(self._staged) != len(self.keys):
+        if self._staged.keys() != self.keys.keys():
             raise RuntimeError(f"commit needs every layer staged, got {len(self._staged)} of {len(self.keys)}")
         if num_frames > self.window_frames:
             raise ValueError(f"a chunk of {num_frames} frames does not fit a window of {self.window_frames}")
@@ -89,8 +94,8 @@ class SessionKVCache:
 
     def free(self) -> None:
         """Drop the tensors (the session is released); ``nbytes`` is 0 after."""
-        self.keys, self.values = [], []
+        self.keys, self.values = {}, {}
         self.reset()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()])

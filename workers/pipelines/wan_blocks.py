@@ -63,3 +63,34 @@ def head(model: WanTransformer3DModel, activations: Activations) -> torch.Tensor
     out = model.proj_out(out)
     out = out.reshape(rows, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
     return out.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def activation_tensors(activations: Activations) -> list[torch.Tensor]:
+    """The tensors of ``activations``, contiguous, in the order ``activations_from``
+    takes them: what travels to the next pipeline rank."""
+    cos, sin = activations.rotary
+    parts = (activations.hidden, activations.text, activations.modulation, activations.temb, cos, sin)
+    return [part.contiguous() for part in parts]
+
+
+def activations_from(tensors: list[torch.Tensor], latent_shape: tuple[int, ...]) -> Activations:
+    """``Activations`` again from ``activation_tensors``' list (received from the rank before)."""
+    hidden, text, modulation, temb, cos, sin = tensors
+    return Activations(hidden, text, modulation, temb, (cos, sin), tuple(latent_shape))
+
+
+def select_rows(activations: Activations, positions: list[int]) -> Activations:
+    """The batch rows ``positions`` of ``activations`` (RoPE tables shared by every
+    row stay as they are)."""
+    index = torch.tensor(positions, device=activations.hidden.device)
+    cos, sin = activations.rotary
+    if cos.shape[0] > 1:
+        cos, sin = cos.index_select(0, index), sin.index_select(0, index)
+    return Activations(
+        activations.hidden.index_select(0, index),
+        activations.text.index_select(0, index),
+        activations.modulation.index_select(0, index),
+        activations.temb.index_select(0, index),
+        (cos, sin),
+        (len(positions), *activations.latent_shape[1:]),
+    )

@@ -1,0 +1,175 @@
+"""Temporal pipeline parallelism through real worker processes: the tiny model's
+blocks split over two ranks joined by gloo (``EngineConfig.pp = 2``), against
+the same sessions on one rank."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engine.client import EngineClient
+from engine.config import EngineConfig, PipelineSpec
+from engine.messages import (
+    ChunkReady,
+    Interaction,
+    InteractionApplied,
+    ScheduledInteraction,
+    SessionDone,
+    SessionFailed,
+    StartSession,
+)
+from tests.support import Collected, collect, read_until
+
+SIZE = {"width": 32, "height": 32}
+
+
+async def start_engine(pp: int, **config) -> EngineClient:
+    spec = PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1})
+    client = EngineClient(EngineConfig(pipeline=spec, pp=pp, startup_timeout_s=120, max_sessions=6, **config))
+    await client.start()
+    return client
+
+
+def start_of(sid: str, seed: int, chunks: int, **fields) -> StartSession:
+    return StartSession(session_id=sid, prompt=f"prompt {sid}", seed=seed, num_chunks=chunks, **SIZE, **fields)
+
+
+async def run_sessions(engine: EngineClient, starts: list[StartSession], stagger: int = 0) -> dict[str, Collected]:
+    """Run ``starts`` together; with ``stagger``, each session after the first
+    starts once the one before it has made ``stagger`` chunks (sessions join
+    while others are in the ring)."""
+    results: dict[str, Collected] = {}
+    tasks = []
+    for start in starts:
+        handle = await engine.start_session(start)
+        seen = Collected()
+        if stagger:
+            for _ in range(stagger):
+                await read_until(handle, ChunkReady, seen)
+        tasks.append((start.session_id, asyncio.create_task(collect(handle, seen, timeout=120))))
+    for sid, task in tasks:
+        results[sid] = await task
+    return results
+
+
+def payloads(result: Collected) -> list[bytes]:
+    return [chunk.payload for chunk in result.chunks]
+
+
+async def test_two_ranks_make_exactly_what_one_rank_makes():
+    """Sessions of their own, joining while others run, different lengths and
+    steps: the frames of every chunk are bit for bit those of one rank (the
+    same kernels on the same inputs: the activations cross between the ranks
+    unchanged)."""
+    starts = [
+        start_of("a", 1, 4),
+        start_of("b", 2, 3, num_inference_steps=2),
+        start_of("c", 3, 3, num_inference_steps=1),
+    ]
+    one = await start_engine(1)
+    try:
+        expected = await run_sessions(one, starts)
+    finally:
+        await one.shutdown()
+    two = await start_engine(2)
+    try:
+        assert two.ready.blocks_per_rank == (1, 1) and len(two.ready.pipeline_ranks) == 1
+        got = await run_sessions(two, starts, stagger=1)
+        probe = await two.probe()
+    finally:
+        await two.shutdown()
+    for start in starts:
+        sid = start.session_id
+        assert isinstance(got[sid].end, SessionDone) and got[sid].end.reason == "completed"
+        assert [c.generation_chunk_index for c in got[sid].chunks] == list(range(start.num_chunks))
+        assert payloads(got[sid]) == payloads(expected[sid]), f"session {sid} differs"
+    assert probe.runner_sessions == probe.pipeline_sessions == ()
+
+
+async def test_an_interaction_under_two_ranks_applies_at_the_chunk_it_reports():
+    """A prompt sent while chunk k is in the ring applies at chunk k + 1, and the
+    frames equal one rank's run of the same prompt scheduled at that chunk."""
+    two = await start_engine(2)
+    try:
+        handle = await two.start_session(start_of("s", 5, 5))
+        seen = Collected()
+        first = await read_until(handle, ChunkReady, seen)
+        await handle.interact("e1", Interaction(prompt="a storm"))
+        result = await collect(handle, seen, timeout=120)
+    finally:
+        await two.shutdown()
+    applied = result.of(InteractionApplied)
+    assert len(applied) == 1
+    at = applied[0].generation_chunk_index
+    assert first.generation_chunk_index == 0 and at >= 1
+    chunk = next(c for c in result.chunks if c.generation_chunk_index == at)
+    assert "e1" in chunk.started_event_ids and applied[0].first_frame_index == chunk.first_frame_index
+    one = await start_engine(1)
+    try:
+        scheduled = (ScheduledInteraction(at_chunk=at, event_id="e1", interaction=Interaction(prompt="a storm")),)
+        replay = await run_sessions(one, [start_of("s", 5, 5, scheduled=scheduled)])
+    finally:
+        await one.shutdown()
+    assert payloads(result) == payloads(replay["s"])
+
+
+async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():
+    two = await start_engine(2, max_worker_restarts=1)
+    try:
+        follower = two.ready.pipeline_ranks[0]
+        rank0 = two.ready.pid
+        handle = await two.start_session(start_of("s", 1, None))
+        seen = Collected()
+        await read_until(handle, ChunkReady, seen)
+        killed_at = time.monotonic()
+        os.kill(follower, signal.SIGKILL)
+        end = await collect(handle, seen, timeout=30)
+        assert isinstance(end.end, SessionFailed)
+        assert time.monotonic() - killed_at < 2.0
+        assert "pipeline rank 1" in end.end.message
+        for _ in range(600):  # a fresh group comes up under the restart budget
+            if two.alive and two.ready.pid != rank0:
+                break
+            await asyncio.sleep(0.1)
+        assert two.alive and two.ready.pid != rank0
+        assert two.ready.pipeline_ranks and two.ready.pipeline_ranks[0] != follower
+        for pid in (rank0, follower):  # nothing of the old group is left
+            with pytest.raises(ProcessLookupError):
+                for _ in range(100):
+                    os.kill(pid, 0)
+                    await asyncio.sleep(0.05)
+        again = await run_sessions(two, [start_of("t", 2, 2)])
+        assert isinstance(again["t"].end, SessionDone) and len(again["t"].chunks) == 2
+    finally:
+        await two.shutdown()
+
+
+async def test_a_stop_mid_pipeline_frees_the_session_and_others_go_on():
+    two = await start_engine(2)
+    try:
+        stopped = await two.start_session(start_of("stopped", 1, None))
+        other = await two.start_session(start_of("other", 2, 4))
+        seen = Collected()
+        await read_until(stopped, ChunkReady, seen)
+        await stopped.stop()
+        end = await collect(stopped, seen, timeout=60)
+        result = await collect(other, timeout=120)
+        probe = await two.probe()
+    finally:
+        await two.shutdown()
+    assert isinstance(end.end, SessionDone) and end.end.reason == "stopped"
+    assert isinstance(result.end, SessionDone) and len(result.chunks) == 4
+    assert probe.runner_sessions == probe.pipeline_sessions == ()
+
+
+async def test_recache_is_refused_when_split_and_stream_batch_is_not_offered_yet():
+    two = await start_engine(2)
+    try:
+        with pytest.raises(Exception, match="prompt_change"):
+            await two.start_session(start_of("r", 1, 2, prompt_change="recache"))
+    finally:
+        await two.shutdown()

@@ -1,0 +1,224 @@
+"""Starting, joining, feeding and watching the pipeline ranks of one worker.
+
+Worker processes. Rank 0 (the worker the API process spawned) makes a
+``RankGroup``: it spawns ranks 1..N-1 (``run_follower``), each with its block
+range, serves them a ``torch.distributed`` TCP store and joins them in one
+process group (gloo on a CPU, NCCL on GPUs), and opens a plan channel to
+each (ZeroMQ PUSH; the plans are msgpack of ``engine.plan.MicroStep``).
+
+One group lives and dies as one: a thread of rank 0 waits on the followers'
+process sentinels and, the moment one dies, calls ``on_death`` (the worker
+says ``EngineDead`` and exits, so the API process's restart budget starts a
+fresh group); every follower holds the read end of a pipe whose write end
+only rank 0 has, and exits when it sees EOF, so a dead rank 0 never leaves a
+follower behind, blocked or not. Every point-to-point wait has the link's
+timeout (``EngineConfig.pp_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from engine.config import EngineConfig
+from engine.plan import MicroStep
+from workers.parallel.link import RingLink
+
+log = logging.getLogger(__name__)
+_STOP = b"stop"
+
+
+def rank_device(rank: int) -> torch.device:
+    """Rank r's device: GPU r where there are enough GPUs, else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > rank:
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def rank_threads(world: int) -> int:
+    """CPU threads for each rank's kernels: the cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+class RankGroup:
+    """Rank 0's handle on ranks 1..N-1."""
+
+    def __init__(self, config: EngineConfig, splits: list[range], on_death: Callable[[str], None]) -> None:
+        self.config = config
+        self.splits = splits
+        self.world = len(splits)
+        self.blocks = splits[0]
+        self.on_death = on_death
+        self.link: RingLink | None = None
+        self.figures: dict[int, tuple[float, float]] = {}  # rank -> (busy_s, wall_s), cumulative
+        self._context = zmq.Context()
+        self._plans: list[zmq.Socket] = []
+        self._processes: list[multiprocessing.Process] = []
+        self._closing = threading.Event()
+        self._keep_alive: Connection | None = None
+
+    def start(self) -> None:
+        """Spawn the followers, wait until each built its pipeline, join the
+        process group. ``RuntimeError`` naming the rank when one fails."""
+        timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=timeout, wait_for_workers=False)
+        reader, self._keep_alive = multiprocessing.Pipe(duplex=False)
+        spawn = multiprocessing.get_context("spawn")
+        for rank in range(1, self.world):
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            port = socket.bind_to_random_port("tcp://127.0.0.1")
+            self._plans.append(socket)
+            blocks = self.splits[rank]
+            process = spawn.Process(
+                target=run_follower,
+                args=(
+                    self.config,
+                    rank,
+                    self.world,
+                    store.port,
+                    f"tcp://127.0.0.1:{port}",
+                    (blocks.start, blocks.stop),
+                    reader,
+                ),
+                name=f"rtvideo-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            self._processes.append(process)
+        reader.close()
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        keys = [f"built/{rank}" for rank in range(1, self.world)]
+        while not store.check(keys):
+            for rank, process in enumerate(self._processes, start=1):
+                if not process.is_alive():
+                    raise RuntimeError(f"pipeline rank {rank} exited with code {process.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pipeline ranks not built within {self.config.startup_timeout_s:g} s")
+            time.sleep(0.02)
+        backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
+        self.link = RingLink(0, self.world, self.config.pp_timeout_s, rank_device(0))
+        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def send_plan(self, step: MicroStep) -> None:
+        """Every follower gets every micro-step's plan, in order."""
+        raw = msgspec.msgpack.encode(step)
+        for socket in self._plans:
+            socket.send(raw)
+
+    def note_figures(self, figures: list) -> None:
+        for rank, busy_s, wall_s in figures:
+            self.figures[int(rank)] = (float(busy_s), float(wall_s))
+
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+    def close(self) -> None:
+        """Stop the followers (they finish the plan in hand), then leave the group."""
+        self._closing.set()
+        for socket in self._plans:
+            try:
+                socket.send(_STOP, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for process in self._processes:
+            process.join(self.config.shutdown_timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self.link is not None:
+            try:
+                self.link.wait_sent()
+            except Exception:
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for socket in self._plans:
+            socket.close()
+        self._context.term()
+
+    def _watch(self) -> None:
+        sentinels = {process.sentinel: (rank, process) for rank, process in enumerate(self._processes, start=1)}
+        ready = wait(list(sentinels))
+        if self._closing.is_set():
+            return
+        rank, process = sentinels[ready[0]]
+        process.join(1.0)
+        self.on_death(f"pipeline rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
+
+
+def run_follower(
+    config: EngineConfig,
+    rank: int,
+    world: int,
+    store_port: int,
+    plan_endpoint: str,
+    blocks: tuple[int, int],
+    parent_alive: Connection,
+) -> None:
+    """Entry point of pipeline rank ``rank`` (spawned by ``RankGroup``)."""
+    from workers.parallel.follower import Follower
+    from workers.pipelines import build_pipeline
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
+    device = rank_device(rank)
+    if device.type == "cpu":
+        torch.set_num_threads(rank_threads(world))
+    options = dict(config.pipeline.options)
+    if device.type == "cuda":
+        options["device"] = str(device)
+    spec = type(config.pipeline)(config.pipeline.name, options)
+    pipeline = build_pipeline(spec, config.max_batch_rows)
+    pipeline.own_blocks(range(*blocks))
+    timeout = datetime.timedelta(seconds=config.startup_timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
+    store.set(f"built/{rank}", "1")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
+    )
+    link = RingLink(rank, world, config.pp_timeout_s, device)
+    context = zmq.Context()
+    plans = context.socket(zmq.PULL)
+    plans.connect(plan_endpoint)
+    follower = Follower(pipeline, link, range(*blocks))
+    decoder = msgspec.msgpack.Decoder(MicroStep)
+    log.info("rank %d of %d: blocks %d..%d", rank, world, blocks[0], blocks[1] - 1)
+    try:
+        while True:
+            raw = plans.recv()
+            if raw == _STOP:
+                break
+            follower.run(decoder.decode(raw))
+        link.wait_sent()
+    except Exception:
+        log.exception("pipeline rank %d failed", rank)
+        os._exit(2)
+    finally:
+        plans.close(linger=0)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _exit_with_parent(parent_alive: Connection) -> None:
+    """Exit the moment rank 0 is gone (EOF on the pipe only it can write)."""
+    try:
+        while True:
+            parent_alive.recv()
+    except (EOFError, OSError):
+        os._exit(0)

@@ -1,0 +1,110 @@
+"""Point-to-point messages between pipeline ranks: a header and its tensors.
+
+Worker processes. A ``Message`` is a plain header (a dict: the micro-step
+number, which rows it carries and which failed, what the tensors are) and a
+list of tensors. ``RingLink.send`` posts it with non-blocking operations
+(``batch_isend_irecv``): the header, as bytes in a fixed-size buffer, then
+each tensor; the sender goes on computing while it travels, and the sends are
+waited for only before the link sends again. ``RingLink.recv`` takes the
+header first (its size is fixed, so it can be posted before anything is
+known), then posts receives for the tensors the header describes: shapes and
+row identities travel with the data, so rows that change in number or size,
+sessions that join or leave, and rows cancelled on the way never make two
+ranks disagree about what is on the wire. Messages are matched by
+(peer, tag); the tag is the micro-step number the receiver runs them in.
+
+Every wait has a timeout (``timeout_s``): a peer that stops answering raises
+``LinkTimeout`` instead of hanging; a peer that dies makes gloo raise at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+HEADER_BYTES = 64 * 1024
+_TAG_MASK = (1 << 30) - 1
+_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)}
+
+
+class LinkTimeout(RuntimeError):
+    """A peer did not send or receive within the link's timeout."""
+
+
+@dataclass
+class Message:
+    """What one rank hands another for one micro-step."""
+
+    header: dict[str, Any]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+class RingLink:
+    def __init__(self, rank: int, world: int, timeout_s: float, device: torch.device) -> None:
+        self.rank = rank
+        self.world = world
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        self._pending: list[tuple[Any, list[torch.Tensor]]] = []  # sends in flight, with their buffers
+        self.bytes_sent = 0
+
+    @property
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.world
+
+    @property
+    def previous_rank(self) -> int:
+        return (self.rank - 1) % self.world
+
+    def send(self, peer: int, tag: int, message: Message) -> None:
+        """Post ``message`` to ``peer``; returns at once. The previous sends are
+        waited for first (their buffers may then be reused)."""
+        self.wait_sent()
+        metas = [[list(t.shape), str(t.dtype)] for t in message.tensors]
+        header = msgspec.msgpack.encode({**message.header, "tensors": metas})
+        if len(header) + 4 > HEADER_BYTES:
+            raise ValueError(f"a micro-step header of {len(header)} bytes is over {HEADER_BYTES}")
+        buffer = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        buffer[:4] = torch.tensor(list(len(header).to_bytes(4, "little")), dtype=torch.uint8)
+        buffer[4 : 4 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        tensors = [buffer.to(self.device), *[t.contiguous() for t in message.tensors]]
+        ops = [dist.P2POp(dist.isend, t, peer, tag=tag & _TAG_MASK) for t in tensors]
+        self._pending.append((dist.batch_isend_irecv(ops), tensors))
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    def recv(self, peer: int, tag: int) -> Message:
+        """The message ``peer`` sent with ``tag``; ``LinkTimeout`` past the timeout."""
+        buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, peer, tag=tag & _TAG_MASK)]), "header", peer)
+        raw = buffer.cpu()
+        size = int.from_bytes(bytes(raw[:4].tolist()), "little")
+        header = msgspec.msgpack.decode(raw[4 : 4 + size].numpy().tobytes())
+        metas = header.pop("tensors")
+        tensors = [torch.empty(shape, dtype=_DTYPES[dtype], device=self.device) for shape, dtype in metas]
+        if tensors:
+            ops = [dist.P2POp(dist.irecv, t, peer, tag=tag & _TAG_MASK) for t in tensors]
+            self._wait(dist.batch_isend_irecv(ops), "tensors", peer)
+        return Message(header, tensors)
+
+    def wait_sent(self) -> None:
+        """Wait until every posted send has left."""
+        pending, self._pending = self._pending, []
+        for works, _ in pending:
+            self._wait(works, "send", None)
+
+    def _wait(self, works: list, what: str, peer: int | None) -> None:
+        for work in works:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as error:
+                if "Timed out" in str(error):
+                    who = "a peer" if peer is None else f"rank {peer}"
+                    raise LinkTimeout(
+                        f"rank {self.rank}: {what} from {who} not done within {self.timeout.total_seconds():g} s"
+                    ) from error
+                raise

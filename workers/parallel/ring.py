@@ -1,0 +1,163 @@
+"""Rank 0's runner when the transformer is split over pipeline ranks.
+
+Runs on the executor's thread of worker rank 0 (``workers.executor``), in
+place of the one-rank ``ModelRunner`` it extends. The engine plans each
+micro-step for every rank (``MicroStep.ranks``: rank r runs the rows that
+entered rank 0 r micro-steps ago; ``MicroStep.returning``: the rows the last
+rank finished in the micro-step before, back at rank 0). Micro-step m here:
+
+    send the plan to every other rank (``RankGroup.send_plan``)
+    take back what the last rank finished in m-1 (its predictions: each row's
+        sampler step; its commit passes: ``finish_commit``, then the decode)
+    release, open, cross boundaries (as one rank does)
+    run its own blocks over the rows entering (a denoise pass: ``forward``;
+        a commit pass: ``commit``), and post them to rank 1 (``RingLink.send``:
+        non-blocking, so rank 1 computes m while rank 0 goes on)
+
+Rows of a session that is stopping are not started (the plan's later ranks
+expect them, but the message says which rows it carries). A row a later rank
+failed comes back in the message's ``failed`` and fails its session here,
+like any pipeline error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.plan import MicroStep, StepResult, StepRow
+from workers.parallel.link import Message
+from workers.pipelines.base import BatchRow, StepBatch
+from workers.runner import _FAILED, ModelRunner
+
+
+class RankError(RuntimeError):
+    """A later pipeline rank failed a row (the message says which rank and why)."""
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+class RingRunner(ModelRunner):
+    def __init__(self, pipeline, group, **kwargs: Any) -> None:
+        super().__init__(pipeline, **kwargs)
+        self.group = group  # workers.parallel.group.RankGroup: the link, the plan channel, the ranks' figures
+        self.busy_s = 0.0  # rank 0's time computing (not waiting for the ring)
+        self.wall_s = 0.0  # rank 0's time inside micro-steps
+
+    def execute(self, step: MicroStep) -> StepResult:
+        began = time.perf_counter()
+        result = StepResult(step.number)
+        self.group.send_plan(step)
+        waited = 0.0
+        if step.returning:
+            waited_from = time.perf_counter()
+            message = self.group.link.recv(self.group.world - 1, step.number)
+            waited = time.perf_counter() - waited_from
+            self.group.note_figures(message.header.get("figures", []))
+            self._take_back(message, step.returning, result)
+        self._prepare(step, result)
+        rows = [row for row in step.ranks[0] if row.session_id in self.states and row.session_id not in self._failed]
+        if step.ranks[0] or step.cancelled:  # rank 1 expects a message whenever rows were planned to enter
+            self.group.link.send(1, step.number + 1, self._enter(rows, result))
+        wall = time.perf_counter() - began
+        self.wall_s += wall
+        self.busy_s += wall - waited
+        result.wall_s = wall
+        return result
+
+    # -- the rows entering the ring --------------------------------------------
+
+    def _enter(self, rows: list[StepRow], result: StepResult) -> Message:
+        """Run the first rank's blocks over ``rows``: denoise passes in batches of
+        ``max_batch_rows`` (a batch that raises is rerun row by row, so only a
+        row that fails on its own fails its session), each commit pass alone;
+        returns the message for rank 1."""
+        blocks = self.group.blocks
+        items: list[dict] = []
+        tensors: list = []
+        denoise = [row for row in rows if not row.commit]
+        width = self.pipeline.max_batch_rows
+        for first in range(0, len(denoise), width):
+            group = denoise[first : first + width]
+            hidden = self._batched(result, group, blocks) if len(group) > 1 else _FAILED
+            if hidden is not _FAILED:
+                self._add(items, tensors, "forward", hidden)
+                continue
+            for row in group:
+                batch = StepBatch((BatchRow(row.session_id, row.chunk_index, row.step),))
+                session = self.states[row.session_id]
+                hidden, ms = self._call(
+                    result, row.session_id, "forward", self.pipeline.forward, batch, [session], blocks
+                )
+                if hidden is not _FAILED:
+                    result.row(row.session_id).denoise_ms += ms
+                    self._add(items, tensors, "forward", hidden)
+        for row in rows:
+            if row.commit:
+                session = self.states[row.session_id]
+                hidden, ms = self._call(
+                    result, row.session_id, "commit", self.pipeline.commit, session, row.chunk_index, blocks
+                )
+                if hidden is not _FAILED:
+                    result.row(row.session_id).decode_ms += ms
+                    self._add(items, tensors, "commit", hidden)
+        return Message({"items": items, "failed": {}}, tensors)
+
+    def _batched(self, result: StepResult, rows: list[StepRow], blocks: range) -> Any:
+        """One first-rank forward over several rows; ``_FAILED`` when it raises."""
+        batch = StepBatch(tuple(BatchRow(r.session_id, r.chunk_index, r.step) for r in rows))
+        sessions = [self.states[r.session_id] for r in rows]
+        began = time.perf_counter()
+        try:
+            hidden = self.pipeline.forward(batch, sessions, blocks)
+        except Exception:
+            hidden = _FAILED
+        seconds = time.perf_counter() - began
+        result.pipeline_s += seconds
+        if hidden is not _FAILED:
+            for row in rows:
+                result.row(row.session_id).denoise_ms += seconds * 1000.0 / len(rows)
+        return hidden
+
+    def _add(self, items: list[dict], tensors: list, kind: str, hidden) -> None:
+        meta, parts = self.pipeline.pack(hidden)
+        items.append({"kind": kind, "meta": meta, "count": len(parts)})
+        tensors.extend(parts)
+
+    # -- the rows coming back ----------------------------------------------------
+
+    def _take_back(self, message: Message, returning: list[StepRow], result: StepResult) -> None:
+        """The last rank's results for ``returning``: sampler steps for denoise
+        passes, ``finish_commit`` (then the decode) for commit passes; rows it
+        failed fail here; rows it does not carry were not started (stopping)."""
+        header = message.header
+        planned = {(r.session_id, r.chunk_index, r.step): r for r in returning}
+        for sid, error in header.get("failed", {}).items():
+            if sid in self.states:
+                self._call(result, sid, "forward", _raise, RankError(error))
+        offset = 0
+        for item in header["items"]:
+            parts = message.tensors[offset : offset + item["count"]]
+            offset += item["count"]
+            for index, (sid, chunk_index, step) in enumerate(item["rows"]):
+                row = planned.get((sid, chunk_index, step))
+                if row is None or sid not in self.states or sid in self._failed:
+                    continue
+                session = self.states[sid]
+                if item["kind"] == "commit":
+                    done, ms = self._call(result, sid, "commit", self.pipeline.finish_commit, session, chunk_index)
+                    if done is not _FAILED:
+                        result.row(sid).decode_ms += ms
+                        self._committed(result, sid, chunk_index)
+                    continue
+                prediction = parts[index].to(self.pipeline.device)
+                batch_row = BatchRow(sid, chunk_index, step)
+                stepped, ms = self._call(
+                    result, sid, "sampler_step", self.pipeline.sampler_step, session, batch_row, prediction
+                )
+                if stepped is not _FAILED:
+                    out = result.row(sid)
+                    out.stepped = True
+                    out.denoise_ms += ms
