@@ -38,6 +38,18 @@ class ServerSettings:
     attention buffers and the memory reserved for a forward follow. Batching raises
     throughput but steps sessions in lockstep, so their chunks arrive in bursts
     and a new prompt waits up to a whole round longer: 1 favours latency."""
+    pp: int = 1
+    """Pipeline ranks the model's transformer blocks are split over (temporal
+    pipeline parallelism): the worker starts this many processes on this machine,
+    one GPU each (on a CPU they share the cores), splits the blocks by measured
+    cost, and different sessions' chunks fill the ranks at once. Frames are the
+    same as with 1; it pays with at least as many sessions as ranks."""
+    pp_timeout_s: float = 30.0
+    """With --pp: how long one rank waits for another's activations before the
+    group is declared broken and restarted (no rank ever hangs)."""
+    slo_first_chunk_s: float | None = None
+    """With --pp: a time-to-first-chunk target the SLO controller holds each new
+    session to, beside its playback rate, when it picks the rows per micro-step."""
     max_undelivered_seconds: float = 4.0
     """Media a realtime session may have made beyond what was written to its client's
     socket; past it generation waits for the client (a slow or stalled reader holds

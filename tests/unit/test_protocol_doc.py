@@ -343,7 +343,17 @@ def test_models_nested_in_fields_are_walked():
     assert model_fields([Outer]) == {"type", "items", "deep"}
 
 
-NOT_LIMITS = {"host", "port", "model", "pipeline_options", "group_chunk_steps", "overlap_decode", "api_key"}
+NOT_LIMITS = {
+    "host",
+    "port",
+    "model",
+    "pipeline_options",
+    "group_chunk_steps",
+    "overlap_decode",
+    "api_key",
+    "pp",
+    "slo_first_chunk_s",
+}
 
 
 def test_every_server_limit_is_in_the_limits_table():
