@@ -39,6 +39,7 @@ from engine.messages import (
     ControlMessage,
     Delivered,
     EngineDead,
+    EngineStats,
     Interaction,
     Playback,
     Probe,
@@ -160,7 +161,12 @@ class EngineClient:
         self.config = config
         self.ready: WorkerReady | None = None
         self.state = WorkerState.STARTING
-        self._routes: dict[type, Any] = {ProbeReply: self._on_probe_reply, EngineDead: self._on_engine_dead}
+        self.stats: EngineStats | None = None  # the worker's latest scheduling figures (metrics)
+        self._routes: dict[type, Any] = {
+            ProbeReply: self._on_probe_reply,
+            EngineDead: self._on_engine_dead,
+            EngineStats: self._on_stats,
+        }
         self._startup_s = 0.0  # how long the latest worker took from spawn to READY
         self._unanswered_probes: dict[int, float] = {}  # probe id -> when it was sent, until the loop answers
         self._sessions: dict[str, asyncio.Queue] = {}
@@ -360,6 +366,9 @@ class EngineClient:
         future = self._probes.pop(reply.probe_id, None)
         if future is not None and not future.done():
             future.set_result(reply)
+
+    def _on_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
 
     def _on_engine_dead(self, dead: EngineDead) -> None:
         self._dead_reason = f"engine dead: {dead.reason}"  # the worker exits next; its sentinel says so

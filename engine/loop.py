@@ -41,11 +41,13 @@ from engine.messages import (
     AppliedInteraction,
     ChunkReady,
     ChunkTiming,
+    EngineStats,
     InteractionApplied,
     InteractionRejected,
     InteractionSuperseded,
     Probe,
     ProbeReply,
+    RankFigures,
     ResultMessage,
     SessionDone,
     SessionFailed,
@@ -56,6 +58,7 @@ from engine.messages import (
 from engine.pacing import Playhead, wait_seconds
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
+from engine.slo import SloController, SloTarget, micro_step_budget
 from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase
 from engine.stream_batch import StreamBatchScheduler
 
@@ -91,6 +94,11 @@ class EngineLoop:
         )
         self.sessions: dict[str, EngineSession] = {}
         self.stats = LoopStats()
+        # Split over ranks, the SLO controller picks the rows entering per micro-step.
+        self.slo = SloController(max_rows) if self.split else None
+        self._entering: dict[int, int] = {}  # micro-step number -> rows that entered in it
+        self._rows_entered = 0
+        self._stats_sent_at = 0.0
         self._running = True
         self._number = 0  # of the latest micro-step planned
         self._busy_since: float | None = None
@@ -131,6 +139,8 @@ class EngineLoop:
             self.stats.iterations += 1
             self.stats.pipeline_s += result.pipeline_s
             self.emit(result)
+            self._control_rows(result)
+        self._send_stats()
         if self._busy_since is not None and not self.executor.in_flight():
             self.stats.busy_s += time.perf_counter() - self._busy_since
             self._busy_since = None
@@ -226,6 +236,8 @@ class EngineLoop:
         if not step.is_empty():
             self._number = step.number
             self.scheduler.advance(entering)
+            self._entering[step.number] = len(entering)
+            self._rows_entered += len(entering)
         return step, wake_in
 
     def _paced(self, playheads: dict[str, Playhead]) -> tuple[set[str], float | None]:
@@ -268,6 +280,62 @@ class EngineLoop:
             chunk_index=index,
             prompt=None if applied is None else applied.prompt,
             transition_chunks=0 if applied is None else applied.transition_chunks,
+        )
+
+    # ------------------------------------------------------------------
+    # rows per micro-step (SLO), and the figures metrics read
+    # ------------------------------------------------------------------
+
+    def _control_rows(self, result: StepResult) -> None:
+        """Split over ranks: feed the SLO controller one finished micro-step (its
+        wall time against the tightest budget of the sessions running) and let
+        the scheduler admit the rows it decides."""
+        rows_used = self._entering.pop(result.number, 0)
+        if self.slo is None:
+            return
+        decision = self.slo.observe(result.wall_s, self._micro_step_budget(), rows_used)
+        self.scheduler.rows = decision.rows
+
+    def _micro_step_budget(self) -> float | None:
+        """The tightest micro-step budget of the sessions running (None: none)."""
+        budgets = []
+        for session in self.sessions.values():
+            if session.phase is Phase.FINISHING:
+                continue
+            g = session.geometry
+            target = SloTarget(fps=g.fps, first_chunk_s=self.config.slo_first_chunk_s)
+            budgets.append(
+                micro_step_budget(
+                    target,
+                    frames_per_chunk=g.frames_per_chunk,
+                    first_chunk_frames=g.first_chunk_frames,
+                    passes_per_chunk=g.num_inference_steps + 1,
+                    ranks=self.config.pp,
+                    first_chunk_pending=session.chunks_done == 0,
+                )
+            )
+        return min(budgets, default=None)
+
+    def _send_stats(self, every_s: float = 1.0) -> None:
+        """``EngineStats``, at most every ``every_s`` while micro-steps run."""
+        now = time.monotonic()
+        if now - self._stats_sent_at < every_s or not self.stats.iterations:
+            return
+        self._stats_sent_at = now
+        self.send(self.engine_stats())
+
+    def engine_stats(self) -> EngineStats:
+        figures = self.executor.rank_figures()
+        if not figures:  # one rank: its busy time is the pipeline's, its wall the loop's busy time
+            figures = ((0, self.stats.pipeline_s, max(self.stats.busy_s, self.stats.pipeline_s)),)
+        slo = self.slo
+        return EngineStats(
+            micro_steps=self.stats.iterations,
+            rows=self._rows_entered,
+            rows_per_micro_step=slo.rows if slo is not None else self.scheduler.max_rows,
+            micro_step_s=(slo.ema_s or 0.0) if slo is not None else 0.0,
+            slo_decisions=dict(slo.decisions) if slo is not None else {},
+            ranks=tuple(RankFigures(rank=r, busy_s=b, wall_s=w) for r, b, w in figures),
         )
 
     # ------------------------------------------------------------------

@@ -323,6 +323,27 @@ class ProbeReply(_Wire, tag="probe_reply"):
     executing_s: float = 0.0  # how long the micro-step running now has run (0: none); a stuck forward grows it
 
 
+class RankFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """One pipeline rank's time since it started, cumulative: computing (busy) and
+    inside micro-steps (wall: busy plus waiting on the ranks before it, the bubble)."""
+
+    rank: int
+    busy_s: float
+    wall_s: float
+
+
+class EngineStats(_Wire, tag="engine_stats"):
+    """The engine's scheduling figures, cumulative since the worker started; the
+    loop sends them about once a second while it has work (metrics)."""
+
+    micro_steps: int
+    rows: int  # rows that entered the pipeline, summed over micro-steps (÷ micro_steps: the mean batch)
+    rows_per_micro_step: int  # the limit now (the SLO controller's choice with --pp; else --max-batch-rows)
+    micro_step_s: float  # the smoothed wall time of a micro-step (0 before the first)
+    slo_decisions: dict[str, int]  # the SLO controller's decisions by action (hold, decrease, increase)
+    ranks: tuple[RankFigures, ...]
+
+
 ResultMessage = (
     WorkerReady
     | WorkerStartupFailed
@@ -337,4 +358,5 @@ ResultMessage = (
     | SessionFailed
     | EngineDead
     | ProbeReply
+    | EngineStats
 )

@@ -96,6 +96,10 @@ class LocalExecutor:
         with self._lock:
             return self._held
 
+    def rank_figures(self) -> tuple[tuple[int, float, float], ...]:
+        figures = getattr(self._runner, "rank_figures", None)
+        return () if figures is None else figures()
+
     def close(self) -> None:
         if self._thread is not None:
             self._thread.close()

@@ -105,6 +105,14 @@ RESULTS = [
         steps=12,
         chunks=3,
     ),
+    m.EngineStats(
+        micro_steps=10,
+        rows=14,
+        rows_per_micro_step=2,
+        micro_step_s=0.02,
+        slo_decisions={"hold": 9, "decrease": 0, "increase": 1},
+        ranks=(m.RankFigures(rank=0, busy_s=0.1, wall_s=0.2), m.RankFigures(rank=1, busy_s=0.15, wall_s=0.2)),
+    ),
 ]
 
 

@@ -71,6 +71,9 @@ class SimulatedRing:
     def held_sessions(self):
         return tuple(self.open), tuple(self.open)
 
+    def rank_figures(self):
+        return ()
+
     def close(self) -> None:
         pass
 

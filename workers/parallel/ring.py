@@ -67,6 +67,12 @@ class RingRunner(ModelRunner):
         result.wall_s = wall
         return result
 
+    def rank_figures(self) -> tuple[tuple[int, float, float], ...]:
+        """(rank, busy_s, wall_s) of every rank: rank 0's own, the others' as the
+        latest message round the ring carried them."""
+        others = sorted(self.group.figures.items())
+        return ((0, self.busy_s, self.wall_s), *((rank, busy, wall) for rank, (busy, wall) in others))
+
     # -- the rows entering the ring --------------------------------------------
 
     def _enter(self, rows: list[StepRow], result: StepResult) -> Message:
