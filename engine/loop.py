@@ -58,8 +58,8 @@ from engine.messages import (
 from engine.pacing import Playhead, wait_seconds
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
-from engine.slo import SloController, SloTarget, micro_step_budget
 from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase
+from engine.slo import SloController, SloTarget, micro_step_budget
 from engine.stream_batch import StreamBatchScheduler
 
 
