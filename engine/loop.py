@@ -174,6 +174,8 @@ class EngineLoop:
             session.finish(shutdown.reason)
 
     def _on_probe(self, probe: Probe) -> None:
+        if self.stats.iterations:  # fresh figures first: a prober reads them once its reply is in
+            self.send(self.engine_stats())
         runner_held, pipeline_held = self.executor.held_sessions()
         s = self.stats
         self.send(

@@ -12,7 +12,9 @@ import ast
 import importlib
 import inspect
 import json
+import errno
 import os
+import socket
 import sys
 import textwrap
 from dataclasses import MISSING, fields
@@ -94,6 +96,30 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str]) -> ServerSe
         raise SystemExit(f"rtvideo serve: {error}") from None
 
 
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """Bind and listen on ``host:port`` now, before anything is loaded, so a busy
+    port fails in milliseconds rather than after the model has loaded.
+
+    Listening at once (not only binding) holds the port: a second server cannot
+    bind it meanwhile, and a client that connects while the model loads waits
+    in the backlog and is answered once the server is up. ``SystemExit`` with
+    one line naming ``host:port`` when the address cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may follow TIME_WAIT connections
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as error:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        why = error.strerror or str(error)
+        if error.errno == errno.EADDRINUSE:
+            why = "address already in use (another server is listening there; --port or RTVIDEO_PORT chooses another)"
+        raise SystemExit(f"rtvideo serve: cannot listen on {where}: {why}") from None
+    return sock  # not inheritable: the workers the server spawns never hold the port
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -101,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
     from server.drain import DrainingServer
 
     settings = settings_from(args, dict(os.environ))
+    sock = listen(settings.host, settings.port)  # before the app exists: nothing loads for a port we cannot have
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -110,9 +137,20 @@ def _serve(args: argparse.Namespace) -> int:
         ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout
         log_level=args.log_level,
         timeout_graceful_shutdown=10,  # sessions were drained before uvicorn stops
+        backlog=2048,
     )
-    server = DrainingServer(config, drain=lambda: app.state.drainer.drain())
-    server.run()
+
+    class ListeningServer(DrainingServer):
+        """Serves on the socket bound above, and still says where it listens
+        (uvicorn logs "Uvicorn running on ..." only for sockets it bound itself)."""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and sockets:
+                self._log_started_message(sockets)
+
+    server = ListeningServer(config, drain=lambda: app.state.drainer.drain())
+    server.run(sockets=[sock])
     return 0 if server.started else 1
 
 
@@ -130,6 +168,15 @@ def _bench_realtime(args: argparse.Namespace) -> int:
         api_key=args.api_key,
     )
     return bench_realtime.main(options, as_json=args.json)
+
+
+def _bench_pp(args: argparse.Namespace) -> int:
+    from server import bench_pp
+
+    options = bench_pp.PpBenchOptions(
+        model=args.model, chunks=args.chunks, size=args.size, steps=args.steps, repeats=args.repeats
+    )
+    return bench_pp.main(options, as_json=args.json)
 
 
 def _bench_pipeline(args: argparse.Namespace) -> int:
@@ -185,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     realtime.add_argument("--api-key", default=None)
     realtime.add_argument("--json", action="store_true", help="print only the JSON summary")
     realtime.set_defaults(func=_bench_realtime)
+    pp = benches.add_parser("pp", help="temporal pipeline parallelism: 1 vs 2 ranks, 1 and 4 sessions, batching")
+    pp.add_argument("--model", default="tiny", help="tiny, or a model directory")
+    pp.add_argument("--chunks", type=int, default=6, help="chunks per session")
+    pp.add_argument("--size", type=int, default=64, help="frame width and height")
+    pp.add_argument("--steps", type=int, default=4, help="denoise steps per chunk")
+    pp.add_argument("--repeats", type=int, default=1, help="runs per configuration; the fastest counts")
+    pp.add_argument("--json", action="store_true", help="print only the JSON summary")
+    pp.set_defaults(func=_bench_pp)
     engine = benches.add_parser("engine", help="engine loop overhead and interaction lag over the stub pipeline")
     engine.add_argument("--json", action="store_true", help="print only the JSON summary")
     engine.add_argument("--step-ms", type=float, default=10.0, help="simulated denoise step time (default 10)")

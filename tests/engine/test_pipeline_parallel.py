@@ -5,6 +5,7 @@ the same sessions on one rank."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -173,3 +174,20 @@ async def test_recache_is_refused_when_split_and_stream_batch_is_not_offered_yet
             await two.start_session(start_of("r", 1, 2, prompt_change="recache"))
     finally:
         await two.shutdown()
+
+
+def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
+    """``rtvideo bench pp`` on a small run: frames per second, and each rank's
+    figures as the worker's EngineStats carried them round the ring."""
+    from server import bench_pp
+
+    options = bench_pp.PpBenchOptions(chunks=2, size=32, steps=2)
+    assert bench_pp.main(options, as_json=True, configs=(bench_pp.Config("pp2", 2, None, 2),)) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (result,) = summary["results"]
+    assert result["frames"] == 2 * (9 + 12) and result["fps"] > 0
+    assert [rank["rank"] for rank in result["ranks"]] == [0, 1]
+    for rank in result["ranks"]:
+        assert rank["busy_s"] > 0 and 0 <= rank["bubble"] < 1
+    assert result["micro_steps"] >= 2 * 2 * 3  # 2 chunks of 2 steps and a commit, 2 ranks each
+    assert 0 < result["mean_rows"] <= 1
