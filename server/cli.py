@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import errno
 import importlib
 import inspect
 import json
-import errno
 import os
 import socket
 import sys
