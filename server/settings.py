@@ -74,8 +74,13 @@ class ServerSettings:
     """A realtime session whose client sends nothing (not even a ping) for this long is ended."""
     max_session_seconds: float = 3600.0
     """Wall-clock limit of one realtime session or job."""
-    max_frames: int = 100_000
-    """Largest ``num_frames`` (or equivalent) one request may ask for."""
+    max_frames: int = 4800
+    """Largest ``num_frames`` (or equivalent) one request may ask for. 4800: five
+    minutes at 16 fps, the served models' rate. A job holds its whole video in
+    memory until it expires (``job_ttl_s``): five minutes at the tiny model's
+    64x64 are 59 MB raw (the ``max_jobs_kept`` 64 jobs: 3.8 GB), 9 MB fmp4, made
+    in about 20 s on 2 CPU cores. Longer videos: raise it, or stream a realtime
+    session without a length (nothing is held; it runs until stopped)."""
     max_width: int = 1280
     """Widest frame a request may ask for (the model may allow less)."""
     max_height: int = 1280

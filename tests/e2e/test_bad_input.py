@@ -50,6 +50,9 @@ FIRST_MESSAGE_CASES = [
     ('{"type": "session.start", "prompt": "p", "seconds": Infinity}', "invalid_event", "seconds"),
     ('{"type": "session.start", "prompt": "p", "fps": NaN}', "invalid_event", "fps"),
     (json.dumps({**START, "seconds": 1e308}), "invalid_request", "seconds: at most"),
+    # The default length limit, 4800 frames, is five minutes at 16 fps.
+    (json.dumps({**START, "seconds": 300.1}), "invalid_request", "seconds: at most 300 s at 16 fps"),
+    (json.dumps({**START, "num_frames": 4801}), "invalid_request", "max_frames is 4800 frames"),
 ]
 
 
