@@ -99,6 +99,7 @@ class EngineLoop:
         self._entering: dict[int, int] = {}  # micro-step number -> rows that entered in it
         self._rows_entered = 0
         self._stats_sent_at = 0.0
+        self._stats_sent_steps = 0  # micro-steps counted in the figures sent last
         self._running = True
         self._number = 0  # of the latest micro-step planned
         self._busy_since: float | None = None
@@ -319,11 +320,14 @@ class EngineLoop:
         return min(budgets, default=None)
 
     def _send_stats(self, every_s: float = 1.0) -> None:
-        """``EngineStats``, at most every ``every_s`` while micro-steps run."""
+        """``EngineStats``, at most every ``every_s`` while micro-steps run, and once
+        more when the work runs out (so the last figures are never stale)."""
         now = time.monotonic()
-        if now - self._stats_sent_at < every_s or not self.stats.iterations:
+        fresh = self.stats.iterations != self._stats_sent_steps
+        idle = not self.sessions and not self.executor.in_flight()
+        if not fresh or (now - self._stats_sent_at < every_s and not idle):
             return
-        self._stats_sent_at = now
+        self._stats_sent_at, self._stats_sent_steps = now, self.stats.iterations
         self.send(self.engine_stats())
 
     def engine_stats(self) -> EngineStats:

@@ -83,6 +83,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         app.state.metrics = Metrics(
             worker_up=lambda: engine.alive,
             memory=lambda: (engine.ready.session_memory_bytes if engine.ready else None, engine.held_state_bytes()),
+            engine_stats=lambda: engine.stats,
         )
         app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
         app.state.jobs = JobManager(

@@ -18,6 +18,9 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.messages import EngineStats
 
 SESSION_OUTCOMES = (
     "completed",
@@ -49,6 +52,7 @@ class Metrics:
         self,
         worker_up: Callable[[], bool],
         memory: Callable[[], tuple[int | None, int]] = lambda: (None, 0),
+        engine_stats: Callable[[], EngineStats | None] = lambda: None,
     ) -> None:
         # The client library's own switch: no "<counter>_created" timestamp series, which
         # dashboards mistake for counts (rtvideo_sessions_created, rtvideo_jobs_created ...).
@@ -123,6 +127,7 @@ class Metrics:
         budget.set_function(lambda: float(memory()[0] or 0))
         held = Gauge("rtvideo_session_memory_held_bytes", "Device memory open sessions hold", registry=r)
         held.set_function(lambda: float(memory()[1]))
+        r.register(EngineStatsCollector(engine_stats))
         # Known label values start at 0, so rates and alerts see a series from the start.
         for counter, values in (
             (self.sessions, SESSION_OUTCOMES),
@@ -135,6 +140,42 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineStatsCollector:
+    """The engine's scheduling figures (``EngineStats``, the latest the worker
+    sent), read at scrape time: micro-steps and the rows they carried, the rows
+    limit and the smoothed micro-step time (the SLO controller's, with --pp),
+    its decisions, and each pipeline rank's busy and wall seconds; a rank's
+    bubble fraction is ``1 - rate(busy) / rate(wall)``."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        steps = CounterMetricFamily("rtvideo_micro_steps", "Micro-steps the engine ran")
+        rows = CounterMetricFamily("rtvideo_micro_step_rows", "Session rows that entered the pipeline, summed")
+        limit = GaugeMetricFamily("rtvideo_rows_per_micro_step", "Rows a micro-step may carry now (SLO-controlled)")
+        seconds = GaugeMetricFamily("rtvideo_micro_step_seconds", "Smoothed wall time of a micro-step (with --pp)")
+        decisions = CounterMetricFamily(
+            "rtvideo_slo_decisions", "The SLO controller's decisions, by action", labels=["action"]
+        )
+        busy = CounterMetricFamily("rtvideo_rank_busy_seconds", "Seconds a pipeline rank computed", labels=["rank"])
+        wall = CounterMetricFamily(
+            "rtvideo_rank_wall_seconds", "Seconds a pipeline rank spent in micro-steps (busy + bubble)", labels=["rank"]
+        )
+        if stats is not None:
+            steps.add_metric([], stats.micro_steps)
+            rows.add_metric([], stats.rows)
+            limit.add_metric([], stats.rows_per_micro_step)
+            seconds.add_metric([], stats.micro_step_s)
+            for action, count in sorted(stats.slo_decisions.items()):
+                decisions.add_metric([action], count)
+            for figure in stats.ranks:
+                busy.add_metric([str(figure.rank)], figure.busy_s)
+                wall.add_metric([str(figure.rank)], figure.wall_s)
+        yield from (steps, rows, limit, seconds, decisions, busy, wall)
 
 
 class SessionClock:

@@ -1,0 +1,34 @@
+"""The server with the tiny model split over two pipeline ranks (``--pp 2``), end
+to end: a WebSocket session with an interaction, its replay, and the ranks'
+figures on /metrics."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.e2e.client import Realtime, interaction, open_realtime
+
+
+async def test_a_realtime_session_under_two_ranks_applies_an_interaction_and_replays_exactly(make_server):
+    server = make_server("--pp", "2", model="tiny")
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "a red fox", "num_chunks": 4, "format": "raw", "seed": 3})
+        await client.until("video.start")
+        await client.next()  # chunk 0
+        await client.send(interaction("a blue whale", "w"))
+        queued = await client.until("session.interaction.queued")
+        applied = await client.until("session.interaction.applied")
+        got = await client.rest()
+    assert applied["generation_chunk_index"] == queued["expected_chunk_index"]
+    if queued["in_progress_chunk_index"] is not None:
+        assert applied["generation_chunk_index"] == queued["in_progress_chunk_index"] + 1
+    assert [c.metadata["generation_chunk_index"] for c in got.chunks] == [0, 1, 2, 3]
+    [done] = got.of("session.done")
+    assert done["reason"] == "completed"
+    replay = httpx.post(f"{server.http}/v1/videos/sync", json=done["replay"], timeout=120)
+    assert replay.status_code == 200 and replay.content == b"".join(c.payload for c in got.chunks)
+    metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
+    for rank in ("0", "1"):
+        assert f'rtvideo_rank_busy_seconds_total{{rank="{rank}"}}' in metrics
+    assert "rtvideo_micro_steps_total" in metrics and "rtvideo_rows_per_micro_step" in metrics
