@@ -41,6 +41,7 @@ REJECTION_REASONS = (
 )
 INTERACTION_OUTCOMES = ("queued", "applied", "superseded", "rejected")
 JOB_STATUSES = ("completed", "failed", "cancelled")
+SLO_ACTIONS = ("hold", "decrease", "increase")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 LEAD_BUCKETS = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
@@ -170,8 +171,8 @@ class EngineStatsCollector:
             rows.add_metric([], stats.rows)
             limit.add_metric([], stats.rows_per_micro_step)
             seconds.add_metric([], stats.micro_step_s)
-            for action, count in sorted(stats.slo_decisions.items()):
-                decisions.add_metric([action], count)
+            for action in SLO_ACTIONS:  # every action from 0, so rates see a series from the start
+                decisions.add_metric([action], stats.slo_decisions.get(action, 0))
             for figure in stats.ranks:
                 busy.add_metric([str(figure.rank)], figure.busy_s)
                 wall.add_metric([str(figure.rank)], figure.wall_s)
