@@ -3,9 +3,12 @@
 Worker rank 0 (or whichever rank decodes). A micro-step whose row ends a chunk
 commits it (the chunk is in the KV cache, so the session's next chunk may be
 denoised) and leaves the VAE decode to this stage: ``submit`` queues it and
-returns, and the next micro-steps run while it decodes. One thread, one FIFO,
-so a session's chunks come out in order. On a CPU the overlap is two threads
-sharing the cores; on a GPU the pipeline decodes on a stream of its own
+returns, and the next micro-steps run while it decodes. ``lanes`` threads,
+each a FIFO; a session keeps the lane it was first given (the least loaded),
+so its chunks come out in order while different sessions decode side by
+side. On a CPU the overlap is threads sharing the cores (it pays where the
+loop's own thread mostly waits, as rank 0's does on a pipeline ring); on a
+GPU the pipeline decodes on a stream of its own per thread
 (``CausalWanPipeline.decode``), so the decode's kernels overlap the next
 chunk's forward.
 """
@@ -23,18 +26,34 @@ log = logging.getLogger(__name__)
 
 
 class DecodeStage:
-    def __init__(self, runner: ModelRunner, on_done: Callable[[DecodeResult], None]) -> None:
-        """``on_done`` is called on this stage's thread with each result, in order."""
+    def __init__(self, runner: ModelRunner, on_done: Callable[[DecodeResult], None], lanes: int = 1) -> None:
+        """``on_done`` is called on a lane's thread with each result; a session's in order."""
+        if lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {lanes}")
         self._runner = runner
         self._on_done = on_done
-        self._thread: OrderedThread[tuple[str, int]] = OrderedThread("decode", self._decode)
+        self._lanes: list[OrderedThread[tuple[str, int]]] = [
+            OrderedThread(f"decode-{lane}", self._decode) for lane in range(lanes)
+        ]
+        self._lane_of: dict[str, int] = {}  # session -> its lane (touched by the submitting thread only)
 
     def submit(self, session_id: str, chunk_index: int) -> None:
-        self._thread.submit((session_id, chunk_index))
+        lane = self._lane_of.get(session_id)
+        if lane is None:
+            load = [0] * len(self._lanes)
+            for taken in self._lane_of.values():
+                load[taken] += 1
+            lane = self._lane_of[session_id] = load.index(min(load))
+        self._lanes[lane].submit((session_id, chunk_index))
+
+    def forget(self, session_id: str) -> None:
+        """The session was released: its lane may go to another."""
+        self._lane_of.pop(session_id, None)
 
     def close(self) -> None:
-        """Decode what was submitted, then stop the thread."""
-        self._thread.close()
+        """Decode what was submitted, then stop the threads."""
+        for lane in self._lanes:
+            lane.close()
 
     def _decode(self, item: tuple[str, int]) -> bool:
         session_id, chunk_index = item

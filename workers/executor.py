@@ -45,6 +45,7 @@ class LocalExecutor:
         depth: int = 2,
         threaded: bool = True,
         overlap_decode: bool = True,
+        decode_lanes: int = 1,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -62,7 +63,7 @@ class LocalExecutor:
         self._decoder: DecodeStage | None = None
         if threaded and overlap_decode:
             runner.defer_decode = True
-            self._decoder = DecodeStage(runner, self._decoded)
+            self._decoder = DecodeStage(runner, self._decoded, lanes=decode_lanes)
         self._thread: OrderedThread[MicroStep] | None = OrderedThread("executor", self._run) if threaded else None
 
     # -- engine.plan.Executor -------------------------------------------------
@@ -129,6 +130,9 @@ class LocalExecutor:
             self._running_since = None
         for session_id, chunk_index in result.decodes:  # after its micro-step's result, so it comes back after it
             self._decoder.submit(session_id, chunk_index)
+        if self._decoder is not None:
+            for session_id in result.released:
+                self._decoder.forget(session_id)
         self._on_result()
         return True
 

@@ -52,7 +52,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
         if budget is None:
             budget = pipeline.session_memory_budget()
         if config.pp > 1:
-            group = _start_ranks(config, pipeline, sender)
+            group = _start_ranks(config, pipeline, sender, decode_inline=not _overlap_decode(config, pipeline))
     except Exception as error:
         log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
@@ -69,8 +69,10 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     if budget is not None:
         log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
     control = ControlPlane(config, runner.describe, sender.send, memory_budget=budget)
-    overlap = pipeline.decode_overlap_pays if config.overlap_decode is None else config.overlap_decode
-    executor = LocalExecutor(runner, control.is_stopping, control.wake, overlap_decode=overlap)
+    overlap = _overlap_decode(config, pipeline)
+    # With pipeline ranks, rank 0's decode stage gets a lane per rank: its own thread mostly waits on the ring.
+    lanes = config.pp if group is not None else 1
+    executor = LocalExecutor(runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes)
     loop = EngineLoop(config, control, executor, sender.send, grouping=grouping, max_rows=pipeline.max_batch_rows)
     receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
     receiver.start()
@@ -107,7 +109,17 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     raise SystemExit(exit_code)
 
 
-def _start_ranks(config: EngineConfig, pipeline, sender: ResultSender):
+def _overlap_decode(config: EngineConfig, pipeline) -> bool:
+    """Whether chunks decode on a stage of their own (a thread; a CUDA stream on a
+    GPU) while the next chunk denoises: as configured, else where the pipeline
+    says it pays, and always with pipeline ranks: rank 0's own thread is then
+    mostly waiting on the ring, so the decode stage has a core to itself."""
+    if config.overlap_decode is not None:
+        return config.overlap_decode
+    return config.pp > 1 or pipeline.decode_overlap_pays
+
+
+def _start_ranks(config: EngineConfig, pipeline, sender: ResultSender, decode_inline: bool):
     """Split the blocks over ``config.pp`` ranks by measured cost, keep rank 0's,
     start the others; a rank that dies later ends this worker (``EngineDead``,
     then exit 3), so the API process restarts the group as one."""
@@ -120,7 +132,7 @@ def _start_ranks(config: EngineConfig, pipeline, sender: ResultSender):
         raise ValueError("stream_batch: not available yet; run exact pipeline parallelism (leave it off)")
     if not getattr(pipeline, "supports_micro_step_execution", False) or not hasattr(pipeline, "own_blocks"):
         raise ValueError(f"pp: the {pipeline.name!r} pipeline cannot be split over pipeline ranks")
-    costs = measure_costs(pipeline)
+    costs = measure_costs(pipeline, decode_inline=decode_inline)
     splits = split_blocks(costs, config.pp)
     log.info(
         "blocks split over %d ranks: %s (measured ms per pass: blocks %s, first rank +%.2f, last rank +%.2f)",

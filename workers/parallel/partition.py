@@ -70,12 +70,14 @@ def pace(costs: StageCosts, split: Sequence[range]) -> float:
     )
 
 
-def measure_costs(pipeline, repeats: int = 3) -> StageCosts:
+def measure_costs(pipeline, repeats: int = 3, decode_inline: bool = True) -> StageCosts:
     """Time each block, the embedding and the head on one forward of a
     throwaway session at the pipeline's default geometry (the best of
     ``repeats``: they only read), and the first rank's per-chunk work (the
     boundary, the sampler steps, the decode: once each, as a chunk runs them)
-    spread over the chunk's passes. The session is released."""
+    spread over the chunk's passes (the decode only when it runs ``inline``
+    on the first rank's thread, not as a stage of its own). The session is
+    released."""
     from engine.messages import StartSession
     from workers.pipelines.base import BatchRow, StepBatch
     from workers.pipelines.wan_blocks import head, run_blocks
@@ -123,5 +125,5 @@ def measure_costs(pipeline, repeats: int = 3) -> StageCosts:
     finally:
         pipeline.release(session)
     passes = steps + 1
-    first_extra = embed_s + sampler_s / steps + (boundary_s + decode_s) / passes
+    first_extra = embed_s + sampler_s / steps + (boundary_s + (decode_s if decode_inline else 0.0)) / passes
     return StageCosts(tuple(blocks), first_extra=first_extra, last_extra=head_s)
