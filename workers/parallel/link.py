@@ -27,7 +27,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-HEADER_BYTES = 64 * 1024
+HEADER_BYTES = 16 * 1024  # a header names rows and tensor shapes: a few hundred bytes per row
 _TAG_MASK = (1 << 30) - 1
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)}
 
