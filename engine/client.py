@@ -15,7 +15,15 @@ Liveness, both ways:
   ``max_worker_restarts`` times per ``worker_restart_window_s``; past that
   the engine stays dead;
 - the worker holds the read end of a pipe whose write end only this process
-  has; when this process dies, however it dies, the worker sees EOF and exits.
+  has; when this process dies, however it dies, the worker sees EOF and exits;
+- a worker that is alive but wedged (stopped, deadlocked, or one forward far
+  past what its chunks have cost) is found by a heartbeat: the client probes
+  the worker's loop every ``Heartbeat.interval_s`` and, once a probe has gone
+  unanswered or a forward has run past its deadline (``engine.heartbeat``),
+  kills the worker; its sessions get ``SessionFailed(code="worker_wedged")``
+  and a fresh worker starts under the same restart budget. Health checks
+  read what the heartbeat last learned (``heartbeat``), never waiting on the
+  worker themselves.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import logging
 import multiprocessing
 import shutil
 import time
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -35,7 +44,9 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
+from engine.heartbeat import Heartbeat
 from engine.messages import (
+    ChunkReady,
     ControlMessage,
     Delivered,
     EngineDead,
@@ -139,6 +150,14 @@ class SessionHandle:
         await self._client.stop(self.session_id, reason)
 
 
+@dataclass(frozen=True)
+class Death:
+    """How the sessions of a worker the client killed itself are failed."""
+
+    code: str
+    reason: str
+
+
 class WorkerState(Enum):
     """Where the client's worker is (``EngineClient.state``)."""
 
@@ -166,9 +185,13 @@ class EngineClient:
             ProbeReply: self._on_probe_reply,
             EngineDead: self._on_engine_dead,
             EngineStats: self._on_stats,
+            ChunkReady: self._on_chunk,
         }
         self._startup_s = 0.0  # how long the latest worker took from spawn to READY
-        self._unanswered_probes: dict[int, float] = {}  # probe id -> when it was sent, until the loop answers
+        self.heartbeat = Heartbeat(config.wedged_after_s, config.startup_timeout_s, config.max_batch_rows)
+        self._heartbeat_task: asyncio.Task | None = None
+        self._killed: Death | None = None  # set when the heartbeat kills a wedged worker, until its death is handled
+        self._sizes: dict[str, tuple[int, int]] = {}  # open sessions' width and height (heartbeat deadlines)
         self._sessions: dict[str, asyncio.Queue] = {}
         self._state_bytes: dict[str, int] = {}  # open sessions' device memory (geometry.state_bytes)
         self._probes: dict[int, asyncio.Future] = {}
@@ -203,6 +226,7 @@ class EngineClient:
             self._close_sockets()
             raise
         self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
+        self._heartbeat_task = asyncio.create_task(self._beat(), name="engine-heartbeat")
         return self.ready
 
     async def _spawn(self) -> None:
@@ -254,6 +278,10 @@ class EngineClient:
         if self.state is WorkerState.CLOSING or self._process is None:
             return
         self.state = WorkerState.CLOSING
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
         if self._dead_reason is None and self._process.is_alive():
             with contextlib.suppress(EngineError, zmq.ZMQError):
                 await self._transmit(Shutdown())
@@ -290,8 +318,10 @@ class EngineClient:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         self._exited.set()
         if self.state is WorkerState.UP:  # a death during a handshake is the handshake's to report
-            # Decided now, so no call in between sees the wrong state.
+            # Decided now, so no call in between sees the wrong state (or a reason-less one).
             self.state = WorkerState.RESTARTING if self._may_restart() else WorkerState.DEAD
+            if self._killed is not None:
+                self._dead_reason = self._killed.reason
             self._death_task = asyncio.create_task(self._on_worker_death())
 
     async def _on_worker_death(self) -> None:
@@ -302,12 +332,17 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump_task
         await self._drain_results()  # what the worker sent before it died
-        reason = self._dead_reason or f"worker process {self._process.pid} died (exit code {code})"
-        self._dead_reason = reason
-        log.error("%s", reason)
-        self._fail_all("worker_died", reason)
+        death = self._killed or Death(
+            code="worker_died",
+            reason=self._dead_reason or f"worker process {self._process.pid} died (exit code {code})",
+        )
+        self._killed = None
+        self._dead_reason = death.reason
+        log.error("%s", death.reason)
+        self._fail_all(death.code, death.reason)
+        self.heartbeat.reset()
         if self.state is WorkerState.RESTARTING:
-            await self._restart(reason)
+            await self._restart(death.reason)
 
     async def settled(self) -> None:
         """Return once a worker death in progress has been handled: its sessions
@@ -343,6 +378,31 @@ class EngineClient:
         log.warning("worker restarted (pid %s)", self._process.pid)
 
     # ------------------------------------------------------------------
+    # heartbeat
+    # ------------------------------------------------------------------
+
+    async def _beat(self) -> None:
+        """Probe the worker's loop every ``heartbeat.interval_s``; kill a worker the
+        heartbeat finds wedged (its death is then handled like any other)."""
+        while True:
+            # Not while starting, restarting, dead, closing or being killed: nothing to watch.
+            if self.state is WorkerState.UP and not self._exited.is_set() and self._killed is None:
+                if (reason := self.heartbeat.verdict(self._sizes.values())) is not None:
+                    self._kill_wedged(reason)
+                else:
+                    probe_id = next(self._probe_ids)
+                    self.heartbeat.sent(probe_id)
+                    with contextlib.suppress(EngineError, zmq.ZMQError):
+                        await self._transmit(Probe(probe_id=probe_id))
+            await asyncio.sleep(self.heartbeat.interval_s)  # the heartbeat's own period
+
+    def _kill_wedged(self, reason: str) -> None:
+        pid = self._process.pid
+        self._killed = Death(code="worker_wedged", reason=f"worker process {pid} is wedged: {reason}; it was killed")
+        log.error("%s", self._killed.reason)
+        self._process.kill()  # SIGKILL reaches a stopped process too; the sentinel reports the exit
+
+    # ------------------------------------------------------------------
     # results
     # ------------------------------------------------------------------
 
@@ -360,12 +420,15 @@ class EngineClient:
         self._routes.get(type(message), self._to_session)(message)
 
     def _on_probe_reply(self, reply: ProbeReply) -> None:
-        # The loop answers probes in order: every earlier one was answered or lost with a dead worker.
-        for probe_id in [p for p in self._unanswered_probes if p <= reply.probe_id]:
-            del self._unanswered_probes[probe_id]
+        self.heartbeat.answered(reply)
         future = self._probes.pop(reply.probe_id, None)
         if future is not None and not future.done():
             future.set_result(reply)
+
+    def _on_chunk(self, chunk: ChunkReady) -> None:
+        t = chunk.timing
+        self.heartbeat.observe(chunk.width, chunk.height, (t.boundary_ms + t.denoise_ms + t.decode_ms) / 1000)
+        self._to_session(chunk)
 
     def _on_stats(self, stats: EngineStats) -> None:
         self.stats = stats
@@ -385,11 +448,11 @@ class EngineClient:
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
         self._probes.clear()
-        self._unanswered_probes.clear()
 
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
         self._state_bytes.pop(session_id, None)
+        self._sizes.pop(session_id, None)
 
     # ------------------------------------------------------------------
     # control
@@ -418,11 +481,14 @@ class EngineClient:
     def loop_silent_s(self) -> float:
         """How long the worker's loop has left a probe unanswered (0 when none is waiting).
 
-        The loop answers a probe between two forwards, so this grows during one long
-        forward and without bound when the loop is wedged."""
-        if not self._unanswered_probes:
-            return 0.0
-        return time.monotonic() - min(self._unanswered_probes.values())
+        The loop answers probes while a forward runs too, so this stays near 0
+        unless the worker is stopped, deadlocked or starved."""
+        return self.heartbeat.silent_s()
+
+    def responsiveness(self) -> tuple[str, str]:
+        """``("ok" | "busy" | "wedged", reason)`` from what the heartbeat last
+        learned (no round trip to the worker): for liveness while a worker is up."""
+        return self.heartbeat.status(self._sizes.values())
 
     def unavailable(self) -> EngineDeadError | None:
         """Why a call would be refused now (``EngineRestartingError`` while a fresh
@@ -474,6 +540,7 @@ class EngineClient:
             raise
         if isinstance(first, SessionStarted):
             self._state_bytes[start.session_id] = first.geometry.state_bytes
+            self._sizes[start.session_id] = (first.geometry.width, first.geometry.height)
             return SessionHandle(self, first, queue)
         self._forget(start.session_id)
         if isinstance(first, SessionRejected):
@@ -509,7 +576,7 @@ class EngineClient:
         self._probes[probe_id] = future
         try:
             await self._send(Probe(probe_id=probe_id))
-            self._unanswered_probes[probe_id] = time.monotonic()
+            self.heartbeat.sent(probe_id)
             return await asyncio.wait_for(future, timeout)
         finally:
             self._probes.pop(probe_id, None)

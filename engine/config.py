@@ -70,6 +70,11 @@ class EngineConfig:
     worker_entry: str = "workers.main:run_worker"
     """Import path of the worker entry point; resolved in the child process only,
     so the API process never imports ``workers``."""
+    wedged_after_s: float = 10.0
+    """The heartbeat's floor (``engine.heartbeat``): a worker whose loop has answered
+    no probe for this long, or whose one forward has run past
+    max(this, 10 x the slowest chunk measured at its size), is killed, its sessions
+    fail with ``worker_wedged`` and a fresh one starts (``max_worker_restarts``)."""
 
     def __post_init__(self) -> None:
         _check(self.max_sessions >= 1, "max_sessions", "must be >= 1")
@@ -85,6 +90,7 @@ class EngineConfig:
         _check(self.shutdown_timeout_s > 0, "shutdown_timeout_s", "must be > 0")
         _check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
         _check(self.worker_restart_window_s > 0, "worker_restart_window_s", "must be > 0")
+        _check(self.wedged_after_s > 0, "wedged_after_s", "must be > 0")
         _check(":" in self.worker_entry, "worker_entry", "must look like 'module:function'")
 
 

@@ -44,7 +44,6 @@ from server.settings import ServerSettings
 
 STATIC = Path(__file__).parent / "static"
 SWAGGER_UI = str(importlib.resources.files("swagger_ui") / "static")  # Swagger UI 5's files, from swagger-ui-py
-LIVENESS_PROBE_S = 1.0  # how long /health/live waits for the loop; a forward this long is "busy"
 
 
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
@@ -70,6 +69,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         session_memory_bytes=None if settings.session_memory_gib is None else int(settings.session_memory_gib * 2**30),
         startup_timeout_s=settings.worker_startup_timeout_s,
         max_worker_restarts=settings.max_worker_restarts,
+        wedged_after_s=settings.worker_wedged_after_s,
     )
 
 
@@ -118,6 +118,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             swagger_css_url="/docs/assets/swagger-ui.css",
             swagger_favicon_url="/docs/assets/favicon-32x32.png",
         )
+
     app.state.settings = settings
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
     redact_access_log()
@@ -153,61 +154,56 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/health/live", tags=["operations"])
     async def live(request: Request) -> JSONResponse:
-        """Liveness: 503 only when restarting this process is what would help: the
-        worker died and the restart budget is spent (``dead``), or one forward has
-        run, or the loop has answered no probe, for ``worker_wedged_after_s``
-        (``wedged``). 200 otherwise: ``ok``, ``busy`` (inside one long forward),
+        """Liveness, from what the server already knows (no round trip to the
+        worker): 503 only when restarting this process is what would help: the
+        worker died and the restart budget is spent (``dead``), or it is wedged
+        and not yet replaced (``wedged``: the heartbeat kills a wedged worker,
+        so this lasts until its death is handled). 200 otherwise: ``ok``,
+        ``busy`` (one forward, or a silence of the loop, past a second),
         ``restarting`` (a fresh worker is loading, however long a real model
         takes), draining included."""
         engine = engine_of(request)
-        try:
-            reply = await engine.probe(timeout=LIVENESS_PROBE_S)
-        except EngineRestartingError as error:
-            return JSONResponse({"status": "restarting", "reason": str(error)})
-        except EngineDeadError as error:
-            if engine.restarting:  # it died during the probe, and a fresh one is on its way
-                return JSONResponse({"status": "restarting", "reason": str(error)})
-            return JSONResponse({"status": "dead", "reason": str(error)}, status_code=503)
-        except TimeoutError:
-            silent = engine.loop_silent_s()
-            reason = f"the worker's loop has answered no probe for {silent:.1f} s"
-            if silent >= settings.worker_wedged_after_s:
-                return JSONResponse({"status": "wedged", "reason": reason}, status_code=503)
-            return JSONResponse({"status": "busy", "reason": reason})
-        reason = f"one forward has run for {reply.executing_s:.1f} s"
-        if reply.executing_s >= settings.worker_wedged_after_s:
+        if (unavailable := engine.unavailable()) is not None:
+            if isinstance(unavailable, EngineRestartingError):
+                return JSONResponse({"status": "restarting", "reason": str(unavailable)})
+            return JSONResponse({"status": "dead", "reason": str(unavailable)}, status_code=503)
+        status, reason = engine.responsiveness()
+        if status == "wedged":
             return JSONResponse({"status": "wedged", "reason": reason}, status_code=503)
-        if reply.executing_s >= LIVENESS_PROBE_S:
+        if status == "busy":
             return JSONResponse({"status": "busy", "reason": reason})
         return JSONResponse({"status": "ok"})
 
     @app.get("/health", tags=["operations"])
     async def health(request: Request) -> JSONResponse:
-        """Readiness: 200 while the workers are up and the server takes new work;
-        503 when they are down or the server is draining. With an API key set,
-        the details (worker pids, session ids) only for a request that presents
-        it; the bare status stays open for probes."""
+        """Readiness, from what the server already knows (never a round trip to a
+        busy worker): 200 while the workers are up and the server takes new work;
+        503 when they are down, restarting or wedged, or the server is draining.
+        The details (with an API key set, only for a request that presents it):
+        the worker's pid, the sessions open here, and the sessions the runner and
+        the pipeline still hold as of the worker's latest heartbeat answer (at
+        most ``Heartbeat.interval_s`` old)."""
         engine = engine_of(request)
         if request.app.state.drainer.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if (unavailable := engine.unavailable()) is not None:
             status = "restarting" if isinstance(unavailable, EngineRestartingError) else "unavailable"
             return JSONResponse({"status": status, "reason": str(unavailable)}, status_code=503)
-        try:
-            probe = await engine.probe(timeout=5.0)
-        except (EngineDeadError, TimeoutError) as error:
-            return JSONResponse({"status": "unavailable", "reason": str(error) or "probe timed out"}, status_code=503)
+        status, reason = engine.responsiveness()
+        if status == "wedged":
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         if not is_authorized(request, settings.api_key):
             return JSONResponse({"status": "ok"})
+        probe = engine.heartbeat.last_reply
         return JSONResponse(
             {
                 "status": "ok",
                 "model": engine.ready.pipeline,
                 "workers": [{"rank": 0, "pid": engine.worker_pid, "alive": True, "restarts": engine.restarts}],
-                "sessions": len(probe.sessions),
+                "sessions": len(engine.open_sessions()),
                 "max_sessions": settings.max_sessions,
-                "runner_sessions": list(probe.runner_sessions),
-                "pipeline_sessions": list(probe.pipeline_sessions),
+                "runner_sessions": list(probe.runner_sessions) if probe else [],
+                "pipeline_sessions": list(probe.pipeline_sessions) if probe else [],
             }
         )
 
@@ -289,7 +285,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         request.app.state.jobs.jobs.pop(job.id, None)
         if job.status != "completed":
             code = job.error["code"] if job.error else "failed"
-            status = 503 if code in ("engine_unavailable", "worker_died") else 500
+            status = 503 if code in ("engine_unavailable", "worker_died", "worker_wedged") else 500
             return _error(status, code, _job_error(job))
         return _content(job)
 

@@ -99,10 +99,12 @@ class ServerSettings:
     max_worker_restarts: int = 3
     """Workers restarted after a death within five minutes; past that the replica
     stays down (liveness fails) until it is restarted."""
-    worker_wedged_after_s: float = 180.0
-    """``/health/live`` fails once one forward has run, or the worker's loop has
-    answered no probe, for this long (a wedged worker); keep it above the longest
-    single forward you serve."""
+    worker_wedged_after_s: float = 10.0
+    """The worker heartbeat's one knob: a worker whose loop has answered no probe for
+    this long (stopped, deadlocked), or whose one forward has run past max(this,
+    10 x the slowest chunk measured at that size; until one is measured, the
+    worker startup timeout), is killed: its sessions fail with ``worker_wedged``,
+    a fresh worker starts under ``max_worker_restarts``."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long running sessions and jobs may go on before they are ended."""
 

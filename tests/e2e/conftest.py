@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,15 @@ class RunningServer:
 
     def health(self) -> dict:
         return httpx.get(f"{self.http}/health", timeout=10).json()
+
+    def released(self, within: float = 10.0) -> dict:
+        """``/health`` once no session is open and the worker holds none: what the
+        runner and pipeline hold comes from the worker's heartbeat answers, so a
+        release shows within a heartbeat. Fails if it does not within ``within``."""
+        deadline = time.monotonic() + within
+        while (health := self.health())["sessions"] or health["runner_sessions"] or health["pipeline_sessions"]:
+            assert time.monotonic() < deadline, f"the worker still holds sessions: {health}"
+        return health
 
 
 def start_server(

@@ -50,8 +50,7 @@ def test_delete_cancels_a_running_job(make_server):
     deleted = httpx.delete(f"{server.http}/v1/videos/{job['id']}", timeout=30).json()
     assert deleted["deleted"] is True
     assert httpx.get(f"{server.http}/v1/videos/{job['id']}").status_code == 404
-    health = server.health()
-    assert health["sessions"] == 0 and health["runner_sessions"] == []
+    server.released()
 
 
 @pytest.mark.parametrize(
@@ -204,10 +203,7 @@ def test_a_sync_request_whose_client_left_is_cancelled(make_server):
     body = {**JOB, "num_chunks": 1000}  # 80 s of work
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.http}/v1/videos/sync", json=body, timeout=1.0)
-    deadline = time.monotonic() + 15
-    while (health := server.health())["sessions"] or health["runner_sessions"]:
-        assert time.monotonic() < deadline, f"the abandoned job still holds the worker: {health}"
-        time.sleep(0.05)
+    server.released(within=15)  # the abandoned job no longer holds the worker
     assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
     assert 'rtvideo_jobs_total{status="cancelled"} 1.0' in httpx.get(f"{server.http}/metrics").text
     assert "Traceback" not in "".join(server.log)

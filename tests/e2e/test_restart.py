@@ -135,23 +135,37 @@ async def test_without_restarts_a_dead_worker_fails_liveness_and_new_work(make_s
     assert httpx.get(f"{server.http}/metrics").text.count("rtvideo_worker_up 0.0") == 1
 
 
-async def test_liveness_tells_a_long_forward_from_a_wedged_loop(make_server):
-    """A forward running longer than a second is ``busy`` (200); once it has run for
-    ``worker_wedged_after_s``, liveness fails (503)."""
-    server = make_server("--worker-wedged-after-s", "2.5", pipeline={"step_time_s": 30.0})
+async def test_liveness_tells_a_long_forward_from_a_wedged_one(make_server):
+    """A first forward at a size never measured may run up to the worker startup
+    timeout (here 8 s) before it counts as wedged: past a second it is ``busy``
+    (200), well past the 1 s floor it is still busy, and at the timeout the
+    worker is killed: the session fails with ``worker_wedged`` and, with no
+    restarts allowed, liveness fails (503) saying why."""
+    server = make_server(
+        "--worker-wedged-after-s",
+        "1",
+        "--worker-startup-timeout-s",
+        "8",
+        "--max-worker-restarts",
+        "0",
+        pipeline={"step_time_s": 30.0},
+    )
     assert httpx.get(f"{server.http}/health/live").json()["status"] == "ok"
-    worker = server.health()["workers"][0]["pid"]
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
         await client.send({"type": "session.start", "prompt": "one very long step", "format": "raw"})
         await client.until("video.start")
         statuses = []  # the executor is inside a 30 s step now; the loop still answers
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while (live := httpx.get(f"{server.http}/health/live")).status_code == 200:
-            statuses.append(live.json()["status"])
+            statuses.append((live.json()["status"], live.json().get("reason", "")))
             assert time.monotonic() < deadline, live.text
             time.sleep(0.1)  # the condition is time itself: how long the forward has run
-        assert "busy" in statuses and statuses == sorted(statuses, key=["ok", "busy"].index), statuses
-        assert live.status_code == 503 and live.json()["status"] == "wedged"
-        assert "one forward has run for" in live.json()["reason"]
-        os.kill(worker, signal.SIGKILL)  # rather than wait out the step
+        got = await client.rest(timeout=10)
+    seen = [status for status, _ in statuses]
+    assert "busy" in seen and seen == sorted(seen, key=["ok", "busy"].index), statuses
+    assert any("one forward has run for 2." in reason for _, reason in statuses), statuses  # past the floor
+    assert live.status_code == 503 and live.json()["status"] in ("wedged", "dead"), live.text
+    assert "past its deadline of 8.0 s (no chunk of this size measured yet)" in live.json()["reason"]
+    [error] = got.of("error")
+    assert error["code"] == "worker_wedged" and error["fatal"] is True and got.close_code == 1011
