@@ -180,6 +180,8 @@ def run_follower(
     device = rank_device(rank)
     if device.type == "cpu":
         torch.set_num_threads(rank_threads(world))
+    else:
+        torch.cuda.set_device(device)  # NCCL's communicators follow the current device
     options = dict(config.pipeline.options)
     if device.type == "cuda":
         options["device"] = str(device)
