@@ -399,7 +399,7 @@ class EngineClient:
     def _kill_wedged(self, reason: str) -> None:
         pid = self._process.pid
         self._killed = Death(code="worker_wedged", reason=f"worker process {pid} is wedged: {reason}; it was killed")
-        log.error("%s", self._killed.reason)
+        log.error("worker process %s is wedged: %s; killing it", pid, reason)
         self._process.kill()  # SIGKILL reaches a stopped process too; the sentinel reports the exit
 
     # ------------------------------------------------------------------
