@@ -125,6 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.drain import DrainingServer
+    from server.ws_protocol import RealtimeWebSocketProtocol
 
     settings = settings_from(args, dict(os.environ))
     sock = listen(settings.host, settings.port)  # before the app exists: nothing loads for a port we cannot have
@@ -133,6 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         app,
         host=settings.host,
         port=settings.port,
+        ws=RealtimeWebSocketProtocol,  # uvicorn's, and a slow client can be closed without waiting on it
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout
         log_level=args.log_level,

@@ -10,9 +10,21 @@ API process, asyncio. Per connection three tasks cooperate:
 - the **writer** is the only task that sends on the socket, so a
   ``video.chunk_metadata`` and its binary frame are never split.
 
-Ending: ``session.stop``, a length reached, the stall or duration limit, or
-the client leaving all go through one path, ``EngineClient.stop``, and the
-connection waits for the engine's ``SessionDone`` so nothing is left behind.
+The outbox between them and the writer is bounded: it counts the bytes
+queued and not yet written to the socket (events as their JSON text, chunks
+as metadata plus payload). A client whose backlog passes ``max_outbox_bytes``
+(an item reaching an empty outbox is always taken, however large), or whose
+socket takes nothing for ``send_timeout_s`` while a write waits, is a slow
+client: it is closed with 1008 and the reason ``slow_client: ...`` at once,
+without waiting for it to read (``server.ws_protocol``), what was queued for it
+is dropped, and its session ends (``session.done`` reason ``slow_client``).
+Pacing (``max_undelivered_seconds``) holds a lagging session's generation long
+before that; these limits are for a client that stopped reading for good.
+
+Ending: ``session.stop``, a length reached, the stall or duration limit, a
+slow client, or the client leaving all go through one path,
+``EngineClient.stop``, and the connection waits for the engine's
+``SessionDone`` so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -56,11 +68,13 @@ from server.schemas import (
     resolve,
 )
 from server.settings import ServerSettings
+from server.ws_protocol import EXTENSION as CLOSE_NOW
 
 log = logging.getLogger(__name__)
 CLIENT_EVENTS: TypeAdapter = TypeAdapter(ClientEvent)
 
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_ERROR, CLOSE_FULL = 1000, 1008, 1009, 1011, 1013
+SLOW_CLIENT_GRACE_S = 10.0  # a slow client closed now has this long to read up to the close frame
 
 
 class _Closed(Exception):
@@ -69,9 +83,13 @@ class _Closed(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """A JSON text frame."""
+    """A JSON text frame, serialised when queued (its size counts in the backlog)."""
 
-    event: dict[str, Any]
+    text: str
+
+    @property
+    def size(self) -> int:
+        return len(self.text)
 
 
 @dataclass(frozen=True)
@@ -79,20 +97,32 @@ class Media:
     """A ``video.chunk_metadata`` text frame and its binary frame, sent back to back."""
 
     chunk: MediaChunk
+    metadata: str
+
+    @property
+    def size(self) -> int:
+        return len(self.metadata) + len(self.chunk.payload)
 
 
 @dataclass(frozen=True)
 class Close:
     code: int
     reason: str
+    size = 0
 
 
 class End:
     """The writer stops without closing (the connection is over)."""
 
+    size = 0
+
 
 END = End()
 Outgoing = Event | Media | Close | End
+
+
+class _Slow(Exception):
+    """The client stopped taking what is written to it (see ``_too_slow``)."""
 
 
 class RealtimeConnection:
@@ -113,6 +143,10 @@ class RealtimeConnection:
         self.metrics = metrics
         self.clock = SessionClock(metrics)
         self.outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+        self.backlog = 0  # bytes queued in the outbox and not yet written to the socket
+        self.slow: str | None = None  # why the client was closed as slow, once it was
+        self._slow = asyncio.Event()
+        self._writer: asyncio.Task | None = None
         self.handle: SessionHandle | None = None
         self.output: SessionOutput | None = None
 
@@ -125,7 +159,7 @@ class RealtimeConnection:
             await self.ws.close(CLOSE_POLICY, "unauthorized: a valid API key is required")
             return
         await self.ws.accept(subprotocol=key_subprotocol(self.ws))
-        writer = asyncio.create_task(self._writer(), name="ws-writer")
+        writer = self._writer = asyncio.create_task(self._write_all(), name="ws-writer")
         try:
             await self._session()
         except _Closed:
@@ -133,14 +167,16 @@ class RealtimeConnection:
         except Exception:
             log.exception("realtime connection failed")
             self._send(error_event("internal_error", "the server failed this session", fatal=True))
-            self.outbox.put_nowait(Close(CLOSE_ERROR, "internal error"))
+            self._put(Close(CLOSE_ERROR, "internal error"))
         finally:
             if self.handle is not None and not self.handle.finished:
-                await self._finish_session("server_error")
+                await self._finish_session("slow_client" if self.slow else "server_error")
             self.outbox.put_nowait(END)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer, 10.0)
-            writer.cancel()
+            # The writer delivers what is queued (each write bounded by send_timeout_s) and stops.
+            await asyncio.gather(writer, return_exceptions=True)
+            if self.slow is not None and CLOSE_NOW not in self.ws.scope.get("extensions", {}):
+                with contextlib.suppress(Exception):  # another server: try an ordinary close, briefly
+                    await asyncio.wait_for(self.ws.close(CLOSE_POLICY, f"slow_client: {self.slow}"[:123]), 1.0)
 
     async def _session(self) -> None:
         start = await self._receive_start()
@@ -169,20 +205,22 @@ class RealtimeConnection:
         pump = asyncio.create_task(self._pump(), name="ws-pump")
         reader = asyncio.create_task(self._reader(), name="ws-reader")
         limit = asyncio.create_task(self._duration_limit(), name="ws-duration")
+        slow = asyncio.create_task(self._slow.wait(), name="ws-slow")
         try:
-            done, _ = await asyncio.wait({pump, reader}, return_when=asyncio.FIRST_COMPLETED)
-            if pump not in done:  # the client stopped, stalled or left: end the session, then drain it
+            done, _ = await asyncio.wait({pump, reader, slow}, return_when=asyncio.FIRST_COMPLETED)
+            if pump not in done:  # the client stopped, stalled, left or is too slow: end the session, drain it
+                reason = "slow_client" if self.slow else self._reader_end(reader)
                 with contextlib.suppress(EngineDeadError, UnknownSessionError):
-                    await self.engine.stop(self.handle.session_id, self._reader_end(reader))
+                    await self.engine.stop(self.handle.session_id, reason)
                 await asyncio.wait_for(asyncio.shield(pump), 30.0)
             elif pump.exception() is not None:
                 raise pump.exception()
         finally:
-            for task in (pump, reader, limit):
+            for task in (pump, reader, limit, slow):
                 task.cancel()
             # Collect what they ended with (the reader ends with _Closed when the client
             # leaves), so no task's exception is left unretrieved.
-            await asyncio.gather(pump, reader, limit, return_exceptions=True)
+            await asyncio.gather(pump, reader, limit, slow, return_exceptions=True)
 
     async def _engine_unavailable(self, error: EngineDeadError) -> None:
         """No worker takes the session: 1013 (try again later) while a fresh one is
@@ -326,7 +364,7 @@ class RealtimeConnection:
             if isinstance(message, ChunkReady):
                 chunk = await self.output.chunk(message)
                 if chunk is not None:
-                    self.outbox.put_nowait(Media(chunk))
+                    self._put(Media(chunk, json.dumps(chunk.metadata)))
                 continue
             if isinstance(message, SessionStarted):
                 continue
@@ -335,23 +373,53 @@ class RealtimeConnection:
                 self._send(event)
             if isinstance(message, SessionFailed):
                 self._ended("failed")
-                self.outbox.put_nowait(Close(CLOSE_ERROR, "generation failed"))
+                self._put(Close(CLOSE_ERROR, "generation failed"))
             elif isinstance(message, SessionDone):
                 self._ended(message.reason)
-                self.outbox.put_nowait(Close(CLOSE_NORMAL, "session done"))
+                self._put(Close(CLOSE_NORMAL, "session done"))
 
     def _ended(self, outcome: str) -> None:
         self.metrics.sessions_active.dec()
         self.metrics.sessions.labels(outcome).inc()
 
     def _send(self, event: dict[str, Any]) -> None:
-        self.outbox.put_nowait(Event(event))
+        self._put(Event(json.dumps(event)))
+
+    def _put(self, item: Outgoing) -> None:
+        """Queue ``item`` for the writer, counting its bytes; a slow client gets nothing more."""
+        if self.slow is not None:
+            return
+        waiting = self.backlog
+        self.backlog += item.size
+        self.outbox.put_nowait(item)
+        limit = self.settings.max_outbox_bytes
+        if self.backlog > limit and waiting > 0:  # one item alone is always taken
+            self._too_slow(f"{self.backlog} bytes wait for it, past max_outbox_bytes ({limit})")
+
+    def _too_slow(self, why: str) -> None:
+        """Close a client that stopped reading, now: 1008 ``slow_client: ...``
+        queued behind what it has not read (``server.ws_protocol``), what waits
+        for it dropped, the writer stopped; the session then ends."""
+        if self.slow is not None:
+            return
+        self.slow = why
+        log.warning("closing a slow client (%s): %s", self.output.request_id if self.output else "no session", why)
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        self.backlog = 0
+        reason = f"slow_client: {why}"[:123]  # a close reason holds 123 bytes
+        close_now = self.ws.scope.get("extensions", {}).get(CLOSE_NOW)
+        if close_now is not None:
+            close_now["close_now"](CLOSE_POLICY, reason, SLOW_CLIENT_GRACE_S)
+        if self._writer is not None and self._writer is not asyncio.current_task():
+            self._writer.cancel()  # it waits on a socket that takes nothing
+        self._slow.set()
 
     async def _fatal(self, code: str, message: str, close_code: int) -> None:
         """Refuse the connection before its session began (counted as a rejected start)."""
         self.metrics.rejections.labels(code).inc()
         self._send(error_event(code, message, fatal=True))
-        self.outbox.put_nowait(Close(close_code, message[:120]))
+        self._put(Close(close_code, message[:120]))
 
     async def _delivered(self, chunk: MediaChunk) -> None:
         """The chunk is written to the socket: count it delivered, and tell the
@@ -360,7 +428,17 @@ class RealtimeConnection:
         with contextlib.suppress(EngineDeadError, UnknownSessionError):
             await self.engine.delivered(self.handle.session_id, chunk.media_end_seconds)
 
-    async def _writer(self) -> None:
+    async def _write(self, send: Any) -> None:
+        """One write to the socket, which may wait for the client to read; past
+        ``send_timeout_s`` the client is too slow (``_Slow``)."""
+        timeout = self.settings.send_timeout_s
+        try:
+            await asyncio.wait_for(send, timeout)
+        except TimeoutError:
+            self._too_slow(f"its socket took nothing for {timeout:g} s (send_timeout_s)")
+            raise _Slow() from None
+
+    async def _write_all(self) -> None:
         """The socket's only sender: events, metadata + binary pairs, and the close."""
         while True:
             item = await self.outbox.get()
@@ -368,15 +446,18 @@ class RealtimeConnection:
                 return
             try:
                 match item:
-                    case Event(event):
-                        await self.ws.send_text(json.dumps(event))
-                    case Media(chunk):
-                        await self.ws.send_text(json.dumps(chunk.metadata))
-                        await self.ws.send_bytes(chunk.payload)
+                    case Event(text):
+                        await self._write(self.ws.send_text(text))
+                    case Media(chunk, metadata):
+                        await self._write(self.ws.send_text(metadata))
+                        await self._write(self.ws.send_bytes(chunk.payload))
                         await self._delivered(chunk)
                     case Close(code, reason):
                         if self.ws.client_state is WebSocketState.CONNECTED:
-                            await self.ws.close(code, reason)
+                            await self._write(self.ws.close(code, reason))
                         return
+            except _Slow:
+                return
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return  # the client left; the reader ends the session
+            self.backlog -= item.size

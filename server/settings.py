@@ -54,6 +54,14 @@ class ServerSettings:
     """Media a realtime session may have made beyond what was written to its client's
     socket; past it generation waits for the client (a slow or stalled reader holds
     its own session, and the server buffers a bounded amount for it)."""
+    max_outbox_bytes: int = 64 << 20
+    """Bytes a realtime connection may hold for its client, queued and not yet written
+    to its socket (events and encoded chunks); past it the client is closed (1008
+    ``slow_client``) and its session ends. A chunk reaching an empty outbox is always
+    taken, however large; pacing (max_undelivered_seconds) holds generation first."""
+    send_timeout_s: float = 30.0
+    """How long one write to a realtime client's socket may wait for the client to
+    read; past it the client is closed (1008 ``slow_client``) and its session ends."""
     overlap_decode: bool | None = None
     """Decode each chunk on a stage of its own while the session's next chunk denoises
     (true), or in line after its commit (false); unset: where the model says it pays
