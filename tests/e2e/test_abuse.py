@@ -4,19 +4,34 @@ worker gone wrong, does to the server as a subprocess, and what it gets back.
 - a hung worker (SIGSTOP): found, its sessions failed, replaced;
 - a client that stops reading: closed once a write waits too long or its
   backlog passes a byte limit, its session ended, the server's memory bounded;
+- hostile bodies and messages: an HTTP body over the limit (refused before it
+  is read whole), JSON nested 1000 deep, ``Infinity``, ``NaN`` and ``1e308``,
+  over HTTP and the WebSocket, before and during a session (which lives on);
+- an abandoned ``/v1/videos/sync``: its job is cancelled and frees its slot;
+- a flood of jobs: bounded with 429 and ``Retry-After``, nothing finished is
+  evicted, and realtime sessions are admitted once the accepted jobs are done.
+
+Their neighbours live elsewhere: every malformed first and in-session message
+(``test_bad_input.py``, whose fast cases include these), a killed worker, a
+long forward and the restart budget (``test_restart.py``), pacing holding a
+slow reader's own session (``test_realtime.py``), the job queue's bounds and
+ttl (``test_http_and_limits.py``). The whole file runs in under a minute.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import time
 
 import httpx
 import psutil
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.client import Realtime, open_realtime
+from tests.e2e.client import Realtime, interaction, open_realtime
 
 RAW = {"type": "session.start", "prompt": "a lantern", "format": "raw", "width": 32, "height": 32}
 JOB = {"prompt": "a windmill", "format": "raw", "width": 32, "height": 32, "num_chunks": 1}
@@ -157,3 +172,114 @@ async def test_a_client_whose_backlog_passes_the_byte_limit_is_closed_and_memory
     assert got.close_code == 1008 and got.close_reason.startswith("slow_client: "), got.close_reason
     assert "past max_outbox_bytes (4000000)" in got.close_reason
     assert peak - before < 64 << 20, f"the server grew by {(peak - before) >> 20} MiB"
+
+
+# -- hostile bodies and messages --------------------------------------------------------
+
+
+def test_http_bodies_are_limited_in_size_and_nesting_before_they_are_read(server):
+    headers = {"content-type": "application/json"}
+    refused = httpx.post(f"{server.http}/v1/videos", content=b"x" * ((8 << 20) + 1), headers=headers)
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "body_too_large"
+    assert f"at most {8 << 20} are accepted" in refused.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is found while reading
+        for _ in range(9):
+            yield b" " * (1 << 20)
+
+    streamed = httpx.post(f"{server.http}/v1/videos", content=chunks(), headers=headers)
+    assert streamed.status_code == 413 and "the request body is over" in streamed.json()["error"]["message"]
+
+    nested = httpx.post(f"{server.http}/v1/videos", content="[" * 1000 + "]" * 1000, headers=headers)
+    assert nested.status_code == 422 and nested.json()["error"] == {
+        "code": "invalid_request",
+        "message": "body: JSON nested 1000 levels deep; at most 32 are accepted",
+    }
+    for body, field in (
+        ('{"prompt": "p", "seconds": Infinity}', "seconds"),
+        ('{"prompt": "p", "fps": NaN, "num_chunks": 1}', "fps"),
+        ('{"prompt": "p", "seconds": 1e308}', "seconds"),
+    ):
+        refused = httpx.post(f"{server.http}/v1/videos", content=body, headers=headers)
+        assert refused.status_code == 422, (body, refused.text)
+        assert refused.json()["error"]["message"].startswith(field), refused.text
+    fine = httpx.post(f"{server.http}/v1/videos", json={"prompt": "[[[[" * 20, "num_chunks": 1, "format": "raw"})
+    assert fine.status_code == 202, fine.text  # brackets inside a string are not nesting
+
+
+HOSTILE = [
+    ("[" * 1000 + "]" * 1000, "invalid_message", "JSON nested 1000 levels deep; at most 32"),
+    ('{"type": "session.playback", "position_seconds": Infinity}', "invalid_event", "position_seconds"),
+    ('{"type": "session.playback", "position_seconds": NaN}', "invalid_event", "position_seconds"),
+    (json.dumps(interaction("x" * 5000)), "invalid_interaction", "prompt"),
+]
+
+
+async def test_hostile_json_over_the_websocket_is_refused_and_the_session_lives_on(server):
+    for raw, code, names in [
+        ("[" * 1000 + "]" * 1000, "invalid_message", "nested 1000 levels deep"),
+        ('{"type": "session.start", "prompt": "p", "seconds": Infinity}', "invalid_event", "seconds"),
+        (json.dumps({**RAW, "seconds": 1e308}), "invalid_request", "seconds: at most"),
+    ]:  # before the start: fatal, 1008
+        async with open_realtime(server.ws) as ws:
+            client = Realtime(ws)
+            await client.send(raw)
+            got = await client.rest(timeout=15)
+        [error] = got.of("error")
+        assert (error["code"], error["fatal"], got.close_code) == (code, True, 1008) and names in error["message"]
+    async with open_realtime(server.ws) as ws:  # during a session: refused, and it goes on
+        client = Realtime(ws)
+        await client.send(RAW)
+        await client.until("video.start")
+        for raw, code, names in HOSTILE:
+            await client.send(raw)
+            error = await client.until("error")
+            assert (error["code"], error["fatal"]) == (code, False) and names in error["message"], error
+        await client.send(interaction("still here", "ok"))
+        await client.until("session.interaction.applied")
+        await client.send({"type": "session.stop"})
+        assert (await client.rest()).of("session.done")[0]["reason"] == "stopped"
+
+
+# -- an abandoned /sync -----------------------------------------------------------------
+
+
+def test_a_sync_request_whose_client_left_is_cancelled(make_server):
+    server = make_server(pipeline={"step_time_s": 0.02})
+    body = {**JOB, "num_chunks": 1000}  # 80 s of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.http}/v1/videos/sync", json=body, timeout=1.0)
+    server.released(within=15)  # the abandoned job no longer holds the worker
+    assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
+    assert 'rtvideo_jobs_total{status="cancelled"} 1.0' in httpx.get(f"{server.http}/metrics").text
+    assert "Traceback" not in "".join(server.log)
+
+
+# -- a flood of jobs --------------------------------------------------------------------
+
+
+async def test_a_flood_of_jobs_is_bounded_and_evicts_nothing(make_server):
+    server = make_server(
+        "--max-sessions", "1", "--max-queued-jobs", "4", "--max-jobs-kept", "8", pipeline={"step_time_s": 0.002}
+    )
+    first = httpx.post(f"{server.http}/v1/videos", json=JOB).json()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.http}/v1/videos/{first['id']}").json()["status"] != "completed":
+        assert time.monotonic() < deadline
+    async with httpx.AsyncClient(base_url=server.http, timeout=30) as http:
+        answers = await asyncio.gather(*(http.post("/v1/videos", json={**JOB, "seed": i}) for i in range(100)))
+    accepted = [a.json()["id"] for a in answers if a.status_code == 202]
+    refused = [a for a in answers if a.status_code != 202]
+    assert 1 <= len(accepted) <= 7  # max_jobs_kept, the first job included
+    assert all(a.status_code == 429 and int(a.headers["retry-after"]) >= 1 for a in refused)
+    assert {a.json()["error"]["code"] for a in refused} <= {"queue_full", "too_many_jobs"}
+    assert httpx.get(f"{server.http}/health").status_code == 200  # answered through the flood
+    deadline = time.monotonic() + 60
+    while {j["status"] for j in httpx.get(f"{server.http}/v1/videos").json()["data"]} != {"completed"}:
+        assert time.monotonic() < deadline, "the accepted jobs never finished"
+    for job_id in [first["id"], *accepted]:  # nothing finished was pushed out by the flood
+        assert httpx.get(f"{server.http}/v1/videos/{job_id}/content").status_code == 200
+    async with open_realtime(server.ws) as ws:  # the only session slot is free again
+        client = Realtime(ws)
+        await client.send({**RAW, "num_chunks": 1})
+        assert (await client.rest()).of("session.done")

@@ -198,17 +198,6 @@ async def test_device_memory_admission_over_websocket_and_http(make_server):
             await holder.rest()
 
 
-def test_a_sync_request_whose_client_left_is_cancelled(make_server):
-    server = make_server(pipeline={"step_time_s": 0.02})
-    body = {**JOB, "num_chunks": 1000}  # 80 s of work
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.http}/v1/videos/sync", json=body, timeout=1.0)
-    server.released(within=15)  # the abandoned job no longer holds the worker
-    assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
-    assert 'rtvideo_jobs_total{status="cancelled"} 1.0' in httpx.get(f"{server.http}/metrics").text
-    assert "Traceback" not in "".join(server.log)
-
-
 def test_a_job_says_where_each_scheduled_prompt_landed_and_is_counted(make_server):
     server = make_server(pipeline={"step_time_s": 0.002})
     body = {
