@@ -105,7 +105,9 @@ def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
     in the backlog and is answered once the server is up. ``SystemExit`` with
     one line naming ``host:port`` when the address cannot be had."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, as asyncio binds: its accepted connections then get TCP_NODELAY (with proto 0 they
+    # would not, and Nagle would hold small frames, an interaction or a chunk's metadata, for an ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may follow TIME_WAIT connections
         sock.bind((host, port))
