@@ -30,6 +30,7 @@ SESSION_OUTCOMES = (
     "max_duration",
     "shutdown",
     "failed",
+    "slow_client",
 )
 REJECTION_REASONS = (
     "server_full",
