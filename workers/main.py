@@ -47,12 +47,14 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     group = None
     try:
         pipeline = build_pipeline(config.pipeline, config.max_batch_rows)
+        if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
+            group = _spawn_ranks(config, pipeline, sender)
         warm_up_s = warm_up(pipeline)
         budget = config.session_memory_bytes
         if budget is None:
             budget = pipeline.session_memory_budget()
-        if config.pp > 1:
-            group = _start_ranks(config, pipeline, sender, decode_inline=not _overlap_decode(config, pipeline))
+        if group is not None:
+            _start_ranks(config, pipeline, group, decode_inline=not _overlap_decode(config, pipeline))
     except Exception as error:
         log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
@@ -119,19 +121,41 @@ def _overlap_decode(config: EngineConfig, pipeline) -> bool:
     return config.pp > 1 or pipeline.decode_overlap_pays
 
 
-def _start_ranks(config: EngineConfig, pipeline, sender: ResultSender, decode_inline: bool):
-    """Split the blocks over ``config.pp`` ranks by measured cost, keep rank 0's,
-    start the others; a rank that dies later ends this worker (``EngineDead``,
-    then exit 3), so the API process restarts the group as one."""
-    import torch
-
-    from workers.parallel.group import RankGroup, rank_device, rank_threads
-    from workers.parallel.partition import measure_costs, split_blocks
+def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender):
+    """Start ranks 1..``config.pp``-1 (they build their pipelines meanwhile); a
+    rank that dies later ends this worker (``EngineDead``, then exit 3), so the
+    API process restarts the group as one."""
+    from workers.parallel.group import RankGroup
 
     if config.stream_batch:
         raise ValueError("stream_batch: not available yet; run exact pipeline parallelism (leave it off)")
     if not getattr(pipeline, "supports_micro_step_execution", False) or not hasattr(pipeline, "own_blocks"):
         raise ValueError(f"pp: the {pipeline.name!r} pipeline cannot be split over pipeline ranks")
+    if pipeline.num_blocks < config.pp:
+        raise ValueError(
+            f"pp: the model has {pipeline.num_blocks} transformer blocks: "
+            f"it cannot be split over {config.pp} pipeline ranks"
+        )
+
+    def on_death(reason: str) -> None:
+        log.error("%s: ending this worker, so the group restarts as one", reason)
+        sender.send(EngineDead(reason=reason))
+        sender.close(timeout=2.0)
+        os._exit(3)
+
+    group = RankGroup(config, on_death)
+    group.spawn()
+    return group
+
+
+def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> None:
+    """Split the blocks over the ranks by measured cost, keep rank 0's, hand the
+    others theirs and join them."""
+    import torch
+
+    from workers.parallel.group import rank_device, rank_threads
+    from workers.parallel.partition import measure_costs, split_blocks
+
     costs = measure_costs(pipeline, decode_inline=decode_inline)
     splits = split_blocks(costs, config.pp)
     log.info(
@@ -145,17 +169,4 @@ def _start_ranks(config: EngineConfig, pipeline, sender: ResultSender, decode_in
     pipeline.own_blocks(splits[0])
     if rank_device(0).type == "cpu":
         torch.set_num_threads(rank_threads(config.pp))
-
-    def on_death(reason: str) -> None:
-        log.error("%s: ending this worker, so the group restarts as one", reason)
-        sender.send(EngineDead(reason=reason))
-        sender.close(timeout=2.0)
-        os._exit(3)
-
-    group = RankGroup(config, splits, on_death)
-    try:
-        group.start()
-    except BaseException:
-        group.close()
-        raise
-    return group
+    group.start(splits)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.client import EngineClient
+from engine.client import EngineClient, SessionRejectedError
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,
@@ -62,61 +62,56 @@ def payloads(result: Collected) -> list[bytes]:
     return [chunk.payload for chunk in result.chunks]
 
 
-async def test_two_ranks_make_exactly_what_one_rank_makes():
+async def interact_once(engine: EngineClient, start: StartSession) -> Collected:
+    """Run ``start``, sending one prompt once its first chunk is in."""
+    handle = await engine.start_session(start)
+    seen = Collected()
+    await read_until(handle, ChunkReady, seen)
+    await handle.interact("e1", Interaction(prompt="a storm"))
+    return await collect(handle, seen, timeout=120)
+
+
+async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_where_they_say():
     """Sessions of their own, joining while others run, different lengths and
     steps: the frames of every chunk are bit for bit those of one rank (the
     same kernels on the same inputs: the activations cross between the ranks
-    unchanged)."""
+    unchanged). And a prompt sent while chunk k is in the ring applies at the
+    chunk it reports, k + 1, with the frames of one rank's run of the same
+    prompt scheduled at that chunk."""
     starts = [
         start_of("a", 1, 4),
         start_of("b", 2, 3, num_inference_steps=2),
         start_of("c", 3, 3, num_inference_steps=1),
     ]
-    one = await start_engine(1)
-    try:
-        expected = await run_sessions(one, starts)
-    finally:
-        await one.shutdown()
     two = await start_engine(2)
     try:
         assert two.ready.blocks_per_rank == (1, 1) and len(two.ready.pipeline_ranks) == 1
         got = await run_sessions(two, starts, stagger=1)
+        interacted = await interact_once(two, start_of("s", 5, 5))
         probe = await two.probe()
     finally:
         await two.shutdown()
+    applied = interacted.of(InteractionApplied)
+    assert len(applied) == 1
+    at = applied[0].generation_chunk_index
+    assert interacted.chunks[0].generation_chunk_index == 0 and at >= 1
+    chunk = next(c for c in interacted.chunks if c.generation_chunk_index == at)
+    assert "e1" in chunk.started_event_ids and applied[0].first_frame_index == chunk.first_frame_index
+
+    one = await start_engine(1)
+    try:
+        expected = await run_sessions(one, starts)
+        scheduled = (ScheduledInteraction(at_chunk=at, event_id="e1", interaction=Interaction(prompt="a storm")),)
+        replay = await run_sessions(one, [start_of("s", 5, 5, scheduled=scheduled)])
+    finally:
+        await one.shutdown()
     for start in starts:
         sid = start.session_id
         assert isinstance(got[sid].end, SessionDone) and got[sid].end.reason == "completed"
         assert [c.generation_chunk_index for c in got[sid].chunks] == list(range(start.num_chunks))
         assert payloads(got[sid]) == payloads(expected[sid]), f"session {sid} differs"
+    assert payloads(interacted) == payloads(replay["s"])
     assert probe.runner_sessions == probe.pipeline_sessions == ()
-
-
-async def test_an_interaction_under_two_ranks_applies_at_the_chunk_it_reports():
-    """A prompt sent while chunk k is in the ring applies at chunk k + 1, and the
-    frames equal one rank's run of the same prompt scheduled at that chunk."""
-    two = await start_engine(2)
-    try:
-        handle = await two.start_session(start_of("s", 5, 5))
-        seen = Collected()
-        first = await read_until(handle, ChunkReady, seen)
-        await handle.interact("e1", Interaction(prompt="a storm"))
-        result = await collect(handle, seen, timeout=120)
-    finally:
-        await two.shutdown()
-    applied = result.of(InteractionApplied)
-    assert len(applied) == 1
-    at = applied[0].generation_chunk_index
-    assert first.generation_chunk_index == 0 and at >= 1
-    chunk = next(c for c in result.chunks if c.generation_chunk_index == at)
-    assert "e1" in chunk.started_event_ids and applied[0].first_frame_index == chunk.first_frame_index
-    one = await start_engine(1)
-    try:
-        scheduled = (ScheduledInteraction(at_chunk=at, event_id="e1", interaction=Interaction(prompt="a storm")),)
-        replay = await run_sessions(one, [start_of("s", 5, 5, scheduled=scheduled)])
-    finally:
-        await one.shutdown()
-    assert payloads(result) == payloads(replay["s"])
 
 
 async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():
@@ -150,9 +145,11 @@ async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():
         await two.shutdown()
 
 
-async def test_a_stop_mid_pipeline_frees_the_session_and_others_go_on():
+async def test_a_stop_mid_pipeline_frees_the_session_others_go_on_and_recache_is_refused():
     two = await start_engine(2)
     try:
+        with pytest.raises(SessionRejectedError, match="prompt_change"):  # a boundary on one rank cannot re-cache
+            await two.start_session(start_of("r", 1, 2, prompt_change="recache"))
         stopped = await two.start_session(start_of("stopped", 1, None))
         other = await two.start_session(start_of("other", 2, 4))
         seen = Collected()
@@ -166,15 +163,6 @@ async def test_a_stop_mid_pipeline_frees_the_session_and_others_go_on():
     assert isinstance(end.end, SessionDone) and end.end.reason == "stopped"
     assert isinstance(result.end, SessionDone) and len(result.chunks) == 4
     assert probe.runner_sessions == probe.pipeline_sessions == ()
-
-
-async def test_recache_is_refused_when_split_and_stream_batch_is_not_offered_yet():
-    two = await start_engine(2)
-    try:
-        with pytest.raises(Exception, match="prompt_change"):
-            await two.start_session(start_of("r", 1, 2, prompt_change="recache"))
-    finally:
-        await two.shutdown()
 
 
 def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):

@@ -1,10 +1,12 @@
 """Starting, joining, feeding and watching the pipeline ranks of one worker.
 
 Worker processes. Rank 0 (the worker the API process spawned) makes a
-``RankGroup``: it spawns ranks 1..N-1 (``run_follower``), each with its block
-range, serves them a ``torch.distributed`` TCP store and joins them in one
-process group (gloo on a CPU, NCCL on GPUs), and opens a plan channel to
-each (ZeroMQ PUSH; the plans are msgpack of ``engine.plan.MicroStep``).
+``RankGroup`` as soon as its own pipeline is built: ``spawn`` starts ranks
+1..N-1 (``run_follower``), which build theirs (load the weights) while rank 0
+warms up and measures the blocks' costs; ``start`` then hands each its block
+range through a ``torch.distributed`` TCP store, joins them in one process
+group (gloo on a CPU, NCCL on GPUs), and opens a plan channel to each
+(ZeroMQ PUSH; the plans are msgpack of ``engine.plan.MicroStep``).
 
 One group lives and dies as one: a thread of rank 0 waits on the followers'
 process sentinels and, the moment one dies, calls ``on_death`` (the worker
@@ -55,12 +57,13 @@ def rank_threads(world: int) -> int:
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1."""
 
-    def __init__(self, config: EngineConfig, splits: list[range], on_death: Callable[[str], None]) -> None:
+    def __init__(self, config: EngineConfig, on_death: Callable[[str], None]) -> None:
         self.config = config
-        self.splits = splits
-        self.world = len(splits)
-        self.blocks = splits[0]
+        self.world = config.pp
+        self.splits: list[range] = []
+        self.blocks = range(0)  # rank 0's, once ``start`` was given the split
         self.on_death = on_death
+        self._store: dist.TCPStore | None = None
         self.link: RingLink | None = None
         self.figures: dict[int, tuple[float, float]] = {}  # rank -> (busy_s, wall_s), cumulative
         self._context = zmq.Context()
@@ -69,11 +72,10 @@ class RankGroup:
         self._closing = threading.Event()
         self._keep_alive: Connection | None = None
 
-    def start(self) -> None:
-        """Spawn the followers, wait until each built its pipeline, join the
-        process group. ``RuntimeError`` naming the rank when one fails."""
+    def spawn(self) -> None:
+        """Start ranks 1..N-1; each builds its pipeline, then waits for its blocks."""
         timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
-        store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=timeout, wait_for_workers=False)
+        store = self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=timeout, wait_for_workers=False)
         reader, self._keep_alive = multiprocessing.Pipe(duplex=False)
         spawn = multiprocessing.get_context("spawn")
         for rank in range(1, self.world):
@@ -81,7 +83,6 @@ class RankGroup:
             socket.setsockopt(zmq.LINGER, 0)
             port = socket.bind_to_random_port("tcp://127.0.0.1")
             self._plans.append(socket)
-            blocks = self.splits[rank]
             process = spawn.Process(
                 target=run_follower,
                 args=(
@@ -90,7 +91,6 @@ class RankGroup:
                     self.world,
                     store.port,
                     f"tcp://127.0.0.1:{port}",
-                    (blocks.start, blocks.stop),
                     reader,
                 ),
                 name=f"rtvideo-rank-{rank}",
@@ -99,6 +99,15 @@ class RankGroup:
             process.start()
             self._processes.append(process)
         reader.close()
+
+    def start(self, splits: list[range]) -> None:
+        """Give each follower its blocks, wait until each kept them, join the
+        process group. ``RuntimeError`` naming the rank when one fails."""
+        self.splits, self.blocks = splits, splits[0]
+        store = self._store
+        timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
+        for rank in range(1, self.world):
+            store.set(f"blocks/{rank}", f"{splits[rank].start},{splits[rank].stop}")
         deadline = time.monotonic() + self.config.startup_timeout_s
         keys = [f"built/{rank}" for rank in range(1, self.world)]
         while not store.check(keys):
@@ -135,7 +144,8 @@ class RankGroup:
             except zmq.ZMQError:
                 pass
         for process in self._processes:
-            process.join(self.config.shutdown_timeout_s)
+            if self.link is not None:  # joined: it stops at the plan channel's stop; else it waits for blocks
+                process.join(self.config.shutdown_timeout_s)
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -166,7 +176,6 @@ def run_follower(
     world: int,
     store_port: int,
     plan_endpoint: str,
-    blocks: tuple[int, int],
     parent_alive: Connection,
 ) -> None:
     """Entry point of pipeline rank ``rank`` (spawned by ``RankGroup``)."""
@@ -187,9 +196,11 @@ def run_follower(
         options["device"] = str(device)
     spec = type(config.pipeline)(config.pipeline.name, options)
     pipeline = build_pipeline(spec, config.max_batch_rows)
-    pipeline.own_blocks(range(*blocks))
     timeout = datetime.timedelta(seconds=config.startup_timeout_s)
     store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
+    store.wait([f"blocks/{rank}"], timeout)  # rank 0 measures the blocks meanwhile
+    blocks = tuple(int(part) for part in store.get(f"blocks/{rank}").decode().split(","))
+    pipeline.own_blocks(range(*blocks))
     store.set(f"built/{rank}", "1")
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
