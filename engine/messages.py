@@ -68,6 +68,16 @@ class SessionGeometry(msgspec.Struct, frozen=True, kw_only=True):
     state_bytes: int = 0  # device memory the session's state holds while open (0: not counted)
 
 
+class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What a start may ask of the served model (its ``describe`` refuses the rest);
+    the server puts them into its OpenAPI document."""
+
+    size_multiple: int  # width and height must be multiples of it
+    max_size: int  # largest width or height
+    max_inference_steps: int  # num_inference_steps from 1 to this
+    max_fps: float
+
+
 class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
     """Worker-side cost of one chunk, measured around the pipeline calls."""
 
@@ -173,6 +183,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     session_memory_bytes: int | None = None  # device memory open sessions may hold; None: not limited
     max_batch_rows: int = 1  # session rows one forward may carry (EngineConfig.max_batch_rows)
     overlap_decode: bool = False  # chunks decode on a stage of their own while the next chunk denoises
+    limits: ModelLimits | None = None  # what a start may ask of the model (None: not said)
     pipeline_ranks: tuple[int, ...] = ()  # pids of pipeline ranks 1..pp-1 (EngineConfig.pp); () with one rank
     blocks_per_rank: tuple[int, ...] = ()  # transformer blocks each rank runs, rank 0 first; () with one rank
 

@@ -8,6 +8,7 @@ app and shuts down with it, the job manager lives in ``app.state``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib.resources
 import math
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from server.jobs import JobManager, JobsFullError
 from server.limits import BodyLimits
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
+from server.openapi import with_limits
 from server.realtime import RealtimeConnection
 from server.schemas import (
     DeletedVideo,
@@ -106,6 +108,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         redoc_url=None,
     )
     app.mount("/docs/assets", StaticFiles(directory=SWAGGER_UI), name="docs-assets")
+    default_openapi = app.openapi
+    bounded: list[dict] = []  # the schema with the model's bounds, once the worker said them
+
+    def openapi() -> dict:
+        """The schema, with the served model's bounds once its worker said them."""
+        engine = getattr(app.state, "engine", None)
+        if not bounded and engine is not None and engine.ready is not None:
+            bounded.append(with_limits(copy.deepcopy(default_openapi()), engine.ready.limits, settings))
+        return bounded[0] if bounded else default_openapi()
+
+    app.openapi = openapi
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:

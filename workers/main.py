@@ -90,6 +90,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             session_memory_bytes=budget,
             max_batch_rows=pipeline.max_batch_rows,
             overlap_decode=overlap,
+            limits=pipeline.limits() if hasattr(pipeline, "limits") else None,
             pipeline_ranks=() if group is None else tuple(group.pids()),
             blocks_per_rank=() if group is None else tuple(len(blocks) for blocks in group.splits),
         )

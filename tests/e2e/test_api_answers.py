@@ -111,3 +111,33 @@ def test_refusals_name_the_field_that_was_sent(served):
     assert bad_json.json()["error"]["message"] == "body: not valid JSON (Expecting value) at character 30"
     form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p"}, headers=AUTH)
     assert "content-type: application/json" in form.json()["error"]["message"]
+
+
+def _bounds(spec: dict, schema_name: str, field: str) -> dict:
+    """The numeric branch of ``field`` in component ``schema_name``."""
+    prop = spec["components"]["schemas"][schema_name]["properties"][field]
+    return next(branch for branch in prop.get("anyOf", [prop]) if branch.get("type") in ("integer", "number"))
+
+
+def test_the_schema_carries_the_served_models_own_bounds(served, make_server):
+    """The stub takes even sizes up to its max and its own steps; the tiny causal
+    Wan, multiples of 16 up to 1280 (the server's max_width here: 640) and 1-4
+    steps. A request past them is refused as the schema says it would be."""
+    server, spec = served
+    names = [
+        name for name, s in spec["components"]["schemas"].items() if "num_inference_steps" in s.get("properties", {})
+    ]
+    assert names
+    width = _bounds(spec, names[0], "width")
+    assert width["multipleOf"] == 2 and width["minimum"] == 2
+    tiny = make_server("--max-width", "640", model="tiny")
+    tiny_spec = httpx.get(f"{tiny.http}/openapi.json").json()
+    for name in names:
+        width = _bounds(tiny_spec, name, "width")
+        assert (width["multipleOf"], width["minimum"], width["maximum"]) == (16, 16, 640)
+        assert _bounds(tiny_spec, name, "height")["maximum"] == 1280
+        steps = _bounds(tiny_spec, name, "num_inference_steps")
+        assert (steps["minimum"], steps["maximum"]) == (1, 4)
+    for body, field in (({"width": 40}, "width"), ({"num_inference_steps": 5}, "num_inference_steps")):
+        answer = httpx.post(f"{tiny.http}/v1/videos", json={"prompt": "p", "num_chunks": 1, **body}, timeout=30)
+        assert answer.status_code == 422 and field in answer.json()["error"]["message"]

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from engine.messages import SessionGeometry, StartSession
+from engine.messages import ModelLimits, SessionGeometry, StartSession
 from engine.plan import ChunkOutput
 
 
@@ -290,6 +290,10 @@ class ChunkPipeline(Protocol):
 
     def held_sessions(self) -> tuple[str, ...]:
         """Session ids the pipeline still holds allocations for."""
+        ...
+
+    def limits(self) -> ModelLimits:
+        """What ``describe`` accepts: size multiple, largest size, most steps, highest fps."""
         ...
 
     def session_memory_budget(self) -> int | None:

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from engine.messages import SessionGeometry, StartSession
+from engine.messages import ModelLimits, SessionGeometry, StartSession
 from engine.plan import ChunkOutput
 from workers.pipelines.base import BatchRow, Hidden, StepBatch, block_range, check_hidden, refuse_negative_prompt
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
@@ -471,6 +471,9 @@ class CausalWanPipeline:
 
     def held_sessions(self) -> tuple[str, ...]:
         return tuple(self._held)
+
+    def limits(self) -> ModelLimits:
+        return ModelLimits(size_multiple=self.spatial, max_size=self.max_size, max_inference_steps=4, max_fps=60.0)
 
     def session_memory_budget(self) -> int | None:
         """On a GPU: the memory free after the warm-up (the device's free memory

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from engine.messages import SessionGeometry, StartSession
+from engine.messages import ModelLimits, SessionGeometry, StartSession
 from engine.plan import ChunkOutput
 from workers.pipelines.base import (
     BatchRow,
@@ -309,6 +309,9 @@ class StubPipeline:
 
     def held_sessions(self) -> tuple[str, ...]:
         return tuple(self._pool)
+
+    def limits(self) -> ModelLimits:
+        return ModelLimits(size_multiple=2, max_size=self.max_size, max_inference_steps=self.max_steps, max_fps=120.0)
 
     def session_memory_budget(self) -> int | None:
         return self.memory_budget
