@@ -86,11 +86,16 @@ class ResultSender:
     receiver ever waits on encoding or on the socket. One FIFO for every
     caller keeps the order a caller relies on: a message sent while holding a
     lock (the mailbox's) reaches the client before anything sent after it.
-    The socket is used by the output thread alone.
+    The socket is used by the output thread alone, and lives in a ZeroMQ
+    context of its own, so ``close`` can wait until what was sent has left
+    the process (a worker about to exit at once, ``os._exit``, says why first).
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str) -> None:
-        self._socket = context.socket(zmq.PUSH)
+    def __init__(self, endpoint: str) -> None:
+        self._context = zmq.Context()
+        self._closing = threading.Lock()
+        self._closed = False
+        self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 2000)
         self._socket.connect(endpoint)
         self._queue: queue.SimpleQueue[ResultMessage | None] = queue.SimpleQueue()
@@ -101,10 +106,16 @@ class ResultSender:
         self._queue.put(message)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Send what was queued, then close the socket."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-        self._socket.close()
+        """Send what was queued, close the socket, and wait (up to its 2 s linger)
+        until ZeroMQ has handed every message on."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._socket.close()
+            self._context.term()
 
     def _run(self) -> None:
         while (message := self._queue.get()) is not None:

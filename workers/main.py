@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -43,12 +44,13 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     context = zmq.Context()
-    sender = ResultSender(context, endpoints.results)
+    sender = ResultSender(endpoints.results)
     group = None
+    ending = threading.Lock()  # held by whichever path says EngineDead first
     try:
         pipeline = build_pipeline(config.pipeline, config.max_batch_rows)
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
-            group = _spawn_ranks(config, pipeline, sender)
+            group = _spawn_ranks(config, pipeline, sender, ending)
         warm_up_s = warm_up(pipeline)
         budget = config.session_memory_bytes
         if budget is None:
@@ -101,7 +103,9 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     except Exception as error:
         log.exception("engine loop failed")
         detail = "".join(traceback.format_exception_only(error)).strip()
-        sender.send(EngineDead(reason=f"engine loop failed: {detail}"))
+        ending.acquire()  # a rank's death may be saying why already (and exiting): it is the reason then
+        reason = group.dead_reason() if group is not None else None
+        sender.send(EngineDead(reason=reason or f"engine loop failed: {detail}"))
         exit_code = 2
     finally:
         receiver.stop()
@@ -122,7 +126,7 @@ def _overlap_decode(config: EngineConfig, pipeline) -> bool:
     return config.pp > 1 or pipeline.decode_overlap_pays
 
 
-def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender):
+def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock):
     """Start ranks 1..``config.pp``-1 (they build their pipelines meanwhile); a
     rank that dies later ends this worker (``EngineDead``, then exit 3), so the
     API process restarts the group as one."""
@@ -139,9 +143,11 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender):
         )
 
     def on_death(reason: str) -> None:
+        if not ending.acquire(blocking=False):
+            return  # the loop failed first and is ending the worker, naming this death
         log.error("%s: ending this worker, so the group restarts as one", reason)
         sender.send(EngineDead(reason=reason))
-        sender.close(timeout=2.0)
+        sender.close(timeout=2.0)  # waits until the message has left the process
         os._exit(3)
 
     group = RankGroup(config, on_death)

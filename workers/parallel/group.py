@@ -132,6 +132,13 @@ class RankGroup:
         for rank, busy_s, wall_s in figures:
             self.figures[int(rank)] = (float(busy_s), float(wall_s))
 
+    def dead_reason(self) -> str | None:
+        """Why the group is broken, when a follower has died (None: all alive)."""
+        for rank, process in enumerate(self._processes, start=1):
+            if not process.is_alive():
+                return f"pipeline rank {rank} (pid {process.pid}) died with exit code {process.exitcode}"
+        return None
+
     def pids(self) -> list[int]:
         return [process.pid for process in self._processes]
 
@@ -167,7 +174,7 @@ class RankGroup:
             return
         rank, process = sentinels[ready[0]]
         process.join(1.0)
-        self.on_death(f"pipeline rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
+        self.on_death(self.dead_reason() or f"pipeline rank {rank} (pid {process.pid}) died")
 
 
 def run_follower(
