@@ -144,6 +144,7 @@ class JobManager:
         self.model = model
         self.capacity = capacity  # notified whenever a session ends anywhere
         self.jobs: dict[str, Job] = {}
+        self._starting = 0  # creates past the kept-jobs check, waiting on the engine's answer
 
     async def create(self, request: JobRequest) -> Job:
         """Validate and start a job; ``RequestError`` names what is wrong. The
@@ -154,16 +155,20 @@ class JobManager:
         if (unavailable := self.engine.unavailable()) is not None:
             raise unavailable  # answered 503 before anything is kept
         self.expire()
-        if len(self.jobs) >= self.settings.max_jobs_kept:
+        # Counted with the creates still waiting on the engine (the await below), so a
+        # burst of concurrent requests cannot all pass the check before any is kept.
+        kept = len(self.jobs) + self._starting
+        if kept >= self.settings.max_jobs_kept:
             raise JobsFullError(
                 "too_many_jobs",
-                f"{len(self.jobs)} jobs are kept (queued, running, or finished less than "
+                f"{kept} jobs are kept (queued, running, or finished less than "
                 f"{self.settings.job_ttl_s:g} s ago); at most {self.settings.max_jobs_kept}",
                 self._soonest_expiry_s(),
             )
         job_id = f"video_{uuid.uuid4().hex}"
         start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False)
         handle = None
+        self._starting += 1
         try:
             handle = await self.engine.start_session(start)
         except SessionRejectedError as error:
@@ -174,6 +179,8 @@ class JobManager:
                 limit = self.settings.max_queued_jobs
                 message = f"{waiting} jobs wait for the engine already; at most {limit}"
                 raise JobsFullError("queue_full", message, CAPACITY_RETRY_S) from None
+        finally:
+            self._starting -= 1
         job = Job(job_id, request, config, waiting=handle is None)
         self.jobs[job_id] = job
         job.task = asyncio.create_task(self._run(job, start, handle), name=f"job-{job_id}")
