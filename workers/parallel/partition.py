@@ -39,8 +39,7 @@ def split_blocks(costs: StageCosts, ranks: int) -> list[range]:
         prefix.append(prefix[-1] + cost)
 
     def stage(rank: int, start: int, stop: int) -> float:
-        extra = (costs.first_extra if rank == 0 else 0.0) + (costs.last_extra if rank == ranks - 1 else 0.0)
-        return prefix[stop] - prefix[start] + extra
+        return prefix[stop] - prefix[start] + _extra(costs, rank, ranks)
 
     # best[r][i]: the smallest pace for ranks r.. over blocks i..n, and the split it takes
     best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
@@ -61,13 +60,12 @@ def split_blocks(costs: StageCosts, ranks: int) -> list[range]:
 
 def pace(costs: StageCosts, split: Sequence[range]) -> float:
     """The slowest rank's cost per pass under ``split``."""
-    last = len(split) - 1
-    return max(
-        sum(costs.blocks[i] for i in blocks)
-        + (costs.first_extra if r == 0 else 0)
-        + (costs.last_extra if r == last else 0)
-        for r, blocks in enumerate(split)
-    )
+    return max(sum(costs.blocks[i] for i in blocks) + _extra(costs, r, len(split)) for r, blocks in enumerate(split))
+
+
+def _extra(costs: StageCosts, rank: int, ranks: int) -> float:
+    """What rank ``rank`` of ``ranks`` does per pass beside its blocks."""
+    return (costs.first_extra if rank == 0 else 0.0) + (costs.last_extra if rank == ranks - 1 else 0.0)
 
 
 def measure_costs(pipeline, repeats: int = 3, decode_inline: bool = True) -> StageCosts:

@@ -390,19 +390,13 @@ class CausalWanPipeline:
         streaming decoder (its causal feature cache carries over from the last chunk)."""
         chunk = session.chunk_to_decode(chunk_index)
         with self._decode_stream(chunk):
-            frames = self.decode_latent(session, chunk.clean)
-        del session.chunks[chunk_index]
-        return frames_output(frames)
-
-    @torch.no_grad()
-    def decode_latent(self, session: CausalWanSession, clean: torch.Tensor) -> torch.Tensor:
-        """The frames of the session's next chunk, ``clean`` its clean latent, as a
-        CPU uint8 tensor ``[frames, height, width, 3]``; reads and writes the
-        session's streaming decoder cache (chunks in order)."""
-        pixels = self.decoder.decode(clean.to(self.device).float(), session.vae_cache, first=not session.decoded_any)
-        frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            pixels = self.decoder.decode(chunk.clean.float(), session.vae_cache, first=not session.decoded_any)
+            frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            array = frames.cpu().numpy()  # waits for this stream's kernels
         session.decoded_any = True
-        return frames.cpu()  # waits for this stream's kernels
+        del session.chunks[chunk_index]
+        count, height, width = array.shape[:3]
+        return ChunkOutput(num_frames=count, width=width, height=height, payload=np.ascontiguousarray(array).tobytes())
 
     # -- pipeline ranks ---------------------------------------------------------------
 
@@ -605,13 +599,6 @@ class CausalWanPipeline:
         for clean in session.cached_chunks:
             activations = self._embed(caches, clean, self._t_zero, conditioning)
             self._blocks(caches, activations, range(self.num_blocks), commit=True)
-
-
-def frames_output(frames: torch.Tensor) -> ChunkOutput:
-    """A chunk's frames (uint8 ``[frames, height, width, 3]``) as the engine takes them."""
-    array = np.ascontiguousarray(frames.numpy())
-    count, height, width = array.shape[:3]
-    return ChunkOutput(num_frames=count, width=width, height=height, payload=array.tobytes())
 
 
 def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
