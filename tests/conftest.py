@@ -16,6 +16,7 @@ ENGINE_KEYS = {
     "overlap_decode",
     "max_worker_restarts",
     "session_memory_bytes",
+    "wedged_after_s",
 }
 
 

@@ -11,36 +11,13 @@ import time
 
 import pytest
 
-from engine.client import EngineClient
-from engine.config import EngineConfig, PipelineSpec
 from engine.heartbeat import FACTOR
 from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from tests.support import Collected, collect, make_gate, read_until, wait_reached
 
 
-@pytest.fixture
-async def engines():
-    clients: list[EngineClient] = []
-
-    async def factory(wedged_after_s: float, max_worker_restarts: int = 1, **stub) -> EngineClient:
-        config = EngineConfig(
-            pipeline=PipelineSpec("stub", stub),
-            startup_timeout_s=60,
-            wedged_after_s=wedged_after_s,
-            max_worker_restarts=max_worker_restarts,
-        )
-        client = EngineClient(config)
-        await client.start()
-        clients.append(client)
-        return client
-
-    yield factory
-    for client in clients:
-        await client.shutdown()
-
-
-async def test_a_stopped_worker_is_found_wedged_and_replaced(engines):
-    engine = await engines(wedged_after_s=1.0, step_time_s=0.005)
+async def test_a_stopped_worker_is_found_wedged_and_replaced(make_engine):
+    engine = await make_engine(wedged_after_s=1.0, max_worker_restarts=1, step_time_s=0.005)
     handles = [await engine.start_session(StartSession(session_id=f"s{i}", prompt="p")) for i in range(2)]
     for handle in handles:
         await read_until(handle, ChunkReady, Collected())
@@ -66,13 +43,13 @@ async def test_a_stopped_worker_is_found_wedged_and_replaced(engines):
     assert engine.responsiveness()[0] == "ok"
 
 
-async def test_a_forward_past_its_measured_deadline_is_wedged(engines):
+async def test_a_forward_past_its_measured_deadline_is_wedged(make_engine):
     """Chunks of four 50 ms steps are measured; then one forward blocks (a gate).
     The deadline is ten times the slowest chunk, above the 1 s floor: the
     session fails once the forward passed it, not before. With no restarts
     left the engine stays down, and says why."""
     gate = make_gate(chunk=3, step=0)
-    engine = await engines(wedged_after_s=1.0, max_worker_restarts=0, step_time_s=0.05, gates=[gate])
+    engine = await make_engine(wedged_after_s=1.0, max_worker_restarts=0, step_time_s=0.05, gates=[gate])
     handle = await engine.start_session(StartSession(session_id="s", prompt="p"))
     await wait_reached(gate)
     began = time.monotonic()
