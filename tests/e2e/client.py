@@ -77,5 +77,13 @@ def interaction(prompt: str | None, event_id: str | None = None, **extra: Any) -
     return {"type": "session.interaction", "interaction": payload}
 
 
+def assert_applied_as_promised(queued: dict[str, Any], applied: dict[str, Any]) -> None:
+    """The interaction applied at the chunk its ``queued`` answer promised, which is
+    the chunk after the one in progress when it was accepted (when one was)."""
+    assert applied["generation_chunk_index"] == queued["expected_chunk_index"]
+    if queued["in_progress_chunk_index"] is not None:
+        assert applied["generation_chunk_index"] == queued["in_progress_chunk_index"] + 1
+
+
 def open_realtime(url: str, **kwargs: Any):
     return connect(url, max_size=None, **kwargs)
