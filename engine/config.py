@@ -57,9 +57,23 @@ class EngineConfig:
     """The SLO controller's time-to-first-chunk target per session (None: only the
     playback rate, the session's fps, is a target)."""
     session_memory_bytes: int | None = None
-    """Device memory the open sessions' state may hold together; a start that
-    would pass it is refused (server_full). None: what the pipeline finds free
-    after its warm-up (``session_memory_budget``; unlimited on a CPU)."""
+    """Device memory (host memory on a CPU) the open sessions' state may hold
+    together; a start that would pass it is refused (server_full). None: what the
+    pipeline finds free after its warm-up (``session_memory_budget``: on a GPU the
+    device's free memory, on a CPU the host's available memory and cgroup limit,
+    each less the warm-up's transient peak and a margin)."""
+    max_pixels: int | None = None
+    """Largest frame (width x height) a session may ask for; a larger one is refused
+    (invalid_request). None: derived at start, where the pipeline measures its
+    chunks (``workers.calibrate``): the largest frame whose chunk costs at most
+    ``max_realtime_load`` of its media time (never below the default size); not
+    limited where nothing is measured."""
+    max_realtime_load: float | None = 0.9
+    """Admission by chunk cost: a start is refused (server_full) when, with it, the
+    open sessions would need more than this fraction of the worker's time for
+    every paced (realtime) session to keep real time (``engine.chunk_cost``:
+    ``realtime_load``; unpaced jobs count as a turn in every round). A session
+    alone is always admitted. None: not checked."""
     startup_timeout_s: float = 120.0
     """How long the client waits for a worker's READY before giving up."""
     shutdown_timeout_s: float = 10.0
@@ -86,6 +100,9 @@ class EngineConfig:
         _check(self.max_undelivered_seconds > 0, "max_undelivered_seconds", "must be > 0")
         budget = self.session_memory_bytes
         _check(budget is None or budget > 0, "session_memory_bytes", "must be > 0")
+        _check(self.max_pixels is None or self.max_pixels > 0, "max_pixels", "must be > 0")
+        load = self.max_realtime_load
+        _check(load is None or load > 0, "max_realtime_load", "must be > 0")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.shutdown_timeout_s > 0, "shutdown_timeout_s", "must be > 0")
         _check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.chunk_cost import ChunkCostModel, SessionLoad, chunk_media_s, realtime_load
 from engine.config import EngineConfig
 from engine.mailbox import InteractionMailbox, OfferStatus, PendingInteraction, TakeResult
 from engine.messages import (
@@ -72,9 +73,21 @@ class ControlPlane:
         describe: Callable[[StartSession], SessionGeometry],
         send: Callable[[ResultMessage], None],
         memory_budget: int | None = None,
+        costs: ChunkCostModel | None = None,
+        max_pixels: int | None = None,
+        pixels_derived: bool = False,
     ) -> None:
+        """``memory_budget``: bytes of memory the sessions' state may hold (None:
+        unlimited). ``costs``: what a chunk costs, for admission by chunk cost
+        (``config.max_realtime_load``; None: not checked). ``max_pixels``: the
+        largest width x height admitted (None: any the pipeline takes);
+        ``pixels_derived`` says it was measured, not configured (the refusal says
+        which)."""
         self._config = config
-        self._memory_budget = memory_budget  # bytes of device memory for sessions' state; None: unlimited
+        self._memory_budget = memory_budget
+        self._costs = costs
+        self._max_pixels = max_pixels
+        self._pixels_derived = pixels_derived
         self._describe = describe
         self._send = send
         self._lock = threading.Lock()
@@ -118,11 +131,15 @@ class ControlPlane:
             return self._reject(sid, "invalid_request", str(error))
         except Exception as error:  # a pipeline's describe must never take the control thread down
             return self._reject(sid, "invalid_request", f"{type(error).__name__}: {error}")
+        if self._max_pixels is not None and geometry.width * geometry.height > self._max_pixels:
+            return self._reject(sid, "invalid_request", self._pixels_message(geometry))
         if self._memory_budget is not None and geometry.state_bytes > self._memory_budget:
             # Never fits, even alone: asking again later would not help.
             return self._reject(sid, "invalid_request", self._memory_message(geometry, "too large: "))
         if not self._fits(geometry):
             return self._reject(sid, "server_full", self._memory_message(geometry, "server full: "))
+        if (why := self._over_load(start, geometry)) is not None:
+            return self._reject(sid, "server_full", why)
         mailbox = InteractionMailbox(start.transition_chunks, start.scheduled, time.monotonic())
         self._sessions[sid] = SessionControl(start, geometry, mailbox)
         self._send(SessionStarted(session_id=sid, geometry=geometry))
@@ -193,6 +210,38 @@ class ControlPlane:
         return (
             f"{prefix}a {geometry.width}x{geometry.height} session needs {_size(geometry.state_bytes)} of "
             f"device memory; {_size(free)} of the {_size(self._memory_budget)} for sessions is free"
+        )
+
+    def _pixels_message(self, geometry: SessionGeometry) -> str:
+        w, h = geometry.width, geometry.height
+        why = (
+            f"the largest frame it measured to make a chunk within {self._config.max_realtime_load or 1:g} "
+            "of the chunk's media time (max_pixels sets another bound)"
+            if self._pixels_derived
+            else "max_pixels"
+        )
+        return f"width x height: {w}x{h} is {w * h} pixels; this server takes at most {self._max_pixels} ({why})"
+
+    def _load(self, start: StartSession, geometry: SessionGeometry) -> SessionLoad:
+        cost = self._costs.estimate(geometry.width, geometry.height, geometry.num_inference_steps)
+        return SessionLoad(cost or 0.0, chunk_media_s(geometry), paced=start.max_lead_seconds is not None)
+
+    def _over_load(self, start: StartSession, geometry: SessionGeometry) -> str | None:
+        """Why admitting this session would break the paced sessions' deadlines
+        (``engine.chunk_cost.realtime_load`` over ``max_realtime_load``), or None.
+        A session alone is always admitted: it has no one else's deadline to break."""
+        limit = self._config.max_realtime_load
+        if limit is None or self._costs is None or not self._sessions:
+            return None
+        new = self._load(start, geometry)
+        loads = [self._load(c.start, c.geometry) for c in self._sessions.values()]
+        load = realtime_load([*loads, new])
+        if load <= limit:
+            return None
+        return (
+            f"server full: a {geometry.width}x{geometry.height} chunk takes about {new.chunk_s:.3f} s of the "
+            f"worker for {new.media_s:.3f} s of media; with the {len(loads)} open session(s) the realtime ones "
+            f"would need {load:.2f} of the worker's time, over the {limit:g} it keeps them to (max_realtime_load)"
         )
 
     def _to_inbox(self, message: ControlMessage) -> None:

@@ -69,13 +69,26 @@ class SessionGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What a start may ask of the served model (its ``describe`` refuses the rest);
-    the server puts them into its OpenAPI document."""
+    """What a start may ask of the served model (its ``describe`` refuses the rest;
+    ``max_pixels``, the worker's own bound, its control plane refuses); the server
+    puts them into its OpenAPI document."""
 
     size_multiple: int  # width and height must be multiples of it
     max_size: int  # largest width or height
     max_inference_steps: int  # num_inference_steps from 1 to this
     max_fps: float
+    max_pixels: int | None = None  # largest width x height this worker admits (None: not limited)
+    max_pixels_derived: bool = False  # True: max_pixels is what the worker measured it runs in real time
+
+
+class ChunkCostSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One chunk of one session measured at a frame area (``engine.chunk_cost``)."""
+
+    width: int
+    height: int
+    pixels: int  # width x height
+    step_s: float  # one denoise step: the forward and the sampler step
+    chunk_s: float  # the rest of a chunk: its boundary, the commit pass and the decode
 
 
 class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,6 +199,8 @@ class WorkerReady(_Wire, tag="worker_ready"):
     limits: ModelLimits | None = None  # what a start may ask of the model (None: not said)
     pipeline_ranks: tuple[int, ...] = ()  # pids of pipeline ranks 1..pp-1 (EngineConfig.pp); () with one rank
     blocks_per_rank: tuple[int, ...] = ()  # transformer blocks each rank runs, rank 0 first; () with one rank
+    chunk_costs: tuple[ChunkCostSample, ...] = ()  # what a chunk cost at start, by frame area; () if not measured
+    max_realtime_load: float | None = None  # admission by chunk cost (EngineConfig.max_realtime_load); None: off
 
 
 class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):

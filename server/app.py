@@ -69,6 +69,8 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         slo_first_chunk_s=settings.slo_first_chunk_s,
         max_undelivered_seconds=settings.max_undelivered_seconds,
         session_memory_bytes=None if settings.session_memory_gib is None else int(settings.session_memory_gib * 2**30),
+        max_pixels=settings.max_pixels,
+        max_realtime_load=settings.max_realtime_load,
         startup_timeout_s=settings.worker_startup_timeout_s,
         max_worker_restarts=settings.max_worker_restarts,
         wedged_after_s=settings.worker_wedged_after_s,

@@ -38,7 +38,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return bench_engine.main(options, as_json=args.json)
 
 
-def _parse_value(kind: type, text: str):
+def _parse_value(kind: type, text: str, optional: bool = False):
+    if optional and text.lower() in ("none", "null"):
+        return None
     if kind is bool:
         if text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -87,7 +89,7 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str]) -> ServerSe
         if text is None:
             continue
         try:
-            values[f.name] = _parse_value(_field_type(f.name), text)
+            values[f.name] = _parse_value(_field_type(f.name), text, optional="None" in str(f.type))
         except ValueError as error:
             raise SystemExit(f"rtvideo serve: --{f.name.replace('_', '-')}: {error}") from None
     try:

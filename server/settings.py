@@ -29,9 +29,11 @@ class ServerSettings:
     """Run a begun chunk's denoise steps back to back before another session's chunk begins
     (true), or give every step its own turn among the sessions (false). Frames are the same."""
     session_memory_gib: float | None = None
-    """Device memory the open sessions' state may hold together; a session that
-    would pass it is refused like a full server. Default: what the worker finds
-    free after its warm-up on a GPU (not limited on a CPU)."""
+    """Memory the open sessions' state may hold together (the device's on a GPU, the
+    host's on a CPU); a session that would pass it is refused like a full server.
+    Default: what the worker finds free after its warm-up, less the warm-up's
+    transient peak and a margin (on a CPU: the host's MemAvailable, within its
+    cgroup's limit)."""
     max_batch_rows: int = 1
     """Sessions whose denoise steps may share one forward (sessions of one size).
     The one knob for it: the worker builds its pipeline for this many rows, so the
@@ -93,6 +95,17 @@ class ServerSettings:
     """Widest frame a request may ask for (the model may allow less)."""
     max_height: int = 1280
     """Tallest frame a request may ask for (the model may allow less)."""
+    max_pixels: int | None = None
+    """Largest frame area (width x height) a session may ask for. Default: what the
+    worker measures at start it can run in real time, one session alone, within
+    max_realtime_load of each chunk's media time (never below the model's default
+    size; not limited where the model cannot be measured at start: a model
+    directory on a CPU)."""
+    max_realtime_load: float | None = 0.9
+    """Admission by chunk cost: a new session is refused like a full server when,
+    with it, the realtime (paced) sessions would need more than this fraction of
+    the worker's time to keep real time (each job counts as one chunk per round).
+    A session alone is always admitted. "none" turns the check off."""
     max_jobs_kept: int = 64
     """Jobs kept at once: queued, running, or finished less than ``job_ttl_s`` ago. A
     new job beyond it is refused with 429 (too_many_jobs); none is pushed out early."""

@@ -17,20 +17,30 @@ ENGINE_KEYS = {
     "max_worker_restarts",
     "session_memory_bytes",
     "wedged_after_s",
+    "max_pixels",
+    "max_realtime_load",
 }
+
+PINNED_LIMITS = {"max_pixels": 1 << 22, "max_realtime_load": None}
+"""What tests run with unless they say otherwise: the frame bound and admission by
+chunk cost are measured at start from this machine's speed (``workers.calibrate``),
+which a loaded test machine would make vary from run to run; the tests of those
+limits set them themselves."""
 
 
 @pytest.fixture
 async def make_engine():
     """Start real worker processes over the stub pipeline; shut them all down after.
 
-    Keyword arguments named in ``ENGINE_KEYS`` go to ``EngineConfig``, the rest
+    Keyword arguments named in ``ENGINE_KEYS`` go to ``EngineConfig`` (the
+    machine-measured limits pinned unless given: ``PINNED_LIMITS``), the rest
     are the stub pipeline's options.
     """
     clients: list[EngineClient] = []
 
     async def factory(**options) -> EngineClient:
         engine = {key: options.pop(key) for key in list(options) if key in ENGINE_KEYS}
+        engine = {**PINNED_LIMITS, **engine}
         config = EngineConfig(pipeline=PipelineSpec("stub", options), startup_timeout_s=60, **engine)
         client = EngineClient(config)
         await client.start()

@@ -22,14 +22,17 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
+import msgspec
 import zmq
 
+from engine.chunk_cost import ChunkCostModel
 from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
-from engine.messages import EngineDead, StartSession, WorkerReady, WorkerStartupFailed
+from engine.messages import ChunkReady, EngineDead, ModelLimits, StartSession, WorkerReady, WorkerStartupFailed
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
+from workers.calibrate import Calibration, calibrate
 from workers.executor import LocalExecutor
 from workers.parallel.ring import RingRunner
 from workers.pipelines import build_pipeline
@@ -52,6 +55,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
             group = _spawn_ranks(config, pipeline, sender, ending)
         warm_up_s = warm_up(pipeline)
+        calibration = _calibrate(config, pipeline)  # before the budget: its peak is part of the transient
         budget = config.session_memory_bytes
         if budget is None:
             budget = pipeline.session_memory_budget()
@@ -71,13 +75,29 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     runner = ModelRunner(pipeline) if group is None else RingRunner(pipeline, group)
     grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
     if budget is not None:
-        log.info("open sessions may hold %.2f GiB of device memory", budget / 2**30)
-    control = ControlPlane(config, runner.describe, sender.send, memory_budget=budget)
+        log.info("open sessions may hold %.2f GiB of memory", budget / 2**30)
+    limits = _served_limits(config, pipeline, calibration)
+    costs = ChunkCostModel(calibration.samples)
+    control = ControlPlane(
+        config,
+        runner.describe,
+        sender.send,
+        memory_budget=budget,
+        costs=costs,
+        max_pixels=None if limits is None else limits.max_pixels,
+        pixels_derived=limits is not None and limits.max_pixels_derived,
+    )
+
+    def send(message) -> None:  # the loop's results: every chunk made refines the cost model
+        if isinstance(message, ChunkReady):
+            costs.observe(message)
+        sender.send(message)
+
     overlap = _overlap_decode(config, pipeline)
     # With pipeline ranks, rank 0's decode stage gets a lane per rank: its own thread mostly waits on the ring.
     lanes = config.pp if group is not None else 1
     executor = LocalExecutor(runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes)
-    loop = EngineLoop(config, control, executor, sender.send, grouping=grouping, max_rows=pipeline.max_batch_rows)
+    loop = EngineLoop(config, control, executor, send, grouping=grouping, max_rows=pipeline.max_batch_rows)
     receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
     receiver.start()
     sender.send(
@@ -92,9 +112,11 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             session_memory_bytes=budget,
             max_batch_rows=pipeline.max_batch_rows,
             overlap_decode=overlap,
-            limits=pipeline.limits() if hasattr(pipeline, "limits") else None,
+            limits=limits,
             pipeline_ranks=() if group is None else tuple(group.pids()),
             blocks_per_rank=() if group is None else tuple(len(blocks) for blocks in group.splits),
+            chunk_costs=calibration.samples,
+            max_realtime_load=config.max_realtime_load,
         )
     )
     exit_code = 0
@@ -114,6 +136,41 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
         sender.close()
         context.term()
     raise SystemExit(exit_code)
+
+
+def _calibrate(config: EngineConfig, pipeline) -> Calibration:
+    """Measure what a chunk costs (``workers.calibrate``), unless nothing would use
+    it: the frame bound configured and admission by chunk cost off."""
+    if config.max_pixels is not None and config.max_realtime_load is None:
+        return Calibration((), None, 0.0)
+    calibration = calibrate(pipeline, config.max_realtime_load or 1.0)
+    for sample in calibration.samples:
+        log.info(
+            "a %dx%d chunk: %.1f ms a denoise step, %.1f ms the rest",
+            sample.width,
+            sample.height,
+            1000 * sample.step_s,
+            1000 * sample.chunk_s,
+        )
+    if calibration.realtime_pixels is not None:
+        log.info(
+            "calibrated in %.2f s: one session runs in real time up to %d pixels a frame",
+            calibration.seconds,
+            calibration.realtime_pixels,
+        )
+    return calibration
+
+
+def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> ModelLimits | None:
+    """The pipeline's limits with the worker's frame bound: ``max_pixels`` as
+    configured, else the calibrated real-time area (``max_pixels_derived``)."""
+    limits = pipeline.limits() if hasattr(pipeline, "limits") else None
+    if limits is None:
+        return None
+    if config.max_pixels is not None:
+        return msgspec.structs.replace(limits, max_pixels=config.max_pixels, max_pixels_derived=False)
+    derived = calibration.realtime_pixels
+    return msgspec.structs.replace(limits, max_pixels=derived, max_pixels_derived=derived is not None)
 
 
 def _overlap_decode(config: EngineConfig, pipeline) -> bool:

@@ -25,7 +25,7 @@ def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
     assert summary["time_to_first_chunk_s"] > 0 and summary["generated_fps"] > 0
     assert summary["playback_fps"] == 16.0
     assert summary["warm_up_s"] > 0 and summary["dtype"] == summary["vae_dtype"] == "float32"
-    assert summary["state_bytes"] > 0 and summary["session_memory_budget"] is None  # a CPU: not limited
+    assert 0 < summary["state_bytes"] < summary["session_memory_budget"]  # a CPU: the host's available memory
     assert summary["side_by_side"] is None
     overlap = summary["decode_overlap"]
     for mode in ("in_line", "overlapped"):

@@ -54,6 +54,18 @@ def test_engine_options_reach_the_engine_config():
         settings_from(parse("--max-batch-rows", "0"), {})
 
 
+def test_frame_area_and_realtime_load_reach_the_engine_and_none_turns_the_check_off():
+    from server.app import engine_config
+
+    default = engine_config(settings_from(parse(), {}))
+    assert (default.max_pixels, default.max_realtime_load) == (None, 0.9)  # derived by the worker; checked
+    config = engine_config(settings_from(parse("--max-pixels", "65536", "--max-realtime-load", "none"), {}))
+    assert (config.max_pixels, config.max_realtime_load) == (65536, None)
+    assert engine_config(settings_from(parse(), {"RTVIDEO_MAX_REALTIME_LOAD": "0.5"})).max_realtime_load == 0.5
+    with pytest.raises(SystemExit, match="max_realtime_load"):
+        settings_from(parse("--max-realtime-load", "0"), {})
+
+
 def test_serve_help_explains_every_option():
     from dataclasses import fields
 

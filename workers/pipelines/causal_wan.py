@@ -42,6 +42,7 @@ import torch
 
 from engine.messages import ModelLimits, SessionGeometry, StartSession
 from engine.plan import ChunkOutput
+from workers.host_memory import host_session_budget
 from workers.pipelines.base import BatchRow, Hidden, StepBatch, block_range, check_hidden, refuse_negative_prompt
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.conditioning import PromptBlend
@@ -475,9 +476,11 @@ class CausalWanPipeline:
         peak, less 1 GiB. The warm-up ran a forward of ``max_batch_rows`` rows
         (``workers.warmup``), so its peak is that of a full batch: activations
         and roped keys beyond the model and the warm-up sessions' state (about
-        ``state_bytes`` each). None on a CPU."""
+        ``state_bytes`` each). On a CPU, where the state lives in host memory:
+        the host's available memory (and its cgroup's room) less this process's
+        transient peak and a margin (``workers.host_memory``)."""
         if self.device.type != "cuda":
-            return None
+            return host_session_budget()
         free, _ = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
         unused = torch.cuda.memory_reserved(self.device) - allocated
