@@ -52,7 +52,13 @@ class EngineConfig:
     stream_batch: bool = False
     """Split over ranks: let a session's next chunk enter the pipeline while its
     chunk before is still being denoised (more throughput for few sessions; the
-    output differs from the exact one by design). Off: exact."""
+    output differs from the exact one by design: a chunk attends to the chunks
+    before it as far as they are denoised). Off: exact. Sessions whose
+    ``prompt_change`` is not ``soft`` always run exact."""
+    max_chunks_in_flight: int | None = None
+    """With stream batch, the chunks a session may have in flight at once, which
+    is also the most chunks an interaction may wait behind (None: ``pp``, enough
+    for one session to fill every rank)."""
     slo_first_chunk_s: float | None = None
     """The SLO controller's time-to-first-chunk target per session (None: only the
     playback rate, the session's fps, is a target)."""
@@ -95,6 +101,9 @@ class EngineConfig:
         _check(self.max_batch_rows >= 1, "max_batch_rows", "must be >= 1")
         _check(self.pp >= 1, "pp", "must be >= 1")
         _check(self.pp_timeout_s > 0, "pp_timeout_s", "must be > 0")
+        _check(not self.stream_batch or self.pp >= 2, "stream_batch", "needs pp >= 2 (pipeline ranks to fill)")
+        in_flight = self.max_chunks_in_flight
+        _check(in_flight is None or in_flight >= 1, "max_chunks_in_flight", "must be >= 1")
         first = self.slo_first_chunk_s
         _check(first is None or first > 0, "slo_first_chunk_s", "must be > 0")
         _check(self.max_undelivered_seconds > 0, "max_undelivered_seconds", "must be > 0")
@@ -109,6 +118,14 @@ class EngineConfig:
         _check(self.worker_restart_window_s > 0, "worker_restart_window_s", "must be > 0")
         _check(self.wedged_after_s > 0, "wedged_after_s", "must be > 0")
         _check(":" in self.worker_entry, "worker_entry", "must look like 'module:function'")
+
+    def lookahead(self, prompt_change: str) -> int:
+        """The chunks a session started with ``prompt_change`` may have in flight:
+        1 (exact) unless stream batch is on and a prompt change keeps the cache
+        (``soft``: a ``reset`` must empty it between two chunks)."""
+        if not self.stream_batch or prompt_change != "soft":
+            return 1
+        return self.max_chunks_in_flight or self.pp
 
 
 def _check(ok: bool, name: str, rule: str) -> None:

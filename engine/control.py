@@ -302,10 +302,12 @@ class ControlPlane:
             control.in_progress = chunk_index
             return control.mailbox.take(chunk_index)
 
-    def chunk_finished(self, session_id: str) -> None:
+    def chunk_finished(self, session_id: str, chunk_index: int) -> None:
+        """Chunk ``chunk_index`` is committed; when it was the newest begun (with
+        stream batch a later one may be in flight), none is in progress."""
         with self._lock:
             control = self._sessions.get(session_id)
-            if control is not None:
+            if control is not None and control.in_progress == chunk_index:
                 control.in_progress = None
 
     def is_stopping(self, session_id: str) -> bool:

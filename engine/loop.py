@@ -160,6 +160,7 @@ class EngineLoop:
             start.session_id,
             geometry,
             start=start,
+            lookahead=self.config.lookahead(start.prompt_change),
             max_lead_seconds=start.max_lead_seconds,
             max_undelivered_seconds=self.config.max_undelivered_seconds,
         )
@@ -226,12 +227,15 @@ class EngineLoop:
                 session.release_planned = True
         held, wake_in = self._paced(playheads)
         for session in self.scheduler.select(self.sessions.values(), held):
+            sid = session.session_id
+            finishing = self.scheduler.finishing_chunks(sid)
+            index = session.next_pass(self.scheduler.busy_chunks(sid), finishing)
             if session.phase is Phase.NEW:
                 step.open.append(session.start)
                 session.phase = Phase.BOUNDARY
-            if session.phase is Phase.BOUNDARY:
-                step.boundaries.append(self.boundary_work(session, step.number))
-            chunk = session.chunk
+            if index not in session.chunks:
+                step.boundaries.append(self.boundary_work(session, step.number, finishing))
+            chunk = session.chunks[index]
             step.ranks[0].append(chunk.next_row(session.session_id))
             chunk.planned += 1
         entering = step.ranks[0]
@@ -250,7 +254,9 @@ class EngineLoop:
         wake: float | None = None
         for sid, session in self.sessions.items():
             playhead = playheads.get(sid, Playhead(None, None))
-            wait = wait_seconds(session, playhead.reported, now, playhead.delivered)
+            index = session.next_pass(self.scheduler.busy_chunks(sid), self.scheduler.finishing_chunks(sid))
+            begins = session.phase is not Phase.NEW and index is not None and index not in session.chunks
+            wait = wait_seconds(session, playhead.reported, now, playhead.delivered, begins)
             if wait == 0.0:
                 continue
             held.add(sid)
@@ -258,23 +264,32 @@ class EngineLoop:
                 wake = wait if wake is None else min(wake, wait)
         return held, wake
 
-    def boundary_work(self, session: EngineSession, number: int) -> BoundaryTask:
+    def boundary_work(
+        self, session: EngineSession, number: int, finishing: frozenset[int] = frozenset()
+    ) -> BoundaryTask:
         """Take the mailbox for the session's next chunk and open its record
-        (the boundary runs in micro-step ``number``)."""
-        index = session.chunk_index
+        (the boundary runs in micro-step ``number``, where the commits of
+        ``finishing`` chunks finish first)."""
+        index = session.next_chunk
+        session.next_chunk += 1
         taken = self.control.take_boundary(session.session_id, index)
         applied = taken.applied
-        session.chunk = ChunkInFlight(
+        session.chunks[index] = ChunkInFlight(
             index=index,
             steps=session.steps_per_chunk,
             passes=session.steps_per_chunk + (1 if self.split else 0),
-            first_frame=session.frames_done,
+            first_frame=session.first_frame_of(index),
             events=session.events.begin_chunk(
                 index,
                 None if applied is None else (applied.event_id, applied.transition_chunks),
                 taken.retired,
             ),
-            boundary=BoundaryTaken(applied, taken.superseded, time.monotonic()),
+            boundary=BoundaryTaken(
+                applied,
+                taken.superseded,
+                time.monotonic(),
+                chunks_in_flight=1 + sum(1 for i in session.chunks if i not in finishing),
+            ),
             boundary_step=number,
         )
         session.phase = Phase.DENOISING
@@ -314,6 +329,7 @@ class EngineLoop:
                     first_chunk_frames=g.first_chunk_frames,
                     passes_per_chunk=g.num_inference_steps + 1,
                     ranks=self.config.pp,
+                    chunks_in_flight=session.lookahead,
                     first_chunk_pending=session.chunks_done == 0,
                 )
             )
@@ -354,15 +370,14 @@ class EngineLoop:
         for sid in result.released:
             if sid in self.sessions:
                 self._end(sid)
-        for sid, row in result.rows.items():
+        for (sid, index), row in sorted(result.rows.items()):
             session = self.sessions.get(sid)
             if session is None:
                 continue  # ended earlier (failed in a micro-step before this one)
-            chunk = session.chunk
+            chunk = session.chunks.get(index)
             if chunk is not None and chunk.boundary is not None and result.number >= chunk.boundary_step:
                 # This micro-step crossed the chunk's boundary (or failed first): end what it took.
                 self._report_boundary(session, chunk, row.error)
-                chunk.boundary = None
             self._account_row(session, row, result.number)
 
     def _report_boundary(self, session: EngineSession, chunk: ChunkInFlight, error: str | None) -> None:
@@ -371,7 +386,7 @@ class EngineLoop:
         the micro-step that crossed the boundary (its chunk will never be
         delivered), rejected as ``session_failed``."""
         sid = session.session_id
-        taken = chunk.boundary
+        taken, chunk.boundary = chunk.boundary, None
         for old, by in taken.superseded:
             self.send(InteractionSuperseded(session_id=sid, event_id=old.event_id, by_event_id=by))
         applied = taken.applied
@@ -398,6 +413,7 @@ class EngineLoop:
                 media_start_seconds=chunk.first_frame / session.geometry.fps,
                 queued_to_applied_ms=(taken.taken_at - applied.queued_at) * 1000.0,
                 transition_chunks=applied.transition_chunks,
+                chunks_in_flight=taken.chunks_in_flight,
             )
         )
 
@@ -405,7 +421,7 @@ class EngineLoop:
         if row.error is not None:
             self._fail(session, row.error)
             return
-        chunk = session.chunk
+        chunk = session.chunks.get(row.chunk_index)
         if chunk is None:
             return
         chunk.boundary_ms += row.boundary_ms
@@ -426,18 +442,16 @@ class EngineLoop:
 
     def _committed(self, session: EngineSession, chunk: ChunkInFlight) -> None:
         """The chunk is in the cache: the session's next chunk may begin while this
-        one decodes (its frames are counted now, for pacing and the next chunk's
-        first frame); after its last chunk the session finishes, and is released
-        once every decode came back."""
-        session.chunk = None
+        one decodes (its frames are counted now, for pacing); after its last chunk
+        the session finishes, and is released once every decode came back."""
+        del session.chunks[chunk.index]
         session.decoding[chunk.index] = chunk
-        session.chunk_index += 1
         geometry = session.geometry
         session.frames_done += geometry.first_chunk_frames if chunk.index == 0 else geometry.frames_per_chunk
-        self.control.chunk_finished(session.session_id)
+        self.control.chunk_finished(session.session_id, chunk.index)
         if session.is_last_chunk(chunk.index):
             session.finish("completed")
-        elif session.phase is Phase.DENOISING:
+        elif session.phase is Phase.DENOISING and not session.chunks:
             session.phase = Phase.BOUNDARY
 
     def decoded(self, result: DecodeResult) -> None:
@@ -508,6 +522,9 @@ class EngineLoop:
         once when nothing was left to decode)."""
         if session.failure is None:
             session.failure = error
+        for chunk in session.chunks.values():  # boundaries taken that no micro-step will report
+            if chunk.boundary is not None:
+                self._report_boundary(session, chunk, error)
         session.finish("failed")
         self._say_failure_when_decoded(session)
 

@@ -274,6 +274,10 @@ class InteractionApplied(_Wire, tag="interaction_applied"):
     media_start_seconds: float
     queued_to_applied_ms: float
     transition_chunks: int
+    chunks_in_flight: int = 1
+    """The session's chunks being generated when this one began, itself included:
+    1 when exact; with stream batch up to ``EngineConfig.max_chunks_in_flight``
+    (the chunks before it were already under way with the prompt before)."""
 
 
 class InteractionSuperseded(_Wire, tag="interaction_superseded"):

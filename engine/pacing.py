@@ -43,22 +43,28 @@ def playhead_seconds(session: EngineSession, reported: float | None, now: float)
 
 
 def lead_seconds(session: EngineSession, reported: float | None, now: float) -> float:
-    """Media generated ahead of the playhead."""
-    return session.media_seconds_done - playhead_seconds(session, reported, now)
+    """Media generated ahead of the playhead (the chunks under way counted as made)."""
+    return session.media_seconds_begun - playhead_seconds(session, reported, now)
 
 
 def wait_seconds(
-    session: EngineSession, reported: float | None, now: float, delivered: float | None = None
+    session: EngineSession,
+    reported: float | None,
+    now: float,
+    delivered: float | None = None,
+    begins: bool | None = None,
 ) -> float | None:
     """0 when the session may run now; else seconds until it may (the real-time
     estimate catches up), or None when only a new report can free it: a playback
     report, or a delivery report when the media not yet written to the client's
     socket reaches ``max_undelivered_seconds`` (transport backpressure, whatever
-    the pacing budget)."""
-    if session.phase is not Phase.BOUNDARY:
+    the pacing budget). Only a session whose next pass would begin a chunk is
+    ever held (``begins``; None: it sits between chunks), never one in the
+    middle of a chunk; media of the chunks under way counts as made."""
+    if not (session.phase is Phase.BOUNDARY if begins is None else begins):
         return 0.0
     undelivered = session.max_undelivered_seconds
-    if delivered is not None and undelivered is not None and session.media_seconds_done - delivered >= undelivered:
+    if delivered is not None and undelivered is not None and session.media_seconds_begun - delivered >= undelivered:
         return None
     budget = session.max_lead_seconds
     if budget is None:

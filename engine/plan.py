@@ -95,9 +95,11 @@ class ChunkOutput:
 
 @dataclass
 class RowResult:
-    """What happened to one session in a micro-step."""
+    """What happened to one chunk of one session in a micro-step (its open and
+    boundary count as chunk 0's and the boundary's chunk's)."""
 
     session_id: str
+    chunk_index: int
     stepped: bool = False  # its denoise step ran
     committed: bool = False  # its chunk's last step ran and the chunk is in the cache (decode follows)
     chunk: ChunkOutput | None = None  # its chunk's frames, when decoded in this micro-step
@@ -110,19 +112,26 @@ class RowResult:
 
 @dataclass
 class StepResult:
-    """Per-session results of one micro-step, and the time spent inside the pipeline."""
+    """Per-chunk results of one micro-step, and the time spent inside the pipeline.
+    With stream batch a session may have several chunks in one micro-step (one
+    coming back, another entering), so results are keyed by (session, chunk)."""
 
     number: int  # the micro-step's number
-    rows: dict[str, RowResult] = field(default_factory=dict)
+    rows: dict[tuple[str, int], RowResult] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)  # sessions whose state it freed
     decodes: list[tuple[str, int]] = field(default_factory=list)  # (session, chunk) committed, decode deferred
     pipeline_s: float = 0.0
     wall_s: float = 0.0  # the micro-step's wall time on rank 0 (split over ranks: waits for the ring included)
 
-    def row(self, session_id: str) -> RowResult:
-        if session_id not in self.rows:
-            self.rows[session_id] = RowResult(session_id)
-        return self.rows[session_id]
+    def row(self, session_id: str, chunk_index: int) -> RowResult:
+        key = (session_id, chunk_index)
+        if key not in self.rows:
+            self.rows[key] = RowResult(session_id, chunk_index)
+        return self.rows[key]
+
+    def of_session(self, session_id: str) -> list[RowResult]:
+        """The session's results in this micro-step, in chunk order."""
+        return sorted((r for (sid, _), r in self.rows.items() if sid == session_id), key=lambda r: r.chunk_index)
 
 
 @dataclass

@@ -39,7 +39,7 @@ class ChunkScheduler:
         if not ordered:
             return []
         if self.grouping:
-            begun = [s for s in ordered if s.chunk is not None and s.chunk.begun]
+            begun = [s for s in ordered if s.in_mid_chunk()]
             ordered = begun + [s for s in ordered if s not in begun]
         chosen = ordered[: self.max_rows]
         self._last_served = chosen[-1].session_id
@@ -55,3 +55,9 @@ class ChunkScheduler:
 
     def in_flight(self, session_id: str) -> bool:
         return False
+
+    def busy_chunks(self, session_id: str) -> frozenset[int]:
+        return frozenset()
+
+    def finishing_chunks(self, session_id: str) -> frozenset[int]:
+        return frozenset()

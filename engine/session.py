@@ -17,8 +17,8 @@ from engine.plan import StepRow
 
 class Phase(Enum):
     NEW = "new"  # admitted; the runner has not encoded it yet
-    BOUNDARY = "boundary"  # between chunks: the next boundary may run
-    DENOISING = "denoising"  # chunk ``chunk_index`` is being denoised
+    BOUNDARY = "boundary"  # between chunks (none in flight): the next boundary may run
+    DENOISING = "denoising"  # chunks are in flight (``chunks``): one, or with stream batch up to ``lookahead``
     FINISHING = "finishing"  # ending; the runner frees it in the next plan
 
 
@@ -101,6 +101,7 @@ class BoundaryTaken:
     applied: PendingInteraction | None
     superseded: list[tuple[PendingInteraction, str]]
     taken_at: float  # time.monotonic() when taken
+    chunks_in_flight: int = 1  # the session's chunks in flight once this one began, itself included
 
 
 @dataclass
@@ -109,8 +110,12 @@ class EngineSession:
     geometry: SessionGeometry
     start: StartSession | None = None  # the request, until the runner opened it
     phase: Phase = Phase.NEW
-    chunk_index: int = 0  # the chunk in flight (DENOISING) or next to begin (BOUNDARY)
-    chunk: ChunkInFlight | None = None  # the chunk in flight, DENOISING only
+    next_chunk: int = 0  # the index of the next chunk to begin
+    chunks: dict[int, ChunkInFlight] = field(default_factory=dict)
+    """The chunks begun and not yet committed, oldest first (DENOISING)."""
+    lookahead: int = 1
+    """Chunks it may have in flight at once: 1 is exact (a chunk begins once the
+    one before it is committed); more is stream batch (``EngineConfig.stream_batch``)."""
     chunks_done: int = 0
     frames_done: int = 0
     end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
@@ -133,13 +138,52 @@ class EngineSession:
     def media_seconds_done(self) -> float:
         return self.frames_done / self.geometry.fps
 
+    @property
+    def media_seconds_begun(self) -> float:
+        """Media committed and under way (the chunks in flight at their full length)."""
+        g = self.geometry
+        under_way = sum(g.first_chunk_frames if i == 0 else g.frames_per_chunk for i in self.chunks)
+        return (self.frames_done + under_way) / g.fps
+
+    def next_pass(self, busy: frozenset[int] = frozenset(), finishing: frozenset[int] = frozenset()) -> int | None:
+        """The chunk whose next pass may enter the next micro-step, given the
+        chunks with a pass in the pipeline (``busy``) and those whose commit
+        finishes at the start of that micro-step (``finishing``: split over
+        ranks, the commit pass coming back): the oldest chunk in flight with a
+        pass left to plan, not busy, and behind the chunk before it (a chunk's
+        passes never overtake those of the chunk before, so chunks commit in
+        order); else the next chunk, when it may begin (``next_chunk``: its
+        boundary is planned with the pass); else None.
+
+        A chunk may begin when fewer than ``lookahead`` chunks are in flight (a
+        finishing one not counted) and each of them has begun: with
+        ``lookahead`` 1, only once the chunk before is committed, so it sees
+        only final chunks before it."""
+        if self.phase is Phase.FINISHING:
+            return None
+        ahead: ChunkInFlight | None = None  # the chunk before, still in flight
+        for index, chunk in self.chunks.items():
+            if index not in busy and not chunk.all_planned and (ahead is None or chunk.planned < ahead.planned):
+                return index
+            ahead = chunk
+        in_flight = sum(1 for index in self.chunks if index not in finishing)
+        if in_flight >= self.lookahead or (ahead is not None and not ahead.begun):
+            return None
+        total = self.geometry.num_chunks
+        return self.next_chunk if total is None or self.next_chunk < total else None
+
     def plannable(self) -> bool:
-        """Whether a row of it may go into the next micro-step: it is new, between
-        chunks, or has a step of its chunk left to plan. A chunk's boundary is
-        planned only once the previous chunk came back (``chunk`` is None then)."""
-        if self.phase in (Phase.NEW, Phase.BOUNDARY):
-            return True
-        return self.phase is Phase.DENOISING and self.chunk is not None and not self.chunk.all_planned
+        """Whether a row of it may go into the next micro-step (nothing of it in a pipeline)."""
+        return self.next_pass() is not None
+
+    def in_mid_chunk(self) -> bool:
+        """A chunk of it has begun and has passes left: grouping runs them back to back."""
+        return any(chunk.begun and not chunk.all_planned for chunk in self.chunks.values())
+
+    def first_frame_of(self, index: int) -> int:
+        """The frame index, in the session's stream, of chunk ``index``'s first frame."""
+        g = self.geometry
+        return 0 if index == 0 else g.first_chunk_frames + (index - 1) * g.frames_per_chunk
 
     def is_last_chunk(self, chunk: int) -> bool:
         total = self.geometry.num_chunks

@@ -5,23 +5,28 @@ Policy only (loop thread of worker rank 0), for a transformer split over
 or its commit pass) enters rank 0 in micro-step m, runs on rank r in
 micro-step m + r, and is back at rank 0 in micro-step m + ranks, which first
 takes it back (the sampler step, or the end of the commit) and may then
-start the session's next pass in the same micro-step. So the scheduler keeps
+start the chunk's next pass in the same micro-step. So the scheduler keeps
 the rows that entered in each of the last ``ranks`` micro-steps: they are
 the later ranks' task lists (``place``), and the oldest are the rows coming
 back (``MicroStep.returning``).
 
-Which sessions enter (``select``): those with a row to plan (``plannable``),
-not held back by pacing, and not in the ring already, up to ``rows`` (the
-SLO controller's choice, at most ``max_rows``), round-robin from the session
-after the last one served; with grouping, sessions in the middle of a chunk
-go first. Rows of *different* sessions fill the ring: with at least
-``ranks`` sessions every rank has work in every micro-step. The output is
-exact: a session has one pass in the ring at a time, and a chunk begins only
-once the chunk before it is in every rank's cache (its boundary is planned
-after the commit came back, as with one rank).
+Which sessions enter (``select``): those with a pass to plan
+(``EngineSession.next_pass``, given the session's chunks in the ring), not
+held back by pacing, up to ``rows`` (the SLO controller's choice, at most
+``max_rows``), one row per session, round-robin from the session after the
+last one served; with grouping, sessions in the middle of a chunk go first.
+A rank thus never holds two rows of one session (each rank's rows entered in
+one micro-step), and a chunk has one pass in the ring at a time.
 
-``stream_batch`` (``EngineConfig.stream_batch``) is not implemented by this
-scheduler: the engine refuses the option until it is.
+Exact (a session's ``lookahead`` 1): a session has one chunk in flight, so
+rows of *different* sessions fill the ring (with at least ``ranks`` sessions
+every rank has work in every micro-step), and a chunk begins only once the
+chunk before it is in every rank's cache. **Stream batch** (``lookahead`` >
+1, ``EngineConfig.stream_batch``): the session's next chunk may begin while
+the chunk before is still in the ring, so one session fills the ring by
+itself; its chunks then attend to their predecessors' latest, not yet final,
+keys and values (``workers.pipelines.kv_cache``), which changes the output by
+design.
 """
 
 from __future__ import annotations
@@ -52,16 +57,16 @@ class StreamBatchScheduler:
         pool = list(sessions)
         ids = [s.session_id for s in pool]
         start = ids.index(self._last_served) + 1 if self._last_served in ids else 0
-        busy = self._in_ring(returning=False)
         ordered = [
             s
             for s in pool[start:] + pool[:start]
-            if s.plannable() and s.session_id not in held and s.session_id not in busy
+            if s.session_id not in held
+            and s.next_pass(self.busy_chunks(s.session_id), self.finishing_chunks(s.session_id)) is not None
         ]
         if not ordered:
             return []
         if self.grouping:
-            begun = [s for s in ordered if s.chunk is not None and s.chunk.begun]
+            begun = [s for s in ordered if s.in_mid_chunk()]
             ordered = begun + [s for s in ordered if s not in begun]
         chosen = ordered[: self.rows]
         self._last_served = chosen[-1].session_id
@@ -79,10 +84,17 @@ class StreamBatchScheduler:
 
     def in_flight(self, session_id: str) -> bool:
         """Whether a pass of the session is in the ring (on a rank, or coming back)."""
-        return session_id in self._in_ring(returning=True)
+        return any(row.session_id == session_id for rows in self._window for row in rows)
 
-    def _in_ring(self, returning: bool) -> set[str]:
-        """Sessions with a pass on a rank; with ``returning``, also the one coming
-        back in the next micro-step (it may enter again in that micro-step)."""
-        window = list(self._window) if returning else list(self._window)[: self.ranks - 1]
-        return {row.session_id for rows in window for row in rows}
+    def busy_chunks(self, session_id: str) -> frozenset[int]:
+        """The session's chunks with a pass on a rank after the first in the next
+        micro-step (not the ones coming back: those may enter again in it)."""
+        window = list(self._window)[: self.ranks - 1]
+        return frozenset(row.chunk_index for rows in window for row in rows if row.session_id == session_id)
+
+    def finishing_chunks(self, session_id: str) -> frozenset[int]:
+        """The session's chunks whose commit pass comes back in the next micro-step:
+        rank 0 finishes their commit before that micro-step's boundaries, and
+        every rank has them in its cache before a pass entering then reaches it."""
+        returning = self._window[-1]
+        return frozenset(r.chunk_index for r in returning if r.session_id == session_id and r.commit)

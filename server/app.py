@@ -66,6 +66,8 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         overlap_decode=settings.overlap_decode,
         pp=settings.pp,
         pp_timeout_s=settings.pp_timeout_s,
+        stream_batch=settings.stream_batch,
+        max_chunks_in_flight=settings.max_chunks_in_flight,
         slo_first_chunk_s=settings.slo_first_chunk_s,
         max_undelivered_seconds=settings.max_undelivered_seconds,
         session_memory_bytes=None if settings.session_memory_gib is None else int(settings.session_memory_gib * 2**30),

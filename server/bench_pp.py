@@ -12,6 +12,10 @@ micro-step. Configurations:
 - ``pp1-1t``: one rank, one CPU thread (the baseline the issue's targets use);
 - ``pp1-2t``: one rank, two threads (the honest baseline on two cores);
 - ``pp2``: two ranks, one thread each;
+- ``pp2-stream``: two ranks with stream batch (one session's next chunk enters
+  while the chunk before it is still in the ring), against which the
+  output's difference from the exact one (``pp1-1t``, the same session and
+  seed) is measured: mean and largest absolute difference in pixel levels;
 - ``pp1-batch4`` and ``pp1-serial``: four sessions batched in one forward
   (``max_batch_rows`` 4) against the same four run one after another, one
   thread each.
@@ -55,12 +59,14 @@ class Config:
     sessions: int
     max_batch_rows: int = 1
     serial: bool = False  # sessions one after another instead of together
+    stream_batch: bool = False
 
 
 CONFIGS = (
     Config("pp1-1t", 1, 1, 1),
     Config("pp1-2t", 1, 2, 1),
     Config("pp2", 2, None, 1),
+    Config("pp2-stream", 2, None, 1, stream_batch=True),
     Config("pp1-1t", 1, 1, 4),
     Config("pp1-2t", 1, 2, 4),
     Config("pp2", 2, None, 4),
@@ -78,10 +84,13 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
     engine_config = EngineConfig(
         pipeline=spec,
         pp=config.pp,
+        stream_batch=config.stream_batch,
         max_batch_rows=config.max_batch_rows,
         max_sessions=max(4, config.sessions),
         startup_timeout_s=600,
         max_undelivered_seconds=1e9,  # nobody reads the media here: never hold a session for it
+        max_pixels=1 << 30,  # a measurement beyond real time: no size bound, no admission by cost
+        max_realtime_load=None,
     )
     saved = os.environ.get("OMP_NUM_THREADS")
     if config.threads is not None:
@@ -110,12 +119,14 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
             for i in range(config.sessions)
         ]
         began = time.perf_counter()
+        payloads: dict[str, list[bytes]] = {start.session_id: [] for start in starts}
         frames = 0
         if config.serial:
             for start in starts:
-                frames += await _run(client, start)
+                frames += await _run(client, start, payloads[start.session_id])
         else:
-            frames = sum(await asyncio.gather(*(_run(client, start) for start in starts)))
+            runs = (_run(client, start, payloads[start.session_id]) for start in starts)
+            frames = sum(await asyncio.gather(*runs))
         wall = time.perf_counter() - began
         await client.probe()
         after = client.stats
@@ -129,16 +140,18 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
         "wall_s": wall,
         "frames": frames,
         **_figures(before, after),
+        "_payloads": payloads["bench-0"] if config.sessions == 1 else None,
     }
 
 
-async def _run(client: EngineClient, start: StartSession) -> int:
+async def _run(client: EngineClient, start: StartSession, payloads: list[bytes]) -> int:
     handle = await client.start_session(start)
     frames = 0
     while True:
         message = await handle.next(600.0)
         if isinstance(message, ChunkReady):
             frames += message.num_frames
+            payloads.append(message.payload)
         elif isinstance(message, SessionDone | SessionFailed):
             if not isinstance(message, SessionDone):
                 raise RuntimeError(f"session {start.session_id} did not complete: {message}")
@@ -160,14 +173,39 @@ def _figures(before: EngineStats | None, after: EngineStats | None) -> dict:
     return {"micro_steps": steps, "mean_rows": rows / steps if steps else 0.0, "ranks": ranks}
 
 
+def stream_difference(exact: list[bytes] | None, streamed: list[bytes] | None) -> dict | None:
+    """How far stream batch's frames are from the exact ones (one session, same
+    seed): per chunk after the first, the mean absolute difference in pixel
+    levels (of 255); and whether chunk 0, which has nothing before it, is equal."""
+    if not exact or not streamed or len(exact) != len(streamed):
+        return None
+    import numpy as np
+
+    def levels(payload: bytes):
+        return np.frombuffer(payload, np.uint8).astype(np.int16)
+
+    means = [float(np.abs(levels(a) - levels(b)).mean()) for a, b in zip(exact[1:], streamed[1:], strict=True)]
+    largest = max((int(np.abs(levels(a) - levels(b)).max()) for a, b in zip(exact, streamed, strict=True)), default=0)
+    return {
+        "first_chunk_equal": exact[0] == streamed[0],
+        "mean_abs_levels_per_chunk": [round(m, 3) for m in means],
+        "mean_abs_levels": sum(means) / len(means) if means else 0.0,
+        "max_abs_levels": largest,
+    }
+
+
 def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int:
     results = []
+    payloads: dict[str, list[bytes] | None] = {}
     for config in configs:
         best = None
         for _ in range(options.repeats):
             result = asyncio.run(run_config(options, config))
             if best is None or result["fps"] > best["fps"]:
                 best = result
+        kept = best.pop("_payloads")
+        if kept is not None:
+            payloads[config.name] = kept
         results.append(best)
         if not as_json:
             bubbles = ", ".join(f"rank {r['rank']} bubble {r['bubble']:.0%}" for r in best.get("ranks", []))
@@ -187,7 +225,9 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int
         "pp2_vs_pp1_2t_4_sessions": ratio(("pp2", 4), ("pp1-2t", 4)),
         "pp2_vs_pp1_1t_1_session": ratio(("pp2", 1), ("pp1-1t", 1)),
         "batch4_vs_serial": ratio(("pp1-batch4", 4), ("pp1-serial", 4)),
-        "stream_batch": "not implemented yet",
+        "pp2_stream_vs_pp1_1t_1_session": ratio(("pp2-stream", 1), ("pp1-1t", 1)),
+        "pp2_stream_vs_pp2_1_session": ratio(("pp2-stream", 1), ("pp2", 1)),
+        "stream_batch_difference": stream_difference(payloads.get("pp1-1t"), payloads.get("pp2-stream")),
     }
     print(json.dumps(summary))
     return 0

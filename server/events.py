@@ -63,6 +63,7 @@ class InteractionAppliedEvent(_Event):
     media_start_seconds: float
     queued_to_applied_ms: float
     transition_chunks: int
+    chunks_in_flight: int
 
 
 class InteractionSupersededEvent(_Event):

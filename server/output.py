@@ -129,6 +129,7 @@ class SessionOutput:
                 media_start_seconds=message.media_start_seconds,
                 queued_to_applied_ms=message.queued_to_applied_ms,
                 transition_chunks=message.transition_chunks,
+                chunks_in_flight=message.chunks_in_flight,
             ).wire()
         if isinstance(message, InteractionSuperseded):
             return InteractionSupersededEvent(

@@ -49,6 +49,15 @@ class ServerSettings:
     pp_timeout_s: float = 30.0
     """With --pp: how long one rank waits for another's activations before the
     group is declared broken and restarted (no rank ever hangs)."""
+    stream_batch: bool = False
+    """With --pp: a session's next chunk may begin while the chunk before it is
+    still being denoised, so a single session fills every rank (more frames per
+    second for few sessions). The frames differ from the exact ones by design: a
+    chunk attends to the chunks before it as far as they are denoised (measured
+    in docs/ENGINE.md). Sessions with prompt_change "reset" or "recache" run exact."""
+    max_chunks_in_flight: int | None = None
+    """With --stream-batch: the chunks a session may have under way at once, and so
+    the most chunks a new prompt may wait behind (default: --pp)."""
     slo_first_chunk_s: float | None = None
     """With --pp: a time-to-first-chunk target the SLO controller holds each new
     session to, beside its playback rate, when it picks the rows per micro-step."""
@@ -141,3 +150,5 @@ class ServerSettings:
             raise ValueError(f"port must be between 0 and 65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.stream_batch and self.pp < 2:
+            raise ValueError(f"stream_batch needs pp >= 2 (pipeline ranks to fill), got pp={self.pp}")

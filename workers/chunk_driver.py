@@ -96,7 +96,7 @@ class ChunkDriver:
                     at_step[sid] = row.step + 1
                     continue
                 if self._decoder is None:
-                    outputs[sid].append(result.rows[sid].chunk)
+                    outputs[sid].append(result.row(sid, row.chunk_index).chunk)
                 at_step.pop(sid, None)
                 self.next_chunk[sid] += 1
                 left[sid] -= 1
@@ -132,7 +132,7 @@ class ChunkDriver:
         micro.number = self._number
         self._errors.clear()
         result = self.runner.execute(micro)
-        for sid, row in result.rows.items():
+        for (sid, _), row in result.rows.items():
             if row.error is not None:
                 self.next_chunk.pop(sid, None)
                 error = self._errors.get(sid)

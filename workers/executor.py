@@ -150,5 +150,5 @@ class LocalExecutor:
             step.cancelled = cancelled
         result = self._runner.execute(step)
         for row in cancelled:
-            result.row(row.session_id).cancelled = True
+            result.row(row.session_id, row.chunk_index).cancelled = True
         return result

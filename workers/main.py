@@ -189,8 +189,6 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
     API process restarts the group as one."""
     from workers.parallel.group import RankGroup
 
-    if config.stream_batch:
-        raise ValueError("stream_batch: not available yet; run exact pipeline parallelism (leave it off)")
     if not getattr(pipeline, "supports_micro_step_execution", False) or not hasattr(pipeline, "own_blocks"):
         raise ValueError(f"pp: the {pipeline.name!r} pipeline cannot be split over pipeline ranks")
     if pipeline.num_blocks < config.pp:
@@ -231,6 +229,7 @@ def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> 
         costs.last_extra * 1000,
     )
     pipeline.own_blocks(splits[0])
+    pipeline.chunks_in_flight = config.lookahead
     if rank_device(0).type == "cpu":
         torch.set_num_threads(rank_threads(config.pp))
     group.start(splits)

@@ -93,11 +93,11 @@ class ModelRunner:
             result.released.append(session_id)
         for start in step.open:
             sid = start.session_id
-            prompt, ms = self._call(result, sid, "encode_prompt", self.pipeline.encode_prompt, start.prompt)
-            result.row(sid).boundary_ms += ms
+            prompt, ms = self._call(result, sid, 0, "encode_prompt", self.pipeline.encode_prompt, start.prompt)
+            result.row(sid, 0).boundary_ms += ms
             if prompt is not _FAILED:
-                _, ms = self._call(result, sid, "open", self._open, start, prompt)
-                result.row(sid).boundary_ms += ms
+                _, ms = self._call(result, sid, 0, "open", self._open, start, prompt)
+                result.row(sid, 0).boundary_ms += ms
         for task in step.boundaries:
             self._boundary(task, result)
 
@@ -132,20 +132,20 @@ class ModelRunner:
         self.states[start.session_id] = self.pipeline.open(start, self.pipeline.describe(start), prompt)
 
     def _boundary(self, task: BoundaryTask, result: StepResult) -> None:
-        sid = task.session_id
+        sid, index = task.session_id, task.chunk_index
         if sid not in self.states or sid in self._failed:  # failed earlier
             return
         prompt = None
         if task.prompt is not None:
-            prompt, ms = self._call(result, sid, "encode_prompt", self.pipeline.encode_prompt, task.prompt)
-            result.row(sid).boundary_ms += ms
+            prompt, ms = self._call(result, sid, index, "encode_prompt", self.pipeline.encode_prompt, task.prompt)
+            result.row(sid, index).boundary_ms += ms
             if prompt is _FAILED:
                 return
         session = self.states[sid]
         _, ms = self._call(
-            result, sid, "boundary", self.pipeline.boundary, session, task.chunk_index, prompt, task.transition_chunks
+            result, sid, index, "boundary", self.pipeline.boundary, session, index, prompt, task.transition_chunks
         )
-        result.row(sid).boundary_ms += ms
+        result.row(sid, index).boundary_ms += ms
 
     def _forward(self, rows: list[StepRow], result: StepResult) -> None:
         """One forward over ``rows`` (every block: one rank), then each row's sampler
@@ -154,7 +154,7 @@ class ModelRunner:
         batch = StepBatch(tuple(BatchRow(row.session_id, row.chunk_index, row.step) for row in rows))
         if len(rows) == 1:
             predictions, forward_ms = self._call(
-                result, rows[0].session_id, "forward", self.pipeline.forward, batch, sessions
+                result, rows[0].session_id, rows[0].chunk_index, "forward", self.pipeline.forward, batch, sessions
             )
             if predictions is _FAILED:
                 return
@@ -177,41 +177,44 @@ class ModelRunner:
                 self._report(row.session_id, "forward", forward_ms, None)
         share = forward_ms / len(rows)
         for row, batch_row, session, prediction in zip(rows, batch.rows, sessions, predictions, strict=True):
-            sid = row.session_id
+            sid, index = row.session_id, row.chunk_index
             stepped, update_ms = self._call(
-                result, sid, "sampler_step", self.pipeline.sampler_step, session, batch_row, prediction
+                result, sid, index, "sampler_step", self.pipeline.sampler_step, session, batch_row, prediction
             )
             if stepped is _FAILED:
                 continue
-            out = result.row(sid)
+            out = result.row(sid, index)
             out.denoise_ms += share + update_ms
             out.stepped = True
             if not row.last:
                 continue
-            committed, commit_ms = self._call(result, sid, "commit", self.pipeline.commit, session, row.chunk_index)
+            committed, commit_ms = self._call(result, sid, index, "commit", self.pipeline.commit, session, index)
             if committed is not _FAILED:
                 out.decode_ms += commit_ms
-                self._committed(result, sid, row.chunk_index)
+                self._committed(result, sid, index)
 
     def _committed(self, result: StepResult, sid: str, chunk_index: int) -> None:
         """Chunk ``chunk_index`` of ``sid`` is in every block's cache: decode it now,
         or leave it to the decode stage (``defer_decode``)."""
-        out = result.row(sid)
+        out = result.row(sid, chunk_index)
         out.committed = True
         if self.defer_decode:
             with self._decodes_lock:
                 self._decodes_pending[sid] = self._decodes_pending.get(sid, 0) + 1
             result.decodes.append((sid, chunk_index))
             return
-        chunk, decode_ms = self._call(result, sid, "decode", self.pipeline.decode, self.states[sid], chunk_index)
+        chunk, decode_ms = self._call(
+            result, sid, chunk_index, "decode", self.pipeline.decode, self.states[sid], chunk_index
+        )
         if chunk is not _FAILED:
             out.chunk = chunk
             out.decode_ms += decode_ms
 
     def _call(
-        self, result: StepResult, session_id: str, stage: str, function: Callable, *args: Any
+        self, result: StepResult, session_id: str, chunk_index: int, stage: str, function: Callable, *args: Any
     ) -> tuple[Any, float]:
-        """Run one pipeline call for one session; returns (its value, ms), and adds
+        """Run one pipeline call for one session (about chunk ``chunk_index``, where
+        its result is reported); returns (its value, ms), and adds
         the time to the micro-step's pipeline time. On an exception the session
         fails and is released, and the value is ``_FAILED``: a pipeline bug never
         takes the worker down."""
@@ -222,7 +225,7 @@ class ModelRunner:
             value = function(*args)
         except Exception as error:
             failure = error
-            row = result.row(session_id)
+            row = result.row(session_id, chunk_index)
             row.error = f"{stage} failed: {type(error).__name__}: {error}"
             with self._decodes_lock:
                 decoding = session_id in self._decodes_pending

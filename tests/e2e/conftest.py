@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import PINNED_LIMITS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -54,6 +56,10 @@ def start_server(
     ]
     if pipeline:
         command += ["--pipeline-options", json.dumps(pipeline)]
+    if "--max-pixels" not in flags:  # measured from the machine's speed at start: pinned unless a test says
+        command += ["--max-pixels", str(PINNED_LIMITS["max_pixels"])]
+    if "--max-realtime-load" not in flags:
+        command += ["--max-realtime-load", "none"]
     # uvicorn logs to stderr and its access log to stdout: keep both, in order.
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log: list[str] = []

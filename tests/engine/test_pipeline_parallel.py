@@ -24,6 +24,7 @@ from engine.messages import (
     SessionFailed,
     StartSession,
 )
+from tests.conftest import PINNED_LIMITS
 from tests.support import Collected, collect, read_until
 
 SIZE = {"width": 32, "height": 32}
@@ -31,6 +32,7 @@ SIZE = {"width": 32, "height": 32}
 
 async def start_engine(pp: int, **config) -> EngineClient:
     spec = PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1})
+    config = {**PINNED_LIMITS, **config}
     client = EngineClient(EngineConfig(pipeline=spec, pp=pp, startup_timeout_s=120, max_sessions=6, **config))
     await client.start()
     return client

@@ -161,7 +161,7 @@ def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
         del pipeline.forward
     assert widths == [3, 3, 3, 3]
     for start in starts:
-        rows = [result.rows[start.session_id] for result in results]
+        rows = [result.rows[start.session_id, 0] for result in results]
         assert all(row.error is None and row.stepped for row in rows)
         assert [row.chunk is not None for row in rows] == [False, False, False, True]
         row = rows[-1]

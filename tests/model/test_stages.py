@@ -208,12 +208,12 @@ def test_the_runner_fails_only_the_session_whose_row_its_state_cannot_take():
         ranks=[[StepRow("good", 0, 0, 4), StepRow("no-boundary", 0, 0, 4), StepRow("skips", 0, 0, 4)]],
     )
     result = runner.execute(first)
-    assert result.rows["good"].stepped and result.rows["good"].error is None
-    assert result.rows["no-boundary"].error == (
+    assert result.rows["good", 0].stepped and result.rows["good", 0].error is None
+    assert result.rows["no-boundary", 0].error == (
         "forward failed: ChunkOrderError: session no-boundary: chunk 0 was not prepared (no boundary)"
     )
     skipped = runner.execute(MicroStep(number=2, ranks=[[StepRow("good", 0, 1, 4), StepRow("skips", 0, 2, 4)]]))
-    assert skipped.rows["good"].stepped and skipped.rows["skips"].error == (
+    assert skipped.rows["good", 0].stepped and skipped.rows["skips", 0].error == (
         "forward failed: ChunkOrderError: session skips: chunk 0 is at step 1, but the row asks for step 2"
     )
     assert runner.held_sessions() == (("good",), ("good",))

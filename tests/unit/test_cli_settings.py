@@ -79,3 +79,15 @@ def test_serve_help_explains_every_option():
     for f in fields(ServerSettings):
         assert f"--{f.name.replace('_', '-')}" in text and f"RTVIDEO_{f.name.upper()}" in text
     assert "JSON object" in text and "tiny" in text and "``" not in text
+
+
+def test_stream_batch_options_reach_the_engine_config_and_need_ranks():
+    from server.app import engine_config
+
+    argv = ("--pp", "2", "--stream-batch", "true", "--max-chunks-in-flight", "3")
+    config = engine_config(settings_from(parse(*argv), {}))
+    assert config.stream_batch is True and config.max_chunks_in_flight == 3
+    assert config.lookahead("soft") == 3 and config.lookahead("reset") == 1
+    assert engine_config(settings_from(parse("--pp", "2"), {})).lookahead("soft") == 1
+    with pytest.raises(SystemExit, match="stream_batch needs pp >= 2"):
+        settings_from(parse("--stream-batch", "true"), {})

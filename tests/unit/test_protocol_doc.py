@@ -353,6 +353,7 @@ NOT_LIMITS = {
     "api_key",
     "pp",
     "slo_first_chunk_s",
+    "stream_batch",
 }
 
 

@@ -41,7 +41,8 @@ def test_round_robin_with_several_rows_and_a_finishing_session():
 def _begin(session: EngineSession, planned: int) -> None:
     """Give ``session`` a chunk in flight with ``planned`` of its 3 steps planned."""
     session.phase = Phase.DENOISING
-    session.chunk = ChunkInFlight(
+    session.next_chunk = 1
+    session.chunks[0] = ChunkInFlight(
         index=0, steps=3, first_frame=0, events=ChunkEvents(), boundary=None, boundary_step=1, planned=planned
     )
 
@@ -52,7 +53,7 @@ def test_grouping_runs_a_begun_chunk_back_to_back_and_ungrouped_takes_turns():
         pool = sessions("a", "b")
         _begin(pool[0], planned=1)  # a's chunk has begun
         assert scheduler.select(pool)[0].session_id == "a"
-        pool[0].chunk.planned += 1
+        pool[0].chunks[0].planned += 1
         second = scheduler.select(pool)[0].session_id
         assert second == ("a" if scheduler.grouping else "b")
 

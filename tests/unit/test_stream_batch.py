@@ -14,11 +14,14 @@ from engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,
+    InteractionQueued,
+    Playback,
     SessionDone,
     StartSession,
     StopSession,
     SubmitInteraction,
 )
+from engine.pacing import Playhead
 from engine.plan import ChunkOutput, MicroStep, StepResult
 from engine.stream_batch import StreamBatchScheduler
 from workers.pipelines.stub import StubPipeline
@@ -45,11 +48,11 @@ class SimulatedRing:
             result.released.append(sid)
         for start in step.open:
             self.open.add(start.session_id)
-            result.row(start.session_id)
+            result.row(start.session_id, 0)
         for task in step.boundaries:
-            result.row(task.session_id)
+            result.row(task.session_id, task.chunk_index)
         for row in step.returning:
-            out = result.row(row.session_id)
+            out = result.row(row.session_id, row.chunk_index)
             if row.commit:
                 out.committed = True
                 out.chunk = ChunkOutput(num_frames=1, width=2, height=2, payload=bytes(12))
@@ -78,8 +81,9 @@ class SimulatedRing:
         pass
 
 
-def make_loop(ranks: int, max_rows: int):
-    config = EngineConfig(max_sessions=8, pp=ranks, max_undelivered_seconds=1e9)  # no client reports delivery here
+def make_loop(ranks: int, max_rows: int, **options):
+    # no client reports delivery here: an unbounded undelivered budget
+    config = EngineConfig(max_sessions=8, pp=ranks, max_undelivered_seconds=1e9, **options)
     sent: list = []
     control = ControlPlane(config, StubPipeline().describe, sent.append)
     ring = SimulatedRing()
@@ -98,14 +102,19 @@ def run_until_done(loop, control, limit: int = 5000, each=None) -> None:
     raise AssertionError("the sessions never ended")
 
 
-def check_ring(plans: list[MicroStep], ranks: int) -> None:
+def check_ring(plans: list[MicroStep], ranks: int, lookahead: int = 1) -> None:
     """Every micro-step: rank r runs what rank r-1 ran the micro-step before, the
-    rows coming back are what the last rank ran, a session has one pass in the
-    ring at a time, and a chunk's passes run in order: its steps, then its
-    commit once every step came back, then the next chunk's boundary once the
-    commit came back."""
+    rows coming back are what the last rank ran, a rank never holds two rows of
+    one session, a chunk has one pass in the ring at a time, and a chunk's
+    passes run in order: its steps, then its commit once every step came back.
+    Exact (``lookahead`` 1): a session has one pass in the ring, and its next
+    chunk's boundary comes once the commit came back. Stream batch: at most
+    ``lookahead`` chunks of a session in flight, and a chunk's passes never
+    overtake the chunk's before it (so chunks commit in order)."""
     previous = MicroStep(number=0, ranks=[[] for _ in range(ranks)])
-    back: dict[str, tuple[int, int]] = {}  # session -> (chunk, step) of its latest pass that came back
+    back: dict[tuple[str, int], int] = {}  # (session, chunk) -> step of its latest pass that came back
+    entered: dict[tuple[str, int], int] = {}  # (session, chunk) -> passes that entered
+    committed: dict[str, int] = {}  # session -> its latest chunk whose commit came back
     for step in plans:
         assert len(step.ranks) == ranks
         assert step.number == previous.number + 1, "micro-steps are consecutive"
@@ -113,22 +122,32 @@ def check_ring(plans: list[MicroStep], ranks: int) -> None:
             assert step.ranks[r] == previous.ranks[r - 1]
         assert step.returning == previous.ranks[ranks - 1]
         for row in step.returning:
-            back[row.session_id] = (row.chunk_index, row.step)
-        on_ranks = [row.session_id for rows in step.ranks for row in rows]
-        assert len(on_ranks) == len(set(on_ranks)), f"a session has two passes in the ring at {step.number}"
+            back[row.session_id, row.chunk_index] = row.step
+            if row.commit:
+                assert committed.get(row.session_id, -1) == row.chunk_index - 1, "chunks commit in order"
+                committed[row.session_id] = row.chunk_index
+        for rows in step.ranks:
+            on_rank = [row.session_id for row in rows]
+            assert len(on_rank) == len(set(on_rank)), f"a rank holds two rows of a session at {step.number}"
+        in_ring = [(row.session_id, row.chunk_index) for rows in step.ranks for row in rows]
+        assert len(in_ring) == len(set(in_ring)), f"a chunk has two passes in the ring at {step.number}"
+        if lookahead == 1:
+            sessions = [sid for sid, _ in in_ring]
+            assert len(sessions) == len(set(sessions)), f"a session has two passes in the ring at {step.number}"
         boundaries = {task.session_id: task.chunk_index for task in step.boundaries}
         for row in step.ranks[0]:
-            latest = back.get(row.session_id)
-            if row.session_id in boundaries:
-                assert (row.chunk_index, row.step) == (boundaries[row.session_id], 0)
-                assert latest is None or latest == (row.chunk_index - 1, row.steps_per_chunk), (
-                    "next chunk before the commit came back"
-                )
+            sid, chunk = row.session_id, row.chunk_index
+            if sid in boundaries:
+                assert (chunk, row.step) == (boundaries[sid], 0)
+                in_flight = chunk - committed.get(sid, -1)  # this one included
+                assert in_flight <= lookahead, f"{in_flight} chunks of {sid} in flight at {step.number}"
             else:
-                assert latest == (row.chunk_index, row.step - 1), (
-                    f"pass {row} entered before the one before it came back"
-                )
-        assert not set(step.release) & set(on_ranks), "a session released with a pass in the ring"
+                assert back.get((sid, chunk)) == row.step - 1, f"pass {row} entered before the one before it came back"
+            ahead = entered.get((sid, chunk - 1))
+            if chunk - 1 > committed.get(sid, -1):  # the chunk before is still in flight
+                assert ahead is not None and ahead > row.step, f"pass {row} overtook chunk {chunk - 1}"
+            entered[sid, chunk] = row.step + 1
+        assert not set(step.release) & {sid for sid, _ in in_ring}, "a session released with a pass in the ring"
         previous = step
 
 
@@ -203,3 +222,80 @@ def test_an_interaction_applies_at_the_next_chunk_that_enters_rank_0():
 def test_the_scheduler_refuses_a_single_rank():
     with pytest.raises(ValueError, match="ranks must be >= 2"):
         StreamBatchScheduler(1, grouping=True, max_rows=1)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_stream_batch_fills_every_rank_with_one_session(ranks):
+    """Stream batch: one session's next chunk enters while the chunk before is
+    still in the ring, so one session keeps every rank busy; chunks still commit
+    and arrive in order, never more than ``ranks`` in flight."""
+    loop, control, ring, sent = make_loop(ranks, max_rows=1, stream_batch=True)
+    control.handle(StartSession(session_id="a", prompt="a", num_chunks=12, num_inference_steps=3))
+    run_until_done(loop, control)
+    check_ring(ring.plans, ranks, lookahead=ranks)
+    chunks = [m.generation_chunk_index for m in sent if isinstance(m, ChunkReady)]
+    assert chunks == list(range(12))
+    steady = ring.plans[ranks : len(ring.plans) - 4 * ranks]
+    for rank in range(ranks):
+        busy = sum(bool(step.ranks[rank]) for step in steady) / len(steady)
+        assert busy >= 0.9, f"rank {rank} busy {busy:.2f}"
+
+
+def test_exact_one_session_leaves_ranks_idle_that_stream_batch_fills():
+    """The same run without stream batch: one pass in the ring, so each rank is
+    busy only one micro-step in ``ranks`` (the bubble stream batch fills)."""
+    loop, control, ring, _ = make_loop(2, max_rows=1)
+    control.handle(StartSession(session_id="a", prompt="a", num_chunks=12, num_inference_steps=3))
+    run_until_done(loop, control)
+    check_ring(ring.plans, 2)
+    busy = sum(bool(step.ranks[0]) for step in ring.plans) / len(ring.plans)
+    assert busy <= 0.55
+
+
+def test_stream_batch_bounds_chunks_in_flight_and_reports_them_with_an_interaction():
+    """With ``max_chunks_in_flight`` 2 on 3 ranks, no more than 2 chunks of the
+    session are in flight; an interaction lands at the chunk its queued answer
+    promised, and its applied answer says 2 chunks were under way."""
+    loop, control, ring, sent = make_loop(3, max_rows=1, stream_batch=True, max_chunks_in_flight=2)
+    control.handle(StartSession(session_id="a", prompt="a", num_chunks=10, num_inference_steps=2))
+    for _ in range(12):
+        loop.run_once()  # chunks under way
+    control.handle(SubmitInteraction(session_id="a", event_id="e", interaction=Interaction(prompt="new")))
+    run_until_done(loop, control)
+    check_ring(ring.plans, 3, lookahead=2)
+    queued = next(m for m in sent if isinstance(m, InteractionQueued))
+    applied = next(m for m in sent if isinstance(m, InteractionApplied))
+    assert applied.generation_chunk_index == queued.expected_chunk_index
+    assert applied.chunks_in_flight == 2
+    assert [m.generation_chunk_index for m in sent if isinstance(m, ChunkReady)] == list(range(10))
+
+
+def test_a_session_that_resets_on_a_prompt_change_runs_exact_under_stream_batch():
+    loop, control, ring, _ = make_loop(2, max_rows=1, stream_batch=True)
+    control.handle(StartSession(session_id="a", prompt="a", num_chunks=4, num_inference_steps=2, prompt_change="reset"))
+    run_until_done(loop, control)
+    check_ring(ring.plans, 2, lookahead=1)
+
+
+def test_stream_batch_needs_pipeline_ranks():
+    with pytest.raises(ValueError, match="stream_batch needs pp >= 2"):
+        EngineConfig(stream_batch=True)
+
+
+def test_pacing_holds_a_stream_batch_session_before_it_begins_a_chunk_never_in_one():
+    """A session ahead of its viewer is held before its next chunk begins (the
+    chunks under way count as made), while the chunk it has in the ring goes on."""
+    loop, control, ring, _ = make_loop(2, max_rows=1, stream_batch=True)
+    control.handle(StartSession(session_id="a", prompt="a", num_chunks=10, num_inference_steps=2, max_lead_seconds=0.2))
+    loop.run_once()  # chunk 0 (the stub's 4 frames: 0.25 s at 16 fps) entered rank 0
+    session = loop.sessions["a"]
+    assert session.next_pass(loop.scheduler.busy_chunks("a")) == 1  # chunk 1 could begin now
+    viewer_at_start = {"a": Playhead(reported=0.0, delivered=None)}
+    assert loop._paced(viewer_at_start)[0] == {"a"}
+    caught_up = {"a": Playhead(reported=0.1, delivered=None)}  # lead 0.15 s < 0.2 s
+    assert loop._paced(caught_up)[0] == set()
+    control.handle(Playback(session_id="a", position_seconds=0.0))  # the viewer has seen nothing yet
+    for _ in range(4):
+        loop.run_once()
+    entered = [(row.chunk_index, row.step) for step in ring.plans for row in step.ranks[0]]
+    assert entered == [(0, 0), (0, 1), (0, 2)]  # chunk 0 ran to its commit; chunk 1 never began

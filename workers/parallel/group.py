@@ -208,6 +208,7 @@ def run_follower(
     store.wait([f"blocks/{rank}"], timeout)  # rank 0 measures the blocks meanwhile
     blocks = tuple(int(part) for part in store.get(f"blocks/{rank}").decode().split(","))
     pipeline.own_blocks(range(*blocks))
+    pipeline.chunks_in_flight = config.lookahead
     store.set(f"built/{rank}", "1")
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=timeout

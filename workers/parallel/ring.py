@@ -95,19 +95,26 @@ class RingRunner(ModelRunner):
                 batch = StepBatch((BatchRow(row.session_id, row.chunk_index, row.step),))
                 session = self.states[row.session_id]
                 hidden, ms = self._call(
-                    result, row.session_id, "forward", self.pipeline.forward, batch, [session], blocks
+                    result, row.session_id, row.chunk_index, "forward", self.pipeline.forward, batch, [session], blocks
                 )
                 if hidden is not _FAILED:
-                    result.row(row.session_id).denoise_ms += ms
+                    result.row(row.session_id, row.chunk_index).denoise_ms += ms
                     self._add(items, tensors, "forward", hidden)
         for row in rows:
             if row.commit:
                 session = self.states[row.session_id]
                 hidden, ms = self._call(
-                    result, row.session_id, "commit", self.pipeline.commit, session, row.chunk_index, blocks
+                    result,
+                    row.session_id,
+                    row.chunk_index,
+                    "commit",
+                    self.pipeline.commit,
+                    session,
+                    row.chunk_index,
+                    blocks,
                 )
                 if hidden is not _FAILED:
-                    result.row(row.session_id).decode_ms += ms
+                    result.row(row.session_id, row.chunk_index).decode_ms += ms
                     self._add(items, tensors, "commit", hidden)
         return Message({"items": items, "failed": {}}, tensors)
 
@@ -124,7 +131,7 @@ class RingRunner(ModelRunner):
         result.pipeline_s += seconds
         if hidden is not _FAILED:
             for row in rows:
-                result.row(row.session_id).denoise_ms += seconds * 1000.0 / len(rows)
+                result.row(row.session_id, row.chunk_index).denoise_ms += seconds * 1000.0 / len(rows)
         return hidden
 
     def _add(self, items: list[dict], tensors: list, kind: str, hidden) -> None:
@@ -142,7 +149,8 @@ class RingRunner(ModelRunner):
         planned = {(r.session_id, r.chunk_index, r.step): r for r in returning}
         for sid, error in header.get("failed", {}).items():
             if sid in self.states:
-                self._call(result, sid, "forward", _raise, RankError(error))
+                chunk_index = min((r.chunk_index for r in returning if r.session_id == sid), default=0)
+                self._call(result, sid, chunk_index, "forward", _raise, RankError(error))
         offset = 0
         for item in header["items"]:
             parts = message.tensors[offset : offset + item["count"]]
@@ -153,17 +161,19 @@ class RingRunner(ModelRunner):
                     continue
                 session = self.states[sid]
                 if item["kind"] == "commit":
-                    done, ms = self._call(result, sid, "commit", self.pipeline.finish_commit, session, chunk_index)
+                    done, ms = self._call(
+                        result, sid, chunk_index, "commit", self.pipeline.finish_commit, session, chunk_index
+                    )
                     if done is not _FAILED:
-                        result.row(sid).decode_ms += ms
+                        result.row(sid, chunk_index).decode_ms += ms
                         self._committed(result, sid, chunk_index)
                     continue
                 prediction = parts[index].to(self.pipeline.device)
                 batch_row = BatchRow(sid, chunk_index, step)
                 stepped, ms = self._call(
-                    result, sid, "sampler_step", self.pipeline.sampler_step, session, batch_row, prediction
+                    result, sid, chunk_index, "sampler_step", self.pipeline.sampler_step, session, batch_row, prediction
                 )
                 if stepped is not _FAILED:
-                    out = result.row(sid)
+                    out = result.row(sid, chunk_index)
                     out.stepped = True
                     out.denoise_ms += ms

@@ -63,6 +63,7 @@ class ChunkRecord:
     (``steps`` once it is clean). Set from the row each ``sampler_step`` runs;
     a forward or sampler step planned at another step is refused."""
     committed: bool = False  # written into the session's caches; only decode is left
+    committing: bool = False  # its commit pass is under way through the pipeline ranks (split over ranks)
 
     @property
     def denoised(self) -> bool:
@@ -82,12 +83,18 @@ class SessionState(Generic[C]):
     start: StartSession
     geometry: SessionGeometry
     chunks: dict[int, C] = field(default_factory=dict)
+    lookahead: int = 1
+    """Chunks it may have in flight before the earliest is committed: 1 is exact
+    (a chunk is prepared and run only after every chunk before it is committed);
+    more is stream batch, where a chunk runs while up to ``lookahead - 1`` chunks
+    before it are still in flight (it is still committed only after them)."""
 
     def check_boundary(self, index: int) -> None:
-        """Chunk ``index`` may be prepared: it is not yet, and every earlier chunk in flight is committed."""
+        """Chunk ``index`` may be prepared: it is not yet, and fewer than ``lookahead``
+        chunks before it are in flight uncommitted."""
         if index in self.chunks:
             raise ChunkOrderError(f"session {self.session_id}: chunk {index} is already prepared")
-        self._check_earlier_committed(index, "be prepared")
+        self._check_earlier_committed(index, "be prepared", self.lookahead - 1)
 
     def chunk_at(self, row: BatchRow) -> C:
         """The record of ``row``'s chunk, which must be prepared, at ``row.step``,
@@ -100,16 +107,18 @@ class SessionState(Generic[C]):
             raise ChunkOrderError(
                 f"session {self.session_id}: chunk {row.chunk_index} is {where}, but the row asks for step {row.step}"
             )
-        self._check_earlier_committed(row.chunk_index, "run")
+        self._check_earlier_committed(row.chunk_index, "run", self.lookahead - 1)
         return chunk
 
     def chunk_to_commit(self, index: int) -> C:
-        """The record of chunk ``index``, denoised and not yet committed, after committed chunks only."""
+        """The record of chunk ``index``, denoised and not yet committed, after
+        committed chunks only (split over ranks: or chunks whose commit pass went
+        through the ranks ahead of it, ``committing``)."""
         chunk = self.chunks.get(index)
         if chunk is None or not chunk.denoised or chunk.committed:
             state = "not prepared" if chunk is None else "already committed" if chunk.committed else "not denoised"
             raise ChunkOrderError(f"session {self.session_id}: cannot commit chunk {index}: it is {state}")
-        self._check_earlier_committed(index, "be committed")
+        self._check_earlier_committed(index, "be committed", committing_counts=True)
         return chunk
 
     def chunk_to_decode(self, index: int) -> C:
@@ -125,9 +134,18 @@ class SessionState(Generic[C]):
             )
         return chunk
 
-    def _check_earlier_committed(self, index: int, what: str) -> None:
-        pending = sorted(i for i, chunk in self.chunks.items() if i < index and not chunk.committed)
-        if pending:
+    def _check_earlier_committed(
+        self, index: int, what: str, allowed: int = 0, committing_counts: bool = False
+    ) -> None:
+        """At most ``allowed`` chunks before ``index`` are in flight uncommitted
+        (with ``committing_counts``, a chunk whose commit pass is under way counts
+        as committed)."""
+        pending = sorted(
+            i
+            for i, chunk in self.chunks.items()
+            if i < index and not chunk.committed and not (committing_counts and chunk.committing)
+        )
+        if len(pending) > allowed:
             raise ChunkOrderError(
                 f"session {self.session_id}: chunk {index} cannot {what} before chunk {pending[0]} is committed"
             )

@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -150,6 +150,9 @@ class CausalWanPipeline:
         self._t_zero = torch.zeros(1, device=self.device)  # the commit forward's timestep
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._held: set[str] = set()
+        self.chunks_in_flight: Callable[[str], int] = lambda prompt_change: 1
+        """A session's ``lookahead`` from its ``prompt_change``: the engine's rule
+        (``EngineConfig.lookahead``), set by the worker; 1 (exact) unless stream batch."""
 
     # -- geometry ----------------------------------------------------------------
 
@@ -256,6 +259,7 @@ class CausalWanPipeline:
             timesteps=timesteps,
             schedule=torch.tensor(timesteps, device=self.device),
             prompt=PromptBlend(prompt),
+            lookahead=self.chunks_in_flight(start.prompt_change),
         )
         self._held.add(start.session_id)
         return session
@@ -306,7 +310,17 @@ class CausalWanPipeline:
         check_hidden(hidden, blocks, batch.rows)
         groups = self.embed_rows(batch, sessions) if blocks.start == 0 else hidden.tensors
         groups = [
-            (indices, self._blocks(tuple(sessions[i].kv for i in indices), activations, blocks, commit=False))
+            (
+                indices,
+                self._blocks(
+                    tuple(sessions[i].kv for i in indices),
+                    activations,
+                    blocks,
+                    commit=False,
+                    chunks=tuple(batch.rows[i].chunk_index for i in indices),
+                    provisional=tuple(sessions[i].lookahead > 1 for i in indices),
+                ),
+            )
             for indices, activations in groups
         ]
         if blocks.stop < self.num_blocks:
@@ -351,8 +365,9 @@ class CausalWanPipeline:
         caches = (session.kv,)
         if blocks.start == 0:
             chunk = session.chunk_to_commit(chunk_index)
+            chunk.committing = True
             rows = (BatchRow(sid, chunk_index, chunk.steps),)
-            activations = self._embed(caches, chunk.clean, self._t_zero, chunk.conditioning)
+            activations = self._embed(caches, chunk.clean, self._t_zero, chunk.conditioning, (chunk_index,))
         else:
             if chunk_index in session.chunks:
                 session.chunk_to_commit(chunk_index)
@@ -361,7 +376,7 @@ class CausalWanPipeline:
             rows = hidden.rows
             check_hidden(hidden, blocks, rows)
             activations = hidden.tensors
-        activations = self._blocks(caches, activations, blocks, commit=True)
+        activations = self._blocks(caches, activations, blocks, commit=True, chunks=(chunk_index,))
         if blocks.stop < self.num_blocks:
             return Hidden(blocks.stop, rows, activations)
         if chunk_index in session.chunks:
@@ -535,7 +550,9 @@ class CausalWanPipeline:
             timesteps = torch.stack([sessions[i].schedule[batch.rows[i].step] for i in indices])
             latents = torch.cat([chunks[i].latent for i in indices])
             text = torch.cat([chunks[i].conditioning for i in indices])
-            embedded.append((indices, self._embed(tuple(sessions[i].kv for i in indices), latents, timesteps, text)))
+            caches = tuple(sessions[i].kv for i in indices)
+            at = tuple(batch.rows[i].chunk_index for i in indices)
+            embedded.append((indices, self._embed(caches, latents, timesteps, text, at)))
         return embedded
 
     def _embed(
@@ -544,10 +561,16 @@ class CausalWanPipeline:
         latent: torch.Tensor,
         timesteps: torch.Tensor | Sequence[float],
         text: torch.Tensor,
+        chunks: Sequence[int] | None = None,
     ) -> Activations:
         """Embed ``latent`` (one batch row per cache), each row's RoPE positions
-        after the frames its cache holds."""
-        self.rope.frame_offsets = tuple(kv.frames for kv in caches)
+        after the frames it attends to before itself: those its cache holds, and
+        with stream batch the provisional frames of the chunks before it
+        (``chunks``: each row's chunk index; None: the held frames only)."""
+        if chunks is None:
+            self.rope.frame_offsets = tuple(kv.frames for kv in caches)
+        else:
+            self.rope.frame_offsets = tuple(kv.frames_before(c) for kv, c in zip(caches, chunks, strict=True))
         try:
             # fp32, as diffusers' Wan pipelines pass it: the time embedder stays fp32,
             # and bf16 would round 937.5 to 936. A tensor already on the device
@@ -558,21 +581,32 @@ class CausalWanPipeline:
             self.rope.frame_offsets = (0,)
 
     def _blocks(
-        self, caches: tuple[SessionKVCache, ...], activations: Activations, blocks: range, commit: bool
+        self,
+        caches: tuple[SessionKVCache, ...],
+        activations: Activations,
+        blocks: range,
+        commit: bool,
+        chunks: tuple[int, ...] = (),
+        provisional: tuple[bool, ...] = (),
     ) -> Activations:
-        """Blocks ``blocks``, each row attending to its cache at its own position; a
-        commit pass (one row) stages its keys and values into that cache, and
-        commits them once the last block has run."""
+        """Blocks ``blocks``, each row attending to its cache at its own position
+        (``chunks``: each row's chunk index, for the provisional frames before it;
+        ``provisional``: which rows keep theirs, stream batch); a commit pass (one
+        row) stages its keys and values into that cache, and commits them once
+        the last block has run, replacing the chunk's provisional ones."""
         if commit and len(caches) != 1:
             raise ValueError("a commit forward carries one row")
         ctx = self.context
         ctx.caches, ctx.commit, ctx.grid = caches, commit, activations.latent_shape[3:]
+        ctx.chunks, ctx.provisional = chunks, provisional
         try:
             activations = run_blocks(self.transformer, activations, blocks)
             if commit and blocks.stop == self.owned.stop:
                 caches[0].commit(activations.latent_shape[2])
+                if chunks:
+                    caches[0].drop_provisional(chunks[0])
         finally:
-            ctx.caches, ctx.commit = (), False
+            ctx.caches, ctx.commit, ctx.chunks, ctx.provisional = (), False, (), ()
         return activations
 
     def _run(

@@ -15,6 +15,15 @@ after them the most recent frames, oldest first.
 A cache holds the layers it is given (``layers``): all of them on one rank,
 a rank's own block range when the transformer is split over ranks. Every
 rank commits every chunk, so their ``frames`` agree.
+
+Stream batch (a session with chunks in flight at once): each denoise pass of
+a chunk also keeps its keys and values *provisionally* (``stage_provisional``,
+replacing the chunk's earlier ones), until the chunk's commit replaces them
+with its clean ones. A later chunk of the session attends to the committed
+frames, then to the provisional frames of the chunks before it that are
+still in flight, in order (``read_provisional``; its own positions come after
+them: ``frames_before``). They live outside the preallocated store: at most
+the chunks in flight, one chunk's worth each.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class SessionKVCache:
         self.frames = 0  # frames held now
         self.committed_frames = 0  # frames ever committed
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._provisional: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # chunk -> layer -> k, v
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The held (un-roped) keys and values of ``layer``, in time order."""
@@ -86,10 +96,39 @@ class SessionKVCache:
         self.committed_frames += num_frames
         self.version += 1
 
+    def stage_provisional(self, chunk_index: int, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep one layer's keys and values of chunk ``chunk_index`` as its latest
+        denoise pass left them, for the later chunks in flight to attend to."""
+        self._provisional.setdefault(chunk_index, {})[layer] = (keys, values)
+
+    def read_provisional(self, chunk_index: int, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The provisional (un-roped) keys and values of ``layer`` of the chunks
+        before ``chunk_index`` still in flight, in chunk order; None when none."""
+        before = [self._provisional[c][layer] for c in sorted(self._provisional) if c < chunk_index]
+        if not before:
+            return None
+        if len(before) == 1:
+            return before[0]
+        return torch.cat([k for k, _ in before], dim=1), torch.cat([v for _, v in before], dim=1)
+
+    def frames_before(self, chunk_index: int) -> int:
+        """The frames chunk ``chunk_index`` attends to before itself: the held ones,
+        then the provisional ones of the chunks in flight before it."""
+        pending = 0
+        for chunk, layers in self._provisional.items():
+            if chunk < chunk_index and layers:
+                pending += next(iter(layers.values()))[0].shape[1] // self.tokens_per_frame
+        return self.frames + pending
+
+    def drop_provisional(self, chunk_index: int) -> None:
+        """Chunk ``chunk_index`` is committed: its provisional keys and values go."""
+        self._provisional.pop(chunk_index, None)
+
     def reset(self) -> None:
         """Forget everything held (hard reset and re-cache)."""
         self.frames = 0
         self._staged.clear()
+        self._provisional.clear()
         self.version += 1
 
     def free(self) -> None:
@@ -98,4 +137,6 @@ class SessionKVCache:
         self.reset()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()])
+        held = [*self.keys.values(), *self.values.values()]
+        held += [t for layers in self._provisional.values() for kv in layers.values() for t in kv]
+        return sum(t.numel() * t.element_size() for t in held)

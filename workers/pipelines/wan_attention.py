@@ -9,7 +9,9 @@ Worker process. No fork of the transformer: two swaps after loading.
 - ``CausalSelfAttnProcessor`` goes on every block's ``attn1``. It computes
   query, key and value as diffusers' ``WanAttnProcessor`` does, then attends
   from the chunk's queries to [cached keys, chunk keys]: a chunk sees itself
-  and the frames before it, never after (block-causal). Cached keys are kept
+  and the frames before it, never after (block-causal). With stream batch,
+  [cached keys, provisional keys of the chunks in flight before it, chunk
+  keys] (``SessionKVCache.read_provisional``). Cached keys are kept
   un-roped and roped at cache-relative positions 0 .. n-1 by ``RopedKeys``,
   once per layer per cache version: the steps of a chunk and its commit
   forward all read the same cache, so they share one roping.
@@ -99,6 +101,8 @@ class ForwardContext:
 
     roped: RopedKeys
     caches: tuple[SessionKVCache, ...] = ()  # one per batch row: the sessions whose chunks are computed
+    chunks: tuple[int, ...] = ()  # one per batch row: the index of the chunk it computes
+    provisional: tuple[bool, ...] = ()  # per batch row: keep its keys and values provisionally (stream batch)
     commit: bool = False  # stage this forward's keys and values into the cache (one row only)
     grid: tuple[int, int] = (0, 0)  # the call's latent height and width (for the cache's RoPE)
     mask: torch.Tensor | None = None  # boolean [tokens, tokens], True = may attend (no-cache calls only)
@@ -182,14 +186,31 @@ class CausalSelfAttnProcessor:
             return self._out(attn, self._attend(query, key, value, ctx.mask))
         if ctx.commit:
             ctx.caches[0].stage(self.layer, key, value)
+        rows = len(ctx.caches)
+        for row, keep in enumerate(ctx.provisional):
+            if keep:
+                row_key, row_value = key[row : row + 1], value[row : row + 1]
+                if rows > 1:  # not a view that would hold the whole batch's keys
+                    row_key, row_value = row_key.clone(), row_value.clone()
+                ctx.caches[row].stage_provisional(ctx.chunks[row], self.layer, row_key, row_value)
         query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
         keys, values = [], []
         for row, cache in enumerate(ctx.caches):
-            row_key, row_value = key[row : row + 1], value[row : row + 1]
+            row_keys, row_values = [], []
             if cache.frames:
                 _, held_values = cache.read(self.layer)
-                row_key = torch.cat([ctx.roped.get(cache, self.layer, *ctx.grid), row_key], dim=1)
-                row_value = torch.cat([held_values, row_value], dim=1)
+                row_keys.append(ctx.roped.get(cache, self.layer, *ctx.grid))
+                row_values.append(held_values)
+            pending = cache.read_provisional(ctx.chunks[row], self.layer) if ctx.chunks else None
+            if pending is not None:
+                pending_keys, pending_values = pending
+                frames = pending_keys.shape[1] // cache.tokens_per_frame
+                row_keys.append(apply_rope(pending_keys, *ctx.roped.rope.at(frames, *ctx.grid, cache.frames)))
+                row_values.append(pending_values)
+            row_key, row_value = key[row : row + 1], value[row : row + 1]
+            if row_keys:
+                row_key = torch.cat([*row_keys, row_key], dim=1)
+                row_value = torch.cat([*row_values, row_value], dim=1)
             keys.append(row_key)
             values.append(row_value)
         if len({k.shape[1] for k in keys}) == 1:  # equal lengths: one call for every row

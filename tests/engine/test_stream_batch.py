@@ -1,0 +1,61 @@
+"""Stream batch through real worker processes: the tiny model's blocks on two
+ranks over gloo, a session's next chunk entering the ring while the chunk
+before it is still being denoised (``EngineConfig.stream_batch``), against the
+exact output of one rank."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.messages import ChunkReady, Interaction, InteractionApplied, SessionDone
+from tests.engine.test_pipeline_parallel import payloads, run_sessions, start_engine, start_of
+from tests.support import Collected, collect, read_until
+
+
+def frames(payload: bytes) -> np.ndarray:
+    return np.frombuffer(payload, np.uint8).astype(np.int16)
+
+
+async def test_one_session_streams_ahead_in_order_and_differs_from_exact_only_after_its_first_chunk():
+    """Chunk 0 has nothing before it: bit for bit the exact one. Every later
+    chunk attended to the chunk before it part-denoised, so it differs, by a
+    bounded amount (the figure docs/ENGINE.md quotes: ``bench pp`` measures it
+    on the same model)."""
+    start = start_of("a", 7, 6)
+    streamed = await start_engine(2, stream_batch=True)
+    try:
+        got = (await run_sessions(streamed, [start]))["a"]
+        probe = await streamed.probe()
+    finally:
+        await streamed.shutdown()
+    exact_engine = await start_engine(1)
+    try:
+        exact = (await run_sessions(exact_engine, [start]))["a"]
+    finally:
+        await exact_engine.shutdown()
+    assert isinstance(got.end, SessionDone) and got.end.reason == "completed"
+    assert [c.generation_chunk_index for c in got.chunks] == list(range(6))
+    assert [c.first_frame_index for c in got.chunks] == [c.first_frame_index for c in exact.chunks]
+    ours, theirs = payloads(got), payloads(exact)
+    assert ours[0] == theirs[0]
+    differences = [float(np.abs(frames(a) - frames(b)).mean()) for a, b in zip(ours[1:], theirs[1:], strict=True)]
+    assert all(d > 0 for d in differences), differences
+    assert max(differences) < 64, differences  # levels of 255: the same picture, not another one
+    assert probe.runner_sessions == probe.pipeline_sessions == ()
+
+
+async def test_an_interaction_under_stream_batch_lands_where_it_says_behind_the_chunks_in_flight():
+    engine = await start_engine(2, stream_batch=True)
+    try:
+        handle = await engine.start_session(start_of("s", 3, 8))
+        seen = Collected()
+        await read_until(handle, ChunkReady, seen)
+        await handle.interact("e1", Interaction(prompt="a storm"))
+        result = await collect(handle, seen, timeout=120)
+    finally:
+        await engine.shutdown()
+    assert [c.generation_chunk_index for c in result.chunks] == list(range(8))
+    (applied,) = result.of(InteractionApplied)
+    chunk = next(c for c in result.chunks if c.generation_chunk_index == applied.generation_chunk_index)
+    assert "e1" in chunk.started_event_ids and applied.first_frame_index == chunk.first_frame_index
+    assert applied.chunks_in_flight == 2  # the chunk before it was still under way when it began
