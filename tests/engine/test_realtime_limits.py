@@ -68,7 +68,7 @@ async def test_a_configured_frame_area_overrides_the_derived_one(tiny):
 async def test_a_realtime_session_is_refused_when_the_chunks_measured_would_break_the_others_deadlines(make_engine):
     """Stub chunks of 4 frames at 16 fps play 0.25 s and here take 4 x 0.05 s: a paced
     session needs 0.8 of the worker, so a second one would need 1.6."""
-    engine = await make_engine(max_sessions=8, step_time_s=0.05)
+    engine = await make_engine(max_sessions=8, step_time_s=0.05, max_realtime_load=0.9)
     first = await engine.start_session(StartSession(session_id="a", prompt="p", max_lead_seconds=30.0))
     collected = Collected()
     while (await read_until(first, ChunkReady, collected)).generation_chunk_index < 1:
