@@ -196,6 +196,11 @@ def _convert(args: argparse.Namespace) -> int:
     return convert.main(args.rest)
 
 
+def _train_demo(args: argparse.Namespace) -> int:
+    # By name: training runs the model (torch) in this process; workers.demo.train parses its own options.
+    return importlib.import_module("workers.demo.train").main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtvideo", description="Realtime video generation server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -224,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
         "convert", help="a Self-Forcing checkpoint into a model directory's transformer/", add_help=False
     )
     convert.set_defaults(func=_convert, passthrough=True)
+
+    train_demo = commands.add_parser(
+        "train-demo", help="train the demo model on synthetic scenes (resumable; --help for options)", add_help=False
+    )
+    train_demo.set_defaults(func=_train_demo, passthrough=True)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints a JSON summary as its last line")
     benches = bench.add_subparsers(dest="bench", required=True)

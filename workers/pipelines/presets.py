@@ -74,7 +74,7 @@ WAN_1_3B_TRANSFORMER = dict(
 @dataclass
 class Components:
     transformer: WanTransformer3DModel
-    vae: AutoencoderKLWan
+    vae: AutoencoderKLWan  # or the demo model's LinearVideoCodec (same decode interface)
     text_encoder: UMT5EncoderModel
     tokenizer: Any
     text_length: int  # tokens per prompt (padded)
@@ -121,7 +121,7 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
         transformer = WanTransformer3DModel.from_pretrained(
             root, subfolder="transformer", torch_dtype=dtype, local_files_only=True
         )
-        vae = AutoencoderKLWan.from_pretrained(root, subfolder="vae", torch_dtype=torch.float32, local_files_only=True)
+        vae = _vae_class(root).from_pretrained(root, subfolder="vae", torch_dtype=torch.float32, local_files_only=True)
         text_encoder = UMT5EncoderModel.from_pretrained(
             root, subfolder="text_encoder", torch_dtype=dtype, local_files_only=True
         )
@@ -139,6 +139,20 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
         sink_frames=_frames(extra, "sink_frames", SELF_FORCING_SINK_FRAMES, root),
         window_frames=_frames(extra, "window_frames", SELF_FORCING_WINDOW_FRAMES, root),
     )
+
+
+def _vae_class(root: Path) -> type:
+    """The class ``vae/config.json`` names: the demo model's ``LinearVideoCodec``
+    (which presents the decode interface of ``AutoencoderKLWan``), else ``AutoencoderKLWan``."""
+    try:
+        name = json.loads((root / "vae" / "config.json").read_text()).get("_class_name")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"model directory {str(root)!r}: vae/config.json is not valid JSON: {error}") from error
+    if name == "LinearVideoCodec":
+        from workers.demo.codec import LinearVideoCodec
+
+        return LinearVideoCodec
+    return AutoencoderKLWan
 
 
 def save_directory(components: Components, path: str | Path) -> None:

@@ -1,0 +1,10 @@
+"""The demo model: a tiny causal video model trained on synthetic scenes.
+
+Worker side (torch). ``scenes`` draws the clips (a coloured shape moving over
+a dark background, captioned from its attributes), ``codec`` is the fixed
+linear latent codec the served pipeline decodes with, ``objective`` is the
+block-causal teacher-forcing loss, ``train`` the resumable training command
+(``rtvideo train-demo``), ``classify`` reads a clip's colour, shape and
+direction back from raw RGB frames, and ``evaluate`` judges a trained model's
+chunks through the served pipeline with it.
+"""
