@@ -24,6 +24,16 @@ Liveness, both ways:
   and a fresh worker starts under the same restart budget. Health checks
   read what the heartbeat last learned (``heartbeat``), never waiting on the
   worker themselves.
+
+A worker group started by a launcher (``EngineConfig.worker_listen``:
+``torchrun ... -m workers.launch --api HOST:PORT``) is no child process: the
+client binds the pipes on TCP and waits for its rank 0 to connect and say
+``WorkerHello``, answers with the configuration (``AttachWorker``), then
+takes its READY as from a spawned worker. Its exit is learned from its last
+word (``WorkerExiting``) or found by the heartbeat (a group that dies without
+a word looks wedged), and killing it is asking it to exit (``Terminate``);
+``engine.launched_worker``. A "restart" is waiting, under the same budget,
+for the group the launcher starts next.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, config_to_wire
 from engine.heartbeat import Heartbeat
+from engine.launched_worker import LaunchedWorker
 from engine.messages import (
+    AttachWorker,
     ChunkReady,
     ControlMessage,
     Delivered,
@@ -65,6 +77,8 @@ from engine.messages import (
     StartSession,
     StopSession,
     SubmitInteraction,
+    WorkerExiting,
+    WorkerHello,
     WorkerReady,
     WorkerStartupFailed,
 )
@@ -186,6 +200,8 @@ class EngineClient:
             EngineDead: self._on_engine_dead,
             EngineStats: self._on_stats,
             ChunkReady: self._on_chunk,
+            WorkerExiting: self._on_worker_exiting,
+            WorkerHello: self._on_late_hello,
         }
         self._startup_s = 0.0  # how long the latest worker took from spawn to READY
         self.heartbeat = Heartbeat(config.wedged_after_s, config.startup_timeout_s, config.max_batch_rows)
@@ -202,6 +218,7 @@ class EngineClient:
         self._pump_task: asyncio.Task | None = None
         self._death_task: asyncio.Task | None = None
         self._directory: str | None = None
+        self._parent_alive: Any = None  # the write end of a spawned worker's liveness pipe
         self._restart_times: list[float] = []
         self.restarts = 0  # workers restarted after a death
 
@@ -210,8 +227,12 @@ class EngineClient:
     # ------------------------------------------------------------------
 
     async def start(self) -> WorkerReady:
-        """Spawn the worker and wait for READY; ``EngineStartupError`` otherwise."""
-        self._endpoints, self._directory = Endpoints.fresh()
+        """Spawn the worker (or, with ``worker_listen``, wait for a launched group to
+        connect) and wait for READY; ``EngineStartupError`` otherwise."""
+        if self.config.worker_listen is not None:
+            self._endpoints = Endpoints.tcp(self.config.worker_listen)
+        else:
+            self._endpoints, self._directory = Endpoints.fresh()
         self._context = zmq.asyncio.Context()
         self._control = self._context.socket(zmq.PUSH)
         self._control.setsockopt(zmq.LINGER, 0)
@@ -219,8 +240,8 @@ class EngineClient:
         self._control.bind(self._endpoints.control)
         self._results = self._context.socket(zmq.PULL)
         self._results.setsockopt(zmq.LINGER, 0)
-        self._results.bind(self._endpoints.results)
         try:
+            self._results.bind(self._endpoints.results)
             await self._spawn()
         except BaseException:
             self._close_sockets()
@@ -231,6 +252,9 @@ class EngineClient:
 
     async def _spawn(self) -> None:
         """Start a worker process on the bound sockets and wait for its READY."""
+        if self.config.worker_listen is not None:
+            await self._await_launched()
+            return
         spawn = multiprocessing.get_context("spawn")
         parent_alive_reader, self._parent_alive = spawn.Pipe(duplex=False)
         self._process = spawn.Process(
@@ -254,23 +278,52 @@ class EngineClient:
         self._startup_s = time.monotonic() - began
         self.state = WorkerState.UP
 
+    async def _await_launched(self) -> None:
+        """Wait for a launched worker group's rank 0 to connect and say READY."""
+        self._process = LaunchedWorker(self._send_nowait, self._on_worker_exit)
+        self._exited = asyncio.Event()
+        began = time.monotonic()
+        log.info("waiting for a launched worker group on %s", self.config.worker_listen)
+        self.ready = await self._handshake()
+        self._startup_s = time.monotonic() - began
+        self.state = WorkerState.UP
+        log.info("%s is ready", self._process.describe())
+
     async def _handshake(self) -> WorkerReady:
+        """READY within ``startup_timeout_s``. A launched group says hello first and
+        is answered with the configuration; what a group gone before it sent after
+        that group's last word is passed over."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        launched = isinstance(self._process, LaunchedWorker)
+        while True:
+            message = await self._next_before(deadline)
+            if isinstance(message, WorkerHello) and launched:
+                self._process.hello = message
+                await self._transmit(AttachWorker(config=config_to_wire(self.config)))
+            elif isinstance(message, WorkerStartupFailed):
+                raise EngineStartupError(f"worker could not start: {message.error}")
+            elif isinstance(message, WorkerReady):
+                return message
+            elif isinstance(message, WorkerExiting) and launched and self._process.hello is not None:
+                raise EngineStartupError(f"the launched worker exited with code {message.code}: {message.reason}")
+            elif not launched:
+                raise EngineStartupError(f"worker sent {type(message).__name__} before READY")
+
+    async def _next_before(self, deadline: float) -> ResultMessage:
         receive = asyncio.ensure_future(self._results.recv())
         exited = asyncio.ensure_future(self._exited.wait())
-        timeout = self.config.startup_timeout_s
+        timeout = max(0.0, deadline - time.monotonic())
         done, _ = await asyncio.wait({receive, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         exited.cancel()
         if receive not in done:
             receive.cancel()
             if self._exited.is_set():
                 raise EngineStartupError(f"worker exited with code {self._process.exitcode} before it was ready")
-            raise EngineStartupError(f"worker sent no READY within {timeout:g} s")
-        message = decode_result(receive.result())
-        if isinstance(message, WorkerStartupFailed):
-            raise EngineStartupError(f"worker could not start: {message.error}")
-        if not isinstance(message, WorkerReady):
-            raise EngineStartupError(f"worker sent {type(message).__name__} before READY")
-        return message
+            within = f"within {self.config.startup_timeout_s:g} s"
+            if isinstance(self._process, LaunchedWorker) and self._process.hello is None:
+                raise EngineStartupError(f"no launched worker group connected to {self.config.worker_listen} {within}")
+            raise EngineStartupError(f"worker sent no READY {within}")
+        return decode_result(receive.result())
 
     async def shutdown(self) -> None:
         """End every session (``SessionDone(reason="shutdown")``) and stop the worker.
@@ -296,6 +349,8 @@ class EngineClient:
 
     async def _stop_process(self) -> None:
         process = self._process
+        if isinstance(process, LaunchedWorker) and not process.is_alive():
+            return  # nothing connected, or it is gone: nothing of ours to wait for
         try:
             await asyncio.wait_for(self._exited.wait(), self.config.shutdown_timeout_s)
         except TimeoutError:  # workers ignore SIGTERM (they follow their parent): kill it
@@ -310,12 +365,14 @@ class EngineClient:
         self._control.close()
         self._results.close()
         self._context.term()
-        self._parent_alive.close()
+        if self._parent_alive is not None:
+            self._parent_alive.close()
         if self._directory:
             shutil.rmtree(self._directory, ignore_errors=True)
 
     def _on_worker_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if not isinstance(self._process, LaunchedWorker):
+            asyncio.get_running_loop().remove_reader(self._process.sentinel)
         self._exited.set()
         if self.state is WorkerState.UP:  # a death during a handshake is the handshake's to report
             # Decided now, so no call in between sees the wrong state (or a reason-less one).
@@ -332,10 +389,11 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump_task
         await self._drain_results()  # what the worker sent before it died
-        death = self._killed or Death(
-            code="worker_died",
-            reason=self._dead_reason or f"worker process {self._process.pid} died (exit code {code})",
-        )
+        if isinstance(self._process, LaunchedWorker):
+            default = f"{self._process.describe()} exited (code {code}: {self._process.exit_reason})"
+        else:
+            default = f"worker process {self._process.pid} died (exit code {code})"
+        death = self._killed or Death(code="worker_died", reason=self._dead_reason or default)
         self._killed = None
         self._dead_reason = death.reason
         log.error("%s", death.reason)
@@ -364,7 +422,8 @@ class EngineClient:
         log.warning(
             "restarting the worker (%d in the last %g s)", len(self._restart_times), self.config.worker_restart_window_s
         )
-        self._parent_alive.close()
+        if self._parent_alive is not None:
+            self._parent_alive.close()
         try:
             await self._spawn()
         except EngineStartupError as error:
@@ -401,6 +460,7 @@ class EngineClient:
         self._killed = Death(code="worker_wedged", reason=f"worker process {pid} is wedged: {reason}; it was killed")
         log.error("worker process %s is wedged: %s; killing it", pid, reason)
         self._process.kill()  # SIGKILL reaches a stopped process too; the sentinel reports the exit
+        # (a launched group is asked to exit, and counted gone at once: LaunchedWorker.kill)
 
     # ------------------------------------------------------------------
     # results
@@ -435,6 +495,24 @@ class EngineClient:
 
     def _on_engine_dead(self, dead: EngineDead) -> None:
         self._dead_reason = f"engine dead: {dead.reason}"  # the worker exits next; its sentinel says so
+
+    def _on_worker_exiting(self, exiting: WorkerExiting) -> None:
+        """A launched group's last word: its exit, as a sentinel tells a spawned one's."""
+        if isinstance(self._process, LaunchedWorker):
+            self._process.exited(exiting.code, exiting.reason)
+
+    def _on_late_hello(self, hello: WorkerHello) -> None:
+        """A second group connected while one is up: it gets no configuration, so
+        it serves nothing; said once in the log."""
+        log.warning("a launched worker (pid %s on %s) connected while one is serving; ignored", hello.pid, hello.host)
+
+    def _send_nowait(self, message: ControlMessage) -> None:
+        """Send without waiting for a peer (best effort: ``Terminate`` to a group that may be gone)."""
+        try:
+            sent = self._control.send(encode_control(message), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        sent.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     def _to_session(self, message: ResultMessage) -> None:
         queue = self._sessions.get(getattr(message, "session_id", None))

@@ -1,12 +1,13 @@
 """Engine configuration: one object, bounds checked at construction.
 
 Owned by the API process (``EngineClient``) and handed, pickled once at spawn,
-to the worker. Environment variables are not read here; the CLI reads them.
+to the worker (or, to a worker group started by a launcher, as plain data:
+``config_to_wire``). Environment variables are not read here; the CLI reads them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -87,6 +88,16 @@ class EngineConfig:
     max_worker_restarts: int = 3
     """Fresh workers started after deaths within ``worker_restart_window_s``; 0: never."""
     worker_restart_window_s: float = 300.0
+    worker_listen: str | None = None
+    """``HOST:PORT`` where the API process waits for a worker group started by a
+    launcher (``torchrun ... -m workers.launch --api HOST:PORT``, on this machine
+    or others): its rank 0 connects over TCP (control on PORT, results on
+    PORT + 1), takes this configuration and says READY; a group that exits or is
+    found wedged is replaced by the one the launcher starts next, under the same
+    restart budget. None: the API process spawns its worker itself."""
+    orphan_after_s: float = 30.0
+    """A launched worker that has heard nothing from the API process for this long
+    (it probes every second) shuts down: the API process is gone."""
     worker_entry: str = "workers.main:run_worker"
     """Import path of the worker entry point; resolved in the child process only,
     so the API process never imports ``workers``."""
@@ -118,6 +129,11 @@ class EngineConfig:
         _check(self.worker_restart_window_s > 0, "worker_restart_window_s", "must be > 0")
         _check(self.wedged_after_s > 0, "wedged_after_s", "must be > 0")
         _check(":" in self.worker_entry, "worker_entry", "must look like 'module:function'")
+        _check(self.orphan_after_s > 0, "orphan_after_s", "must be > 0")
+        if self.worker_listen is not None:
+            host, _, port = self.worker_listen.rpartition(":")
+            ok = bool(host) and port.isdigit() and 0 < int(port) < 65535
+            _check(ok, "worker_listen", f"must look like HOST:PORT with PORT below 65535, got {self.worker_listen!r}")
 
     def lookahead(self, prompt_change: str) -> int:
         """The chunks a session started with ``prompt_change`` may have in flight:
@@ -126,6 +142,23 @@ class EngineConfig:
         if not self.stream_batch or prompt_change != "soft":
             return 1
         return self.max_chunks_in_flight or self.pp
+
+
+def config_to_wire(config: EngineConfig) -> dict:
+    """``config`` as plain data (``AttachWorker``): its pipeline options must be
+    plain data too, which they are wherever they came from a command line."""
+    return asdict(config)
+
+
+def config_from_wire(data: dict) -> EngineConfig:
+    """The ``EngineConfig`` ``config_to_wire`` described; ``ValueError`` naming a
+    bad field (the same checks as a config made here)."""
+    fields = dict(data)
+    pipeline = fields.pop("pipeline", {})
+    try:
+        return EngineConfig(pipeline=PipelineSpec(**pipeline), **fields)
+    except TypeError as error:
+        raise ValueError(f"EngineConfig from the API process: {error}") from None
 
 
 def _check(ok: bool, name: str, rule: str) -> None:

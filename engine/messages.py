@@ -175,7 +175,25 @@ class Shutdown(_Wire, tag="shutdown"):
     reason: str = "shutdown"
 
 
-ControlMessage = StartSession | SubmitInteraction | Playback | Delivered | StopSession | Probe | Shutdown
+class AttachWorker(_Wire, tag="attach_worker"):
+    """The answer to a launched worker's ``WorkerHello``: the engine configuration
+    to serve with (``dataclasses.asdict`` of ``engine.config.EngineConfig``), the
+    API process's own, so a worker group started elsewhere serves exactly what
+    the server was started for."""
+
+    config: dict
+
+
+class Terminate(_Wire, tag="terminate"):
+    """Exit now (a launched worker the API process found wedged): its control
+    receiver ends the process at once, whatever the loop is doing."""
+
+    reason: str
+
+
+ControlMessage = (
+    StartSession | SubmitInteraction | Playback | Delivered | StopSession | Probe | Shutdown | AttachWorker | Terminate
+)
 
 
 # --------------------------------------------------------------------------
@@ -201,6 +219,24 @@ class WorkerReady(_Wire, tag="worker_ready"):
     blocks_per_rank: tuple[int, ...] = ()  # transformer blocks each rank runs, rank 0 first; () with one rank
     chunk_costs: tuple[ChunkCostSample, ...] = ()  # what a chunk cost at start, by frame area; () if not measured
     max_realtime_load: float | None = None  # admission by chunk cost (EngineConfig.max_realtime_load); None: off
+
+
+class WorkerHello(_Wire, tag="worker_hello"):
+    """A worker group started by a launcher (``torchrun``, ``workers.launch``) has
+    connected: its rank 0 asks for the configuration (``AttachWorker``), then
+    builds and says ``WorkerReady`` as a spawned worker does."""
+
+    host: str
+    pid: int
+    world_size: int  # the ranks the launcher started: the pipeline ranks (EngineConfig.pp)
+
+
+class WorkerExiting(_Wire, tag="worker_exiting"):
+    """A launched worker's last message before its process exits (a spawned
+    worker's exit is seen on its process sentinel instead)."""
+
+    code: int  # the exit code it is about to exit with (0: shut down as asked)
+    reason: str
 
 
 class WorkerStartupFailed(_Wire, tag="worker_startup_failed"):
@@ -389,4 +425,6 @@ ResultMessage = (
     | EngineDead
     | ProbeReply
     | EngineStats
+    | WorkerHello
+    | WorkerExiting
 )

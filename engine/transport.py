@@ -1,8 +1,9 @@
 """The RPC queue between the API process and worker rank 0.
 
 Two ZeroMQ PUSH/PULL pipes over ``ipc://`` sockets in a private directory:
-control (client -> worker) and results (worker -> client). Why ZeroMQ rather
-than ``multiprocessing`` queues:
+control (client -> worker) and results (worker -> client); over TCP
+(``Endpoints.tcp``) when the worker group is started by a launcher, on this
+machine or another. Why ZeroMQ rather than ``multiprocessing`` queues:
 
 - the client side is natively asyncio (``zmq.asyncio``): no thread that blocks
   on ``Queue.get`` and hops results into the event loop;
@@ -75,6 +76,18 @@ class Endpoints:
             ),
             directory,
         )
+
+    @classmethod
+    def tcp(cls, address: str) -> Endpoints:
+        """The pipes of an API process at ``HOST:PORT``: control on PORT, results on
+        PORT + 1 (the API process binds them as given: HOST ``0.0.0.0`` listens on
+        every interface; a worker connects to the API host's address)."""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"expected HOST:PORT, got {address!r}")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return cls(control=f"tcp://{host}:{int(port)}", results=f"tcp://{host}:{int(port) + 1}")
 
 
 class ResultSender:

@@ -49,6 +49,13 @@ class ServerSettings:
     pp_timeout_s: float = 30.0
     """With --pp: how long one rank waits for another's activations before the
     group is declared broken and restarted (no rank ever hangs)."""
+    worker_listen: str | None = None
+    """HOST:PORT where the server waits for a worker group started by a launcher
+    instead of starting its worker itself: `torchrun --nproc-per-node N
+    [--nnodes M ...] -m workers.launch --api HOST:PORT` on this machine or others
+    (the group's size is the pipeline ranks; control on PORT, results on PORT+1).
+    The group takes this server's configuration; one that exits is replaced by
+    the next the launcher starts (torchrun --max-restarts)."""
     stream_batch: bool = False
     """With --pp: a session's next chunk may begin while the chunk before it is
     still being denoised, so a single session fills every rank (more frames per

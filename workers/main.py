@@ -29,7 +29,15 @@ from engine.chunk_cost import ChunkCostModel
 from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
-from engine.messages import ChunkReady, EngineDead, ModelLimits, StartSession, WorkerReady, WorkerStartupFailed
+from engine.messages import (
+    ChunkReady,
+    EngineDead,
+    ModelLimits,
+    StartSession,
+    WorkerExiting,
+    WorkerReady,
+    WorkerStartupFailed,
+)
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.calibrate import Calibration, calibrate
@@ -42,7 +50,14 @@ from workers.warmup import warm_up
 log = logging.getLogger("rtvideo.worker")
 
 
-def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connection, rank: int = 0) -> None:
+def run_worker(
+    config: EngineConfig, endpoints: Endpoints, parent_alive: Connection | None, rank: int = 0, site=None
+) -> None:
+    """Serve as worker rank 0 until shutdown; exits the process. ``parent_alive``:
+    the liveness pipe from the API process that spawned this worker; None for a
+    worker started by a launcher (``workers.launch``), whose group meets at
+    ``site`` (``workers.parallel.group.LaunchSite``) and which says
+    ``WorkerExiting`` before it exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
@@ -53,7 +68,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     try:
         pipeline = build_pipeline(config.pipeline, config.max_batch_rows)
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
-            group = _spawn_ranks(config, pipeline, sender, ending)
+            group = _spawn_ranks(config, pipeline, sender, ending, site)
         warm_up_s = warm_up(pipeline)
         calibration = _calibrate(config, pipeline)  # before the budget: its peak is part of the transient
         budget = config.session_memory_bytes
@@ -98,8 +113,23 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
     lanes = config.pp if group is not None else 1
     executor = LocalExecutor(runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes)
     loop = EngineLoop(config, control, executor, send, grouping=grouping, max_rows=pipeline.max_batch_rows)
-    receiver = ControlReceiver(context, endpoints.control, control, parent_alive.fileno())
+    launched = parent_alive is None
+
+    def terminated(reason: str) -> None:  # a Terminate from the API process: its last word, then exit 4
+        sender.send(WorkerExiting(code=4, reason=f"terminated by the API process: {reason}"))
+        sender.close(timeout=2.0)
+
+    receiver = ControlReceiver(
+        context,
+        endpoints.control,
+        control,
+        None if launched else parent_alive.fileno(),
+        silent_after_s=config.orphan_after_s if launched else None,
+        on_terminate=terminated,
+    )
     receiver.start()
+    if launched:  # the launcher tears a group down with SIGTERM (a rank died, or it was stopped): say so, exit
+        signal.signal(signal.SIGTERM, lambda *_: _ended_by_launcher(sender))
     sender.send(
         WorkerReady(
             rank=rank,
@@ -119,7 +149,7 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
             max_realtime_load=config.max_realtime_load,
         )
     )
-    exit_code = 0
+    exit_code, why = 0, "shut down"
     try:
         loop.run()
     except Exception as error:
@@ -127,15 +157,31 @@ def run_worker(config: EngineConfig, endpoints: Endpoints, parent_alive: Connect
         detail = "".join(traceback.format_exception_only(error)).strip()
         ending.acquire()  # a rank's death may be saying why already (and exiting): it is the reason then
         reason = group.dead_reason() if group is not None else None
-        sender.send(EngineDead(reason=reason or f"engine loop failed: {detail}"))
+        why = reason or f"engine loop failed: {detail}"
+        sender.send(EngineDead(reason=why))
         exit_code = 2
     finally:
         receiver.stop()
         if group is not None:
             group.close()
+        if launched:
+            sender.send(WorkerExiting(code=exit_code, reason=why))
         sender.close()
         context.term()
     raise SystemExit(exit_code)
+
+
+def _ended_by_launcher(sender: ResultSender) -> None:
+    """SIGTERM to a launched worker: its launcher is ending the group (a rank died,
+    or the launcher itself was stopped). The API process hears why (its sessions
+    fail, and it waits for the group the launcher starts next); exit 143."""
+
+    def end() -> None:
+        sender.send(WorkerExiting(code=143, reason="its launcher ended the group (SIGTERM)"))
+        sender.close(timeout=2.0)
+        os._exit(143)
+
+    threading.Thread(target=end, name="launcher-ended", daemon=True).start()
 
 
 def _calibrate(config: EngineConfig, pipeline) -> Calibration:
@@ -183,10 +229,11 @@ def _overlap_decode(config: EngineConfig, pipeline) -> bool:
     return config.pp > 1 or pipeline.decode_overlap_pays
 
 
-def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock):
+def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock, site=None):
     """Start ranks 1..``config.pp``-1 (they build their pipelines meanwhile); a
     rank that dies later ends this worker (``EngineDead``, then exit 3), so the
-    API process restarts the group as one."""
+    API process restarts the group as one. A launched group (``site``) is
+    started already: only its plan channels open here."""
     from workers.parallel.group import RankGroup
 
     if not getattr(pipeline, "supports_micro_step_execution", False) or not hasattr(pipeline, "own_blocks"):
@@ -205,7 +252,7 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
         sender.close(timeout=2.0)  # waits until the message has left the process
         os._exit(3)
 
-    group = RankGroup(config, on_death)
+    group = RankGroup(config, on_death, site)
     group.spawn()
     return group
 

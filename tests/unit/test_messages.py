@@ -43,6 +43,8 @@ CONTROL = [
     m.StopSession(session_id="s", reason="client_disconnected"),
     m.Probe(probe_id=3),
     m.Shutdown(reason="sigterm"),
+    m.AttachWorker(config={"pp": 2, "pipeline": {"name": "tiny", "options": {"device": "cpu"}}}),
+    m.Terminate(reason="wedged"),
 ]
 
 RESULTS = [
@@ -116,6 +118,8 @@ RESULTS = [
         slo_decisions={"hold": 9, "decrease": 0, "increase": 1},
         ranks=(m.RankFigures(rank=0, busy_s=0.1, wall_s=0.2), m.RankFigures(rank=1, busy_s=0.15, wall_s=0.2)),
     ),
+    m.WorkerHello(host="gpu-3", pid=4242, world_size=2),
+    m.WorkerExiting(code=143, reason="its launcher ended the group (SIGTERM)"),
 ]
 
 

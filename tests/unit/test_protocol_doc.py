@@ -354,6 +354,7 @@ NOT_LIMITS = {
     "pp",
     "slo_first_chunk_s",
     "stream_batch",
+    "worker_listen",
 }
 
 

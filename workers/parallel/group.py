@@ -15,6 +15,14 @@ fresh group); every follower holds the read end of a pipe whose write end
 only rank 0 has, and exits when it sees EOF, so a dead rank 0 never leaves a
 follower behind, blocked or not. Every point-to-point wait has the link's
 timeout (``EngineConfig.pp_timeout_s``).
+
+A group started by a launcher (``workers.launch``: ``torchrun``, one process
+per rank, on one machine or several) is the same group without the spawning:
+the ranks meet in the launcher's rendezvous store (``LaunchSite``), where
+rank 0 leaves the configuration, each follower's blocks and the address of
+its plan channel; there are no sentinels to watch, so a rank that dies is
+found by the link (a peer's closed connection, or the timeout), and the
+launcher tears down and restarts the group.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 import msgspec
@@ -40,6 +49,15 @@ from workers.parallel.link import RingLink
 
 log = logging.getLogger(__name__)
 _STOP = b"stop"
+
+
+@dataclass(frozen=True)
+class LaunchSite:
+    """Where a launched group meets: the launcher's rendezvous store (prefixed for
+    this run of the group) and the address the other ranks reach rank 0 at."""
+
+    store: dist.Store
+    advertise_host: str
 
 
 def rank_device(rank: int) -> torch.device:
@@ -57,8 +75,13 @@ def rank_threads(world: int) -> int:
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1."""
 
-    def __init__(self, config: EngineConfig, on_death: Callable[[str], None]) -> None:
+    def __init__(
+        self, config: EngineConfig, on_death: Callable[[str], None], site: LaunchSite | None = None
+    ) -> None:
+        """``site``: the group was started by a launcher (its ranks are not spawned
+        here); None: ``spawn`` starts them on this machine."""
         self.config = config
+        self.site = site
         self.world = config.pp
         self.splits: list[range] = []
         self.blocks = range(0)  # rank 0's, once ``start`` was given the split
@@ -73,7 +96,17 @@ class RankGroup:
         self._keep_alive: Connection | None = None
 
     def spawn(self) -> None:
-        """Start ranks 1..N-1; each builds its pipeline, then waits for its blocks."""
+        """Start ranks 1..N-1; each builds its pipeline, then waits for its blocks.
+        Launched: they run already; open their plan channels and say where."""
+        if self.site is not None:
+            self._store = self.site.store
+            for rank in range(1, self.world):
+                socket = self._context.socket(zmq.PUSH)
+                socket.setsockopt(zmq.LINGER, 0)
+                port = socket.bind_to_random_port("tcp://*")
+                self._plans.append(socket)
+                self._store.set(f"plan/{rank}", f"tcp://{self.site.advertise_host}:{port}")
+            return
         timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
         store = self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=timeout, wait_for_workers=False)
         reader, self._keep_alive = multiprocessing.Pipe(duplex=False)
@@ -120,7 +153,8 @@ class RankGroup:
         backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
         self.link = RingLink(0, self.world, self.config.pp_timeout_s, rank_device(0))
-        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+        if self._processes:
+            threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
     def send_plan(self, step: MicroStep) -> None:
         """Every follower gets every micro-step's plan, in order."""
@@ -140,6 +174,9 @@ class RankGroup:
         return None
 
     def pids(self) -> list[int]:
+        """Ranks 1..N-1's pids (launched: on their own machines, as they said)."""
+        if self.site is not None:
+            return [int(self._store.get(f"pid/{rank}")) for rank in range(1, self.world)]
         return [process.pid for process in self._processes]
 
     def close(self) -> None:
@@ -186,13 +223,23 @@ def run_follower(
     parent_alive: Connection,
 ) -> None:
     """Entry point of pipeline rank ``rank`` (spawned by ``RankGroup``)."""
-    from workers.parallel.follower import Follower
-    from workers.pipelines import build_pipeline
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
+    timeout = datetime.timedelta(seconds=config.startup_timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
+    follow(config, rank, world, store, plan_endpoint)
+
+
+def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, plan_endpoint: str | None = None) -> None:
+    """Be pipeline rank ``rank``: build the pipeline, keep the blocks rank 0 gives
+    through ``store``, join the process group, then run each micro-step's plan
+    from ``plan_endpoint`` (None: the address rank 0 left in the store, a
+    launched group) until rank 0 says stop. Exits the process."""
+    from workers.parallel.follower import Follower
+    from workers.pipelines import build_pipeline
+
     device = rank_device(rank)
     if device.type == "cpu":
         torch.set_num_threads(rank_threads(world))
@@ -204,11 +251,11 @@ def run_follower(
     spec = type(config.pipeline)(config.pipeline.name, options)
     pipeline = build_pipeline(spec, config.max_batch_rows)
     timeout = datetime.timedelta(seconds=config.startup_timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
     store.wait([f"blocks/{rank}"], timeout)  # rank 0 measures the blocks meanwhile
     blocks = tuple(int(part) for part in store.get(f"blocks/{rank}").decode().split(","))
     pipeline.own_blocks(range(*blocks))
     pipeline.chunks_in_flight = config.lookahead
+    store.set(f"pid/{rank}", str(os.getpid()))
     store.set(f"built/{rank}", "1")
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
@@ -216,6 +263,9 @@ def run_follower(
     link = RingLink(rank, world, config.pp_timeout_s, device)
     context = zmq.Context()
     plans = context.socket(zmq.PULL)
+    if plan_endpoint is None:
+        store.wait([f"plan/{rank}"], timeout)
+        plan_endpoint = store.get(f"plan/{rank}").decode()
     plans.connect(plan_endpoint)
     follower = Follower(pipeline, link, range(*blocks))
     decoder = msgspec.msgpack.Decoder(MicroStep)
