@@ -275,7 +275,7 @@ def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> 
         costs.first_extra * 1000,
         costs.last_extra * 1000,
     )
-    pipeline.own_blocks(splits[0])
+    pipeline.own_blocks(splits[0], most_per_rank=max(len(split) for split in splits))
     pipeline.chunks_in_flight = config.lookahead
     if rank_device(0).type == "cpu":
         torch.set_num_threads(rank_threads(config.pp))

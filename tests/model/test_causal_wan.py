@@ -512,6 +512,28 @@ def test_state_bytes_account_for_what_a_full_session_holds(width, height):
     assert held <= state.geometry.state_bytes <= 1.1 * held
 
 
+def test_state_bytes_count_the_chunks_in_flight_of_stream_batch():
+    """With stream batch a session also holds the chunk in flight after the first
+    (its noise draws and latent) and the first's provisional keys and values."""
+    pipeline = build("tiny", device="cpu", warm_up_chunks=0)
+    alone = pipeline.describe(StartSession(session_id="x", prompt="p")).state_bytes
+    pipeline.chunks_in_flight = lambda prompt_change: 2 if prompt_change == "soft" else 1
+    assert pipeline.describe(StartSession(session_id="x", prompt="p", prompt_change="reset")).state_bytes == alone
+    state = open_session(pipeline, "ahead")
+    assert state.lookahead == 2 and state.geometry.state_bytes > alone
+    for _ in range(8):  # the cache has filled and rolled
+        run_chunk(pipeline, state)
+    pipeline.boundary(state, 8)
+    (prediction,) = pipeline.forward(StepBatch((BatchRow("ahead", 8, 0),)), [state])  # keeps chunk 8's keys
+    pipeline.sampler_step(state, BatchRow("ahead", 8, 0), prediction)
+    pipeline.boundary(state, 9)  # chunk 9 begins while chunk 8 is in flight
+    pipeline.forward(StepBatch((BatchRow("ahead", 9, 0),)), [state])  # attends to chunk 8's provisional keys
+    assert state.kv.frames_before(9) == state.kv.frames + pipeline.latent_frames
+    vae = sum(t.numel() * t.element_size() for t in state.vae_cache if isinstance(t, torch.Tensor))
+    held = state.kv.nbytes() + vae + _tensor_bytes(state, skip=("vae_cache",))
+    assert held <= state.geometry.state_bytes <= 1.1 * held
+
+
 def test_a_negative_prompt_is_refused_not_ignored(pipeline):
     """Self-Forcing samples without classifier-free guidance: a negative prompt could change nothing."""
     with pytest.raises(ValueError, match="^negative_prompt: .*classifier-free guidance"):

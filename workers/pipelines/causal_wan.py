@@ -132,6 +132,7 @@ class CausalWanPipeline:
         self.rope = self.transformer.rope
         self.num_blocks = len(self.transformer.blocks)
         self.owned = range(self.num_blocks)  # the blocks this process runs (``own_blocks``)
+        self.kv_layers = self.num_blocks  # layers of KV a session costs the fullest device (``state_bytes``)
         self._decode_streams: dict[int, torch.cuda.Stream] = {}  # per decoding thread (CUDA only)
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk
@@ -186,25 +187,32 @@ class CausalWanPipeline:
             frames_per_chunk=self.latent_frames * ratio,
             num_chunks=start.num_chunks,
             transition_chunks=start.transition_chunks,
-            state_bytes=self.state_bytes(width, height, steps),
+            state_bytes=self.state_bytes(width, height, steps, self.chunks_in_flight(start.prompt_change)),
         )
 
-    def state_bytes(self, width: int, height: int, steps: int) -> int:
-        """Device memory one session of this size holds: its KV cache, its VAE
-        feature cache, its latents (noise draws, the chunk, the cached chunks'
-        clean latents) and its prompt embeddings. The roped keys
-        (``RopedKeys``) are a pool of at most ``max_batch_rows`` sessions'
-        keys, not per session: the budget reserves them (its transient peak)."""
+    def state_bytes(self, width: int, height: int, steps: int, chunks_in_flight: int = 1) -> int:
+        """Device memory one session of this size holds on the device that holds
+        most of it: its KV cache, its VAE feature cache, its latents (per chunk in
+        flight the noise draws and the chunk; the cached chunks' clean latents)
+        and its prompt embeddings; with stream batch (``chunks_in_flight`` > 1)
+        the provisional keys and values of the chunks in flight before the newest.
+        Split over pipeline ranks the KV cache counts ``kv_layers``: the most
+        layers one GPU holds, or every layer when the ranks share the host's
+        memory (a CPU). The roped keys (``RopedKeys``) are a pool of at most
+        ``max_batch_rows`` sessions' keys, not per session: the budget reserves
+        them (its transient peak)."""
         config = self.transformer.config
         h, w = height // 8, width // 8
-        tokens = self.sink_frames + self.window_frames
-        tokens *= (h // config.patch_size[1]) * (w // config.patch_size[2])
+        per_frame = (h // config.patch_size[1]) * (w // config.patch_size[2])
         item = torch.tensor([], dtype=self.dtype).element_size()
-        keys = config.num_layers * tokens * config.num_attention_heads * config.attention_head_dim * item
+        per_token = self.kv_layers * config.num_attention_heads * config.attention_head_dim * item
+        keys = (self.sink_frames + self.window_frames) * per_frame * per_token
+        provisional = (chunks_in_flight - 1) * self.latent_frames * per_frame * per_token
         latent = config.in_channels * self.latent_frames * h * w * item
         cached_chunks = (self.sink_frames + self.window_frames) // self.latent_frames
         prompts = 2 * self.text_length * config.text_dim * item  # the current and the target embeddings
-        return 2 * keys + self.decoder.cache_bytes(h, w) + (steps + 2 + cached_chunks) * latent + prompts
+        latents = (chunks_in_flight * (steps + 2) + cached_chunks) * latent
+        return 2 * (keys + provisional) + self.decoder.cache_bytes(h, w) + latents + prompts
 
     # -- text ----------------------------------------------------------------------
 
@@ -421,12 +429,16 @@ class CausalWanPipeline:
         """Whether this process runs only part of the blocks (a pipeline rank)."""
         return len(self.owned) != self.num_blocks
 
-    def own_blocks(self, blocks: range) -> None:
+    def own_blocks(self, blocks: range, most_per_rank: int | None = None) -> None:
         """Keep only ``blocks`` (a contiguous range): the other blocks' weights are
         dropped, sessions opened from now on hold only these blocks' KV cache, and
         a rank after the first drops the text encoder (prompts are encoded on the
-        first rank). Called once, before any session opens."""
+        first rank). ``most_per_rank``: the most blocks any rank keeps, which is
+        what a session's state costs the fullest GPU (``state_bytes``). Called
+        once, before any session opens."""
         blocks = block_range(blocks, self.num_blocks)
+        if self.device.type == "cuda":
+            self.kv_layers = most_per_rank or len(blocks)
         if self._held:
             raise RuntimeError("own_blocks must be called before any session opens")
         for index in range(self.num_blocks):
