@@ -3,15 +3,19 @@
 Worker processes. A ``Message`` is a plain header (a dict: the micro-step
 number, which rows it carries and which failed, what the tensors are) and a
 list of tensors. ``RingLink.send`` posts it with non-blocking operations
-(``batch_isend_irecv``): the header, as bytes in a fixed-size buffer, then
-each tensor; the sender goes on computing while it travels, and the sends are
+(``batch_isend_irecv``) in a buffer of fixed size (``MESSAGE_BYTES``): the
+header, then, when they fit, the tensors' bytes after it (small activations:
+one transfer per message); tensors that do not fit follow as transfers of
+their own. The sender goes on computing while it travels, and the sends are
 waited for only before the link sends again. ``RingLink.recv`` takes the
-header first (its size is fixed, so it can be posted before anything is
-known), then posts receives for the tensors the header describes: shapes and
-row identities travel with the data, so rows that change in number or size,
-sessions that join or leave, and rows cancelled on the way never make two
-ranks disagree about what is on the wire. Messages are matched by
-(peer, tag); the tag is the micro-step number the receiver runs them in.
+fixed-size buffer first (so it can be posted before anything is known), then
+the tensors the header says did not fit: shapes and row identities travel
+with the data, so rows that change in number or size, sessions that join or
+leave, and rows cancelled on the way never make two ranks disagree about
+what is on the wire. Messages are matched by (peer, tag); the tag is the
+micro-step number the receiver runs them in. (Measured on 2 CPU cores over
+gloo: a round trip of two small messages took 4-7 ms in one transfer each,
+11-13 ms as a header then its tensor.)
 
 Every wait has a timeout (``timeout_s``): a peer that stops answering raises
 ``LinkTimeout`` instead of hanging; a peer that dies makes gloo raise at once.
@@ -20,6 +24,7 @@ Every wait has a timeout (``timeout_s``): a peer that stops answering raises
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +32,14 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-HEADER_BYTES = 16 * 1024  # a header names rows and tensor shapes: a few hundred bytes per row
+MESSAGE_BYTES = 128 * 1024  # the header (a few hundred bytes per row), and the tensors when they fit
+_ALIGN = 16  # tensors inside the buffer start at multiples of this (any dtype may view them)
 _TAG_MASK = (1 << 30) - 1
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)}
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
 
 
 class LinkTimeout(RuntimeError):
@@ -52,6 +62,7 @@ class RingLink:
         self.device = device
         self._pending: list[tuple[Any, list[torch.Tensor]]] = []  # sends in flight, with their buffers
         self.bytes_sent = 0
+        self.transfers = 0  # point-to-point sends posted (one per message when its tensors fit its buffer)
 
     @property
     def next_rank(self) -> int:
@@ -65,26 +76,47 @@ class RingLink:
         """Post ``message`` to ``peer``; returns at once. The previous sends are
         waited for first (their buffers may then be reused)."""
         self.wait_sent()
-        metas = [[list(t.shape), str(t.dtype)] for t in message.tensors]
-        header = msgspec.msgpack.encode({**message.header, "tensors": metas})
-        if len(header) + 4 > HEADER_BYTES:
-            raise ValueError(f"a micro-step header of {len(header)} bytes is over {HEADER_BYTES}")
-        buffer = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        buffer[:4] = torch.tensor(list(len(header).to_bytes(4, "little")), dtype=torch.uint8)
-        buffer[4 : 4 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        tensors = [buffer.to(self.device), *[t.contiguous() for t in message.tensors]]
+        parts = [t.contiguous() for t in message.tensors]
+        metas = [[list(t.shape), str(t.dtype)] for t in parts]
+        header = msgspec.msgpack.encode({**message.header, "tensors": metas, "inline": True})
+        start = _aligned(4 + len(header))
+        inline = start + sum(_aligned(t.numel() * t.element_size()) for t in parts) <= MESSAGE_BYTES
+        if not inline:
+            header = msgspec.msgpack.encode({**message.header, "tensors": metas, "inline": False})
+        if len(header) + 4 > MESSAGE_BYTES:
+            raise ValueError(f"a micro-step header of {len(header)} bytes is over {MESSAGE_BYTES}")
+        buffer = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
+        prefix = len(header).to_bytes(4, "little") + header
+        buffer[: len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8).to(self.device)
+        tensors = [buffer]
+        if inline:
+            offset = start
+            for t in parts:
+                size = t.numel() * t.element_size()
+                buffer[offset : offset + size] = t.reshape(-1).view(torch.uint8)
+                offset += _aligned(size)
+        else:
+            tensors += parts
         ops = [dist.P2POp(dist.isend, t, peer, tag=tag & _TAG_MASK) for t in tensors]
         self._pending.append((dist.batch_isend_irecv(ops), tensors))
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        self.transfers += len(tensors)
 
     def recv(self, peer: int, tag: int) -> Message:
         """The message ``peer`` sent with ``tag``; ``LinkTimeout`` past the timeout."""
-        buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, peer, tag=tag & _TAG_MASK)]), "header", peer)
-        raw = buffer.cpu()
-        size = int.from_bytes(bytes(raw[:4].tolist()), "little")
-        header = msgspec.msgpack.decode(raw[4 : 4 + size].numpy().tobytes())
+        size = int.from_bytes(bytes(buffer[:4].tolist()), "little")
+        header = msgspec.msgpack.decode(buffer[4 : 4 + size].cpu().numpy().tobytes())
         metas = header.pop("tensors")
+        if header.pop("inline"):
+            tensors, offset = [], _aligned(4 + size)
+            for shape, dtype in metas:
+                kind = _DTYPES[dtype]
+                count = math.prod(shape) * kind.itemsize
+                tensors.append(buffer[offset : offset + count].view(kind).reshape(shape))
+                offset += _aligned(count)
+            return Message(header, tensors)
         tensors = [torch.empty(shape, dtype=_DTYPES[dtype], device=self.device) for shape, dtype in metas]
         if tensors:
             ops = [dist.P2POp(dist.irecv, t, peer, tag=tag & _TAG_MASK) for t in tensors]
