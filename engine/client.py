@@ -404,7 +404,10 @@ class EngineClient:
 
     async def settled(self) -> None:
         """Return once a worker death in progress has been handled: its sessions
-        failed and the restart, if allowed, finished (or failed)."""
+        failed and the restart, if allowed, finished (or failed). A worker that
+        said its engine is dead (``EngineDead``) is dying: its exit is waited for."""
+        if self.state is WorkerState.UP and self._dead_reason is not None:
+            await self._exited.wait()
         if self._death_task is not None:
             await asyncio.shield(self._death_task)
 
@@ -494,7 +497,10 @@ class EngineClient:
         self.stats = stats
 
     def _on_engine_dead(self, dead: EngineDead) -> None:
-        self._dead_reason = f"engine dead: {dead.reason}"  # the worker exits next; its sentinel says so
+        """The worker's engine cannot go on: its sessions fail now, not once its
+        teardown is over and the process exit is seen (which then restarts it)."""
+        self._dead_reason = f"engine dead: {dead.reason}"
+        self._fail_all("worker_died", self._dead_reason)
 
     def _on_worker_exiting(self, exiting: WorkerExiting) -> None:
         """A launched group's last word: its exit, as a sentinel tells a spawned one's."""
@@ -520,8 +526,11 @@ class EngineClient:
             queue.put_nowait(message)
 
     def _fail_all(self, code: str, reason: str) -> None:
-        for session_id, queue in self._sessions.items():
+        """Every open session's stream ends with ``SessionFailed``, once: a failed
+        session is forgotten here (a later death or result finds nothing of it)."""
+        for session_id, queue in list(self._sessions.items()):
             queue.put_nowait(SessionFailed(session_id=session_id, code=code, message=reason))
+            self._forget(session_id)
         for future in self._probes.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
