@@ -219,6 +219,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     blocks_per_rank: tuple[int, ...] = ()  # transformer blocks each rank runs, rank 0 first; () with one rank
     chunk_costs: tuple[ChunkCostSample, ...] = ()  # what a chunk cost at start, by frame area; () if not measured
     max_realtime_load: float | None = None  # admission by chunk cost (EngineConfig.max_realtime_load); None: off
+    prompts: tuple[str, ...] = ()  # prompts the model knows, for clients to suggest (a demo model's); () if none
 
 
 class WorkerHello(_Wire, tag="worker_hello"):

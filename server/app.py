@@ -255,6 +255,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             "frames_per_chunk": d.frames_per_chunk,
         }
         card = {"id": ready.pipeline, "object": "model", "owned_by": "rtvideo", "defaults": defaults}
+        card["prompts"] = list(ready.prompts)
         return ModelList(object="list", data=[card])
 
     @app.websocket("/v1/realtime/video")

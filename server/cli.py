@@ -201,6 +201,11 @@ def _train_demo(args: argparse.Namespace) -> int:
     return importlib.import_module("workers.demo.train").main(args.rest)
 
 
+def _eval_demo(args: argparse.Namespace) -> int:
+    # By name, like train-demo: the evaluation runs the served pipeline in this process.
+    return importlib.import_module("workers.demo.evaluate").main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtvideo", description="Realtime video generation server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -234,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
         "train-demo", help="train the demo model on synthetic scenes (resumable; --help for options)", add_help=False
     )
     train_demo.set_defaults(func=_train_demo, passthrough=True)
+    eval_demo = commands.add_parser(
+        "eval-demo", help="judge a demo model's chunks against their prompts (JSON last line)", add_help=False
+    )
+    eval_demo.set_defaults(func=_eval_demo, passthrough=True)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints a JSON summary as its last line")
     benches = bench.add_subparsers(dest="bench", required=True)

@@ -292,6 +292,10 @@ class ModelCard(_Answer):
     """Who serves it: always rtvideo (the field OpenAI-style model lists carry)."""
     defaults: ModelDefaults
     """What a request that leaves these out gets."""
+    prompts: list[str]
+    """Prompts this model knows and draws (a demo model trained on synthetic
+    scenes lists its captions); the bundled page suggests them. Empty when the
+    model names none: any prompt is taken either way."""
 
 
 class ModelList(_Answer):

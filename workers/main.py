@@ -43,7 +43,7 @@ from engine.transport import Endpoints, ResultSender
 from workers.calibrate import Calibration, calibrate
 from workers.executor import LocalExecutor
 from workers.parallel.ring import RingRunner
-from workers.pipelines import build_pipeline
+from workers.pipelines import build_pipeline, known_prompts
 from workers.runner import ModelRunner
 from workers.warmup import warm_up
 
@@ -147,6 +147,7 @@ def run_worker(
             blocks_per_rank=() if group is None else tuple(len(blocks) for blocks in group.splits),
             chunk_costs=calibration.samples,
             max_realtime_load=config.max_realtime_load,
+            prompts=known_prompts(config.pipeline),
         )
     )
     exit_code, why = 0, "shut down"

@@ -4,12 +4,13 @@ Playwright with ``executable_path``; no browser is downloaded)."""
 from __future__ import annotations
 
 import io
+import json
 
 import av
 import pytest
 
 from tests.browser.conftest import ARTIFACTS, needs_browser
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import start_server, stop_server, train_tiny_demo
 
 pytestmark = needs_browser
 
@@ -67,5 +68,43 @@ def test_the_api_docs_render_with_no_request_leaving_the_machine(browser):
         assert requested and all(url.startswith(server.http) for url in requested), requested
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "api-docs.png"))
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.parametrize("api_key", [None, "browser-key"], ids=["open", "with-auth"])
+def test_the_prompt_boxes_suggest_what_a_demo_model_knows(browser, api_key, tmp_path):
+    """A demo model directory (the trainer's, one step) lists its captions: both prompt
+    boxes offer them, and the untouched start prompt becomes the first. With an API key
+    they come once the key is typed."""
+    model = train_tiny_demo(tmp_path)
+    known = json.loads((model / "rtvideo.json").read_text())["demo"]["prompts"]
+    server = start_server(*(["--api-key", api_key] if api_key else []), model=str(model))
+    try:
+        page = browser.new_page()
+        page.goto(server.http + "/")
+        if api_key:
+            page.wait_for_load_state("networkidle")  # its first ask was refused (401): nothing to suggest yet
+            assert page.eval_on_selector_all("#known-prompts option", "o => o.length") == 0
+            page.fill("#key", api_key)
+            page.dispatch_event("#key", "change")
+        page.wait_for_function(f"document.querySelectorAll('#known-prompts option').length === {len(known)}")
+        assert page.eval_on_selector_all("#known-prompts option", "os => os.map((o) => o.value)") == known
+        for box in ("#prompt", "#update"):
+            assert page.get_attribute(box, "list") == "known-prompts"
+        assert page.input_value("#prompt") == known[0]
+    finally:
+        stop_server(server)
+
+
+def test_the_start_prompt_stays_when_the_model_knows_no_prompts(browser):
+    server = start_server(model="tiny")
+    try:
+        page = browser.new_page()
+        with page.expect_response(lambda response: response.url.endswith("/v1/models")) as models:
+            page.goto(server.http + "/")
+        assert models.value.json()["data"][0]["prompts"] == []
+        assert page.eval_on_selector_all("#known-prompts option", "o => o.length") == 0
+        assert page.input_value("#prompt") == "a paper boat drifting down a rainy street"
     finally:
         stop_server(server)

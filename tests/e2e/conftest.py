@@ -82,6 +82,14 @@ def start_server(
     return RunningServer(process, url[0], log)
 
 
+def train_tiny_demo(out: Path) -> Path:
+    """A demo model directory written by the real trainer (``rtvideo train-demo --tiny``,
+    one step: seconds): ``out/model``, whose ``rtvideo.json`` lists the prompts it knows."""
+    command = [sys.executable, "-m", "server.cli", "train-demo", "--tiny", "--steps", "1", "--out", str(out)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    return out / "model"
+
+
 def stop_server(server: RunningServer) -> int:
     server.process.terminate()
     try:

@@ -12,7 +12,8 @@ from tests.e2e.client import Realtime, assert_applied_as_promised, interaction, 
 
 async def test_tiny_model_streams_fmp4_and_applies_an_interaction_at_the_next_chunk(make_server):
     server = make_server(model="tiny")
-    assert httpx.get(f"{server.http}/v1/models").json()["data"][0]["id"] == "tiny"
+    [card] = httpx.get(f"{server.http}/v1/models").json()["data"]
+    assert card["id"] == "tiny" and card["prompts"] == []  # random weights know no prompts
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
         await client.send({"type": "session.start", "prompt": "a red fox", "num_chunks": 4, "prompt_change": "recache"})

@@ -120,8 +120,13 @@ def test_training_predicts_what_the_served_pipeline_predicts_chunk_by_chunk(trai
     driver.release("s")
 
 
-def test_the_evaluation_reads_every_chunk_of_a_switched_stream(trained):
+def test_the_evaluation_judges_every_chunk_the_served_pipeline_makes(trained):
+    """``rtvideo eval-demo``'s path on the exported directory: switched and long
+    streams, several sessions a forward; every figure a fraction, every bar judged."""
     out, _ = trained
-    summary = evaluate(str(out / "model"), prompts=2, chunks=2, switch_at=1)
-    assert set(summary) >= {"colour", "shape", "direction", "colour_after_switch", "presence"}
-    assert all(0.0 <= summary[k] <= 1.0 for k in ("colour", "shape", "direction", "colour_after_switch", "presence"))
+    summary = evaluate(str(out / "model"), trials=3, chunks=2, switch_at=1, long_streams=1, long_chunks=4, rows=2)
+    assert summary["chunks_judged"] == 3 * 2 + 4 and summary["trained_steps"] == 3
+    for name in ("colour", "shape", "direction", "switch", "presence", "steady", "long_colour"):
+        assert 0.0 <= summary[name] <= 1.0, name
+    assert all(bar["passes"] in (True, False) for bar in summary["bars"].values())
+    assert summary["long_window"] == [3, 3]

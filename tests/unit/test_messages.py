@@ -59,6 +59,7 @@ RESULTS = [
         limits=m.ModelLimits(size_multiple=16, max_size=1280, max_inference_steps=4, max_fps=60.0),
         pipeline_ranks=(124,),
         blocks_per_rank=(1, 1),
+        prompts=("a red circle moving right",),
     ),
     m.WorkerStartupFailed(rank=0, error="ValueError: no"),
     m.SessionStarted(session_id="s", geometry=GEOMETRY),

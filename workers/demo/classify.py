@@ -7,8 +7,12 @@ wraps around its edges), so positions are circular means.
 
 - foreground: pixels whose brightest channel stands ``FOREGROUND_LEVEL``
   grey levels above the background's;
-- colour: the palette colour nearest (RGB distance) to the mean foreground
-  colour over the clip;
+- colour: the dominant colour, the palette colour most foreground pixels of
+  the clip are a blend of with the background (``dominant_colour``: each pixel
+  votes for the colour whose background-to-colour segment passes nearest to
+  it). Not the palette colour nearest the mean foreground: a generated object
+  is often dimmer than the palette, and a dim yellow is nearer red than
+  yellow, a dim white nearer blue;
 - shape: each frame's foreground, rolled so its centroid sits at the frame's
   centre, against each shape's mask placed likewise, at a few sizes (a
   decoded or generated object may look smaller or larger): the best mean IoU wins;
@@ -91,9 +95,21 @@ def _shape_of(masks: list[np.ndarray], centres: list[tuple[float, float]]) -> st
     return max(scores, key=scores.get)
 
 
-def _colour_of(frames: np.ndarray, masks: np.ndarray) -> str:
-    mean = frames[masks].astype(np.float64).mean(axis=0)
-    return min(COLOURS, key=lambda name: float(np.sum((np.asarray(COLOURS[name]) - mean) ** 2)))
+def dominant_colour(frames: np.ndarray, masks: np.ndarray | None = None) -> str | None:
+    """The palette colour most foreground pixels of ``frames`` (``masks``: their
+    ``foreground``) are a blend of with the background, or None when none is foreground."""
+    pixels = frames[foreground(frames) if masks is None else masks].astype(np.float64)
+    if not len(pixels):
+        return None
+    background = np.asarray(BACKGROUND, dtype=np.float64)
+    offsets = pixels - background
+    residuals = []
+    for rgb in COLOURS.values():
+        towards = np.asarray(rgb, dtype=np.float64) - background
+        alpha = np.clip(offsets @ towards / (towards @ towards), 0.0, 1.0)
+        residuals.append(((offsets - alpha[:, None] * towards) ** 2).sum(axis=1))
+    votes = np.bincount(np.argmin(np.stack(residuals), axis=0), minlength=len(COLOURS))
+    return list(COLOURS)[int(np.argmax(votes))]
 
 
 def _direction_of(displacement: tuple[float, float]) -> str:
@@ -119,5 +135,5 @@ def classify(frames: np.ndarray) -> Reading:
         dx += _wrapped(centres[b][0] - centres[a][0], width)
         dy += _wrapped(centres[b][1] - centres[a][1], height)
     shape = _shape_of([masks[i] for i in seen], [centres[i] for i in seen])
-    attributes = Attributes(_colour_of(frames, masks), shape, _direction_of((dx, dy)))
+    attributes = Attributes(dominant_colour(frames, masks), shape, _direction_of((dx, dy)))
     return Reading(attributes, presence, (dx, dy))

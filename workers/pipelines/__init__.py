@@ -29,3 +29,15 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
     module, _, attr = target.partition(":")
     factory = getattr(importlib.import_module(module), attr)
     return factory(**spec.options, max_batch_rows=max_batch_rows)
+
+
+def known_prompts(spec: PipelineSpec) -> tuple[str, ...]:
+    """The prompts the model ``spec`` names knows, for clients to suggest
+    (``WorkerReady.prompts``): a model directory's ``demo.prompts``; () for the
+    presets and for directories that name none."""
+    model_dir = spec.options.get("model_dir")
+    if model_dir is None:
+        return ()
+    from workers.pipelines.presets import demo_prompts
+
+    return demo_prompts(model_dir)

@@ -9,7 +9,9 @@ causal generator, converted by ``rtvideo convert``), ``vae/``,
 ``text_encoder/`` (UMT5) and ``tokenizer/``, and optionally ``rtvideo.json``
 with what the layout has no place for: ``text_length``, ``default_size`` and
 the attention span the generator was trained with, ``sink_frames`` and
-``window_frames`` (Self-Forcing's when absent).
+``window_frames`` (Self-Forcing's when absent), and a demo model's ``demo``
+(its trained steps, and the prompts it knows: ``demo_prompts``, which the
+worker passes on for clients to suggest).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"model directory {str(root)!r} could not be loaded: {error}") from error
     extra = _read_rtvideo_json(root)
+    demo_prompts(root)  # checked while loading, so a malformed list fails the build and says why
     return Components(
         transformer,
         vae,
@@ -178,6 +181,17 @@ def write_rtvideo_json(root: str | Path, **settings: Any) -> Path:
     merged = {**_read_rtvideo_json(Path(root)), **settings}
     file.write_text(json.dumps(merged, indent=2) + "\n")
     return file
+
+
+def demo_prompts(path: str | Path) -> tuple[str, ...]:
+    """The prompts a model directory says its model knows (``rtvideo.json``'s
+    ``demo.prompts``, which ``rtvideo train-demo`` writes), for clients to
+    suggest; () when it names none. ``ValueError`` when they are not strings."""
+    root = Path(path)
+    prompts = _read_rtvideo_json(root).get("demo", {}).get("prompts", [])
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{root / 'rtvideo.json'}: demo.prompts must be a list of strings")
+    return tuple(prompts)
 
 
 def _read_rtvideo_json(root: Path) -> dict:
