@@ -314,9 +314,10 @@ class ControlPlane:
         """Whether a stop arrived for the session (read between denoise steps).
 
         Lock-free on purpose, it runs once per denoise step: a dict lookup and
-        an attribute read are atomic, and a stop seen one step late is fine."""
+        an attribute read are atomic, and a stop seen one step late is fine.
+        At shutdown every session is stopping: its work is abandoned too."""
         control = self._sessions.get(session_id)
-        return control is None or control.stopping
+        return control is None or control.stopping or self._shutting_down
 
     def unregister(self, session_id: str) -> list[PendingInteraction]:
         """Forget a session (its admission slot frees); returns what never applied."""

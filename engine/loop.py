@@ -274,6 +274,7 @@ class EngineLoop:
         session.next_chunk += 1
         taken = self.control.take_boundary(session.session_id, index)
         applied = taken.applied
+        in_flight = 1 + sum(1 for i in session.chunks if i not in finishing)
         session.chunks[index] = ChunkInFlight(
             index=index,
             steps=session.steps_per_chunk,
@@ -288,9 +289,10 @@ class EngineLoop:
                 applied,
                 taken.superseded,
                 time.monotonic(),
-                chunks_in_flight=1 + sum(1 for i in session.chunks if i not in finishing),
+                chunks_in_flight=in_flight,
             ),
             boundary_step=number,
+            chunks_in_flight=in_flight,
         )
         session.phase = Phase.DENOISING
         return BoundaryTask(
@@ -427,6 +429,8 @@ class EngineLoop:
         chunk.boundary_ms += row.boundary_ms
         if row.cancelled:
             return  # its session is stopping: the chunk is discarded with it
+        chunk.batch_rows = max(chunk.batch_rows, row.batch_rows)
+        chunk.batch_exact = chunk.batch_exact and row.batch_exact
         if row.stepped:
             self.stats.steps += 1
             chunk.done += 1
@@ -456,12 +460,17 @@ class EngineLoop:
 
     def decoded(self, result: DecodeResult) -> None:
         """A chunk the decode stage finished: emit it, in the session's chunk order.
-        A failed decode fails the session, and the chunks after it are not emitted."""
+        A failed decode fails the session, and the chunks after it are not emitted;
+        a cancelled one (the session is stopping) drops them without a failure."""
         session = self.sessions.get(result.session_id)
         if session is None:
             return
         chunk = session.decoding.pop(result.chunk_index)
-        if result.error is not None and not session.decodes_dropped:
+        if result.cancelled:  # the session is stopping: this chunk and the ones after it are not emitted
+            session.decodes_dropped = True
+            geometry = session.geometry
+            session.frames_done -= geometry.first_chunk_frames if chunk.index == 0 else geometry.frames_per_chunk
+        elif result.error is not None and not session.decodes_dropped:
             session.decodes_dropped = True
             self._fail(session, result.error)
         elif not session.decodes_dropped:
@@ -487,6 +496,9 @@ class EngineLoop:
                     decode_ms=chunk.commit_ms + decode_ms,
                     steps=chunk.done,
                     runner_calls=tuple(chunk.micro_steps),
+                    batch_rows=max(1, chunk.batch_rows),
+                    batch_exact=chunk.batch_exact,
+                    chunks_in_flight=chunk.chunks_in_flight,
                 ),
                 payload=output.payload,
             )

@@ -99,6 +99,16 @@ class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
     decode_ms: float  # the commit pass and the decode
     steps: int  # denoise steps the chunk ran
     runner_calls: tuple[int, ...]  # number of the micro-step that ran each step, in order
+    batch_rows: int = 1  # the most sessions' rows in one forward that ran a step of the chunk (1: alone)
+    batch_exact: bool = True
+    """Every forward of the chunk computed what a forward of its row alone
+    computes: true when it ran alone, or batched on a pipeline whose batched
+    forward is batch-invariant (the causal Wan pipeline on a CPU, the stub);
+    false, a replay (which runs it alone) may differ by a level here and there."""
+    chunks_in_flight: int = 1
+    """The session's chunks in flight when this one began, itself included: more
+    than 1 is stream batch, where the chunk attends to its predecessors'
+    provisional keys as far as they had got, which depends on scheduling."""
 
 
 # --------------------------------------------------------------------------

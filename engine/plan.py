@@ -106,7 +106,9 @@ class RowResult:
     boundary_ms: float = 0.0  # open and boundary calls
     denoise_ms: float = 0.0  # its share of the forward, and its sampler update
     decode_ms: float = 0.0  # commit and decode
-    cancelled: bool = False  # its session was stopping: the step did not run
+    cancelled: bool = False  # its session was stopping: the step did not run, or was abandoned part-way
+    batch_rows: int = 0  # rows of the forward that ran its step (1: alone; 0: no forward ran)
+    batch_exact: bool = True  # False: that forward had other rows, and the pipeline is not batch-invariant
     error: str | None = None  # the session failed; the runner already released it
 
 
@@ -141,9 +143,10 @@ class DecodeResult:
 
     session_id: str
     chunk_index: int
-    chunk: ChunkOutput | None  # None: the decode failed (``error``)
+    chunk: ChunkOutput | None  # None: the decode failed (``error``) or was cancelled
     decode_ms: float
     error: str | None = None
+    cancelled: bool = False  # its session was stopping: not decoded (or abandoned part-way); not a failure
 
 
 class Runner(Protocol):
@@ -169,7 +172,9 @@ class Executor(Protocol):
     once; results come back in submission order through ``results``, and the
     executor wakes the loop (the ``on_result`` callback it was built with) each
     time one is ready. Rows of a session that is stopping by the time its
-    micro-step starts are not run (``RowResult.cancelled``)."""
+    micro-step starts are not run, and a forward (commit, decode) whose rows'
+    sessions are all stopping is abandoned part-way (``RowResult.cancelled``,
+    ``DecodeResult.cancelled``)."""
 
     depth: int
     """Micro-steps it holds at once (running and queued); the loop plans ahead up to it."""

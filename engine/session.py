@@ -79,6 +79,9 @@ class ChunkInFlight:
     denoise_ms: float = 0.0
     commit_ms: float = 0.0  # the commit pass (and the decode, when it ran in the same micro-step)
     micro_steps: list[int] = field(default_factory=list)  # number of the micro-step of each step run
+    batch_rows: int = 0  # the most rows (sessions) in one forward that ran a step of it
+    batch_exact: bool = True  # every forward of it computed what one alone computes (RowResult.batch_exact)
+    chunks_in_flight: int = 1  # the session's chunks in flight once it began, itself included (> 1: stream batch)
 
     def next_row(self, session_id: str) -> StepRow:
         """The row of this chunk's next step to plan."""

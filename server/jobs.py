@@ -60,6 +60,7 @@ class Job:
     payloads: list[bytes] = field(default_factory=list)
     compute_ms: float = 0.0
     outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)  # scheduled event id -> where it landed
+    inexact_reason: str | None = None  # why its request would not regenerate the same bytes (None: it would)
     waiting: bool = False  # queued for want of an engine session (max_queued_jobs counts these)
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,6 +100,8 @@ class Job:
                 for i, item in enumerate(self.request.interactions)
             ],
             inference_time_s=self.compute_ms / 1000.0,
+            exact=self.inexact_reason is None,
+            inexact_reason=self.inexact_reason,
         )
 
     def record(self, message: Any) -> None:
@@ -241,6 +244,7 @@ class JobManager:
                             job.payloads.append(chunk.payload)
                             job.chunks_done += 1
                             job.compute_ms = output.compute_ms
+                            job.inexact_reason = output.inexact_reason
                     else:
                         output.count(message)  # on /metrics as a realtime session's would be
                         job.record(message)

@@ -4,7 +4,10 @@ API process, shared by the WebSocket endpoint and HTTP jobs. Chunks are
 encoded off the event loop (``asyncio.to_thread``), one at a time per session
 so fragments stay in order; frames past the requested ``num_frames`` are
 trimmed from the last chunk. The replay body of a finished session is built
-here from the engine's applied-interaction log.
+here from the engine's applied-interaction log, and says whether posting it
+reproduces the frames bit for bit (``exact``): not when a chunk sent ran in a
+forward batched with other sessions' rows, or with stream batch
+(``inexact_reasons``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class SessionOutput:
         self.frames_sent = 0
         self.chunks_sent = 0
         self.compute_ms = 0.0  # pipeline time of the chunks sent, from the worker
+        self.inexact: dict[str, str] = {}  # why a replay would not be bit-exact: kind -> the first instance
 
     async def chunk(self, ready: ChunkReady) -> MediaChunk | None:
         """Encode one chunk; None when every frame of it is past ``num_frames``."""
@@ -77,6 +81,7 @@ class SessionOutput:
             frames = frames[: max(0, limit - ready.first_frame_index)]
         if len(frames) == 0:
             return None
+        self._note_exactness(ready)
         payload = await asyncio.to_thread(self.encoder.encode, frames, ready.first_frame_index)
         timing = ready.timing
         compute_ms = timing.boundary_ms + timing.denoise_ms + timing.decode_ms
@@ -101,6 +106,31 @@ class SessionOutput:
         self.frames_sent += len(frames)
         self.chunks_sent += 1
         return MediaChunk(metadata, payload, compute_ms / 1000.0, self.config.fps)
+
+    def _note_exactness(self, ready: ChunkReady) -> None:
+        """Note what makes a chunk sent depend on more than its session's own
+        parameters (the first chunk of each kind), for ``replay``'s ``exact``."""
+        timing, index = ready.timing, ready.generation_chunk_index
+        if not timing.batch_exact and "batched" not in self.inexact:
+            self.inexact["batched"] = (
+                f"chunk {index} ran in a forward batched with {timing.batch_rows - 1} other session(s)' rows, "
+                "which rounds differently from a forward of one row (values may differ by 1 level)"
+            )
+        if timing.chunks_in_flight > 1 and "stream_batch" not in self.inexact:
+            self.inexact["stream_batch"] = (
+                f"chunk {index} began while {timing.chunks_in_flight - 1} chunk(s) before it were still being "
+                "denoised (stream batch): what it saw of them depends on scheduling"
+            )
+
+    @property
+    def exact(self) -> bool:
+        """Whether every chunk sent so far ran alone, without stream batch: its
+        replay (the same request) then regenerates the same bytes."""
+        return not self.inexact
+
+    @property
+    def inexact_reason(self) -> str | None:
+        return "; ".join(self.inexact.values()) or None
 
     def delivered(self, chunk: MediaChunk) -> None:
         """A realtime chunk was written to the client's socket: only now is it
@@ -173,8 +203,11 @@ class SessionOutput:
             interactions.labels("rejected").inc()
 
     def replay(self, done: SessionDone) -> dict[str, Any]:
-        """A ``POST /v1/videos`` body that regenerates exactly the frames sent."""
+        """A ``POST /v1/videos`` body that regenerates the frames sent: bit for bit
+        when ``exact`` (else ``inexact_reason`` says why not; both are ignored
+        when the body is posted)."""
         c = self.config
+        exactness = {"exact": self.exact} if self.exact else {"exact": False, "inexact_reason": self.inexact_reason}
         return {
             "prompt": c.prompt,
             "negative_prompt": c.negative_prompt,
@@ -192,6 +225,7 @@ class SessionOutput:
                 for a in done.applied
                 if a.at_chunk < self.chunks_sent
             ],
+            **exactness,
         }
 
 

@@ -91,6 +91,11 @@ class JobRequest(VideoRequest):
 
     interactions: list[ScheduledPrompt] = Field(default_factory=list, max_length=1000)
     """Prompt changes fixed in advance; the job object says where each one landed."""
+    exact: bool | None = None
+    """Ignored: what a session.done replay body says of the session it came from
+    (accepted so that body posts as it is)."""
+    inexact_reason: str | None = Field(None, max_length=2000)
+    """Ignored, as exact is."""
 
 
 # -- WebSocket client events ---------------------------------------------------------
@@ -254,6 +259,12 @@ class VideoObject(_Answer):
     """Each scheduled prompt as asked, with where it landed (or why not)."""
     inference_time_s: float
     """The worker's pipeline time for the chunks so far, in seconds."""
+    exact: bool
+    """Whether posting this request again regenerates the same bytes: true while
+    every chunk so far ran alone; false once one ran in a forward batched with
+    other sessions' rows, or with stream batch (inexact_reason says which)."""
+    inexact_reason: str | None
+    """Why exact is false; null when it is true."""
 
 
 class VideoList(_Answer):

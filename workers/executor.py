@@ -6,7 +6,10 @@ them, one after the other in submission order, through the ``ModelRunner``.
 Each finished micro-step's result is queued for the loop, and ``on_result``
 wakes it. Before a micro-step starts, rows of sessions that are stopping are
 taken out (reported cancelled), so a stop cuts a grouped chunk between two
-steps. This is the one-rank case of the executor seam; the ring of several
+steps; and the runner abandons a forward, commit or decode under way once
+every session it is for is stopping (``ModelRunner.is_stopping``), so a stop
+waits for one transformer block or one decoded latent frame, not a chunk.
+This is the one-rank case of the executor seam; the ring of several
 ranks plugs in at the same seam.
 
 With ``overlap_decode`` (the default when threaded), a chunk's decode is the
@@ -52,6 +55,7 @@ class LocalExecutor:
         self.depth = depth if threaded else 1
         self._runner = runner
         self._is_cancelled = is_cancelled
+        runner.is_stopping = is_cancelled  # a forward or decode of stopping sessions only is abandoned part-way
         self._on_result = on_result
         self._lock = threading.Lock()
         self._done: deque[StepResult | DecodeResult] = deque()

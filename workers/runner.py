@@ -11,22 +11,34 @@ and guarded per session, so an exception fails that session only, releases
 it at once, and the other rows go on. When a batched forward raises, each of
 its rows is rerun alone, so only the row that fails on its own loses its
 session.
+
+A stop is honoured mid-call: with ``is_stopping`` set (the executor sets it to
+the control plane's), each forward, commit and decode runs inside
+``abandon_when`` (``workers.pipelines.base``), so one whose rows' sessions
+are ALL stopping ends at the pipeline's next ``abandon_point`` (between
+blocks, between latent frames). Its rows are reported ``cancelled``, never
+failed, and nothing is released here: the engine releases the session in a
+micro-step of its own. A batched forward with one row still wanted runs on,
+so no other session's work is wasted. A decode not begun when its session is
+stopping is not run (a decode abandoned part-way leaves the decoder cache
+unusable, and the session is being released anyway).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from time import perf_counter
 from typing import Any, NamedTuple
 
 from engine.messages import SessionGeometry, StartSession
-from engine.plan import BoundaryTask, DecodeResult, MicroStep, StepResult, StepRow
-from workers.pipelines.base import BatchRow, ChunkPipeline, SessionState, StepBatch
+from engine.plan import BoundaryTask, DecodeResult, MicroStep, RowResult, StepResult, StepRow
+from workers.pipelines.base import Abandoned, BatchRow, ChunkPipeline, SessionState, StepBatch, abandon_when
 
 log = logging.getLogger(__name__)
 _FAILED = object()  # what _call returns when the pipeline raised
+_CANCELLED = object()  # what _call returns when the call was abandoned (its sessions are stopping)
 
 
 class StageCall(NamedTuple):
@@ -61,6 +73,9 @@ class ModelRunner:
         self._decodes_lock = threading.Lock()
         self._decodes_pending: dict[str, int] = {}  # deferred decodes not yet run, per session
         self._failed: set[str] = set()  # failed with decodes pending: kept for them, run no more
+        self.is_stopping: Callable[[str], bool] | None = None
+        """Whether a session is stopping (the control plane's ``is_stopping``, read
+        lock-free from the executor and decode threads); None: never abandon."""
 
     # -- engine.plan.Runner --------------------------------------------------
 
@@ -107,12 +122,20 @@ class ModelRunner:
         chunk's clean latent in its record, which no later micro-step touches; a
         session is released only once its deferred decodes came back. An error
         is returned, not raised, and releases nothing: the engine releases the
-        session in a micro-step of its own."""
+        session in a micro-step of its own. A session that is stopping gets
+        ``DecodeResult.cancelled`` (not run, or abandoned between frames)."""
         self._sync("decode")
         started = perf_counter()
-        chunk, failure = None, None
+        chunk, failure, cancelled = None, None, False
+        check = self._stop_check((session_id,))
         try:
-            chunk = self.pipeline.decode(self.states[session_id], chunk_index)
+            if check is not None and check():
+                cancelled = True  # not begun: the session is stopping
+            else:
+                with abandon_when(check):
+                    chunk = self.pipeline.decode(self.states[session_id], chunk_index)
+        except Abandoned:
+            cancelled = True
         except Exception as error:
             failure = error
         finally:
@@ -122,6 +145,8 @@ class ModelRunner:
                     del self._decodes_pending[session_id]
         self._sync("decode")
         ms = (perf_counter() - started) * 1000.0
+        if cancelled:
+            return DecodeResult(session_id, chunk_index, None, ms, cancelled=True)
         self._report(session_id, "decode", ms, failure)
         error = None if failure is None else f"decode failed: {type(failure).__name__}: {failure}"
         return DecodeResult(session_id, chunk_index, chunk, ms, error)
@@ -154,15 +179,28 @@ class ModelRunner:
         batch = StepBatch(tuple(BatchRow(row.session_id, row.chunk_index, row.step) for row in rows))
         if len(rows) == 1:
             predictions, forward_ms = self._call(
-                result, rows[0].session_id, rows[0].chunk_index, "forward", self.pipeline.forward, batch, sessions
+                result,
+                rows[0].session_id,
+                rows[0].chunk_index,
+                "forward",
+                self.pipeline.forward,
+                batch,
+                sessions,
+                stoppable=True,
             )
-            if predictions is _FAILED:
+            if predictions is _FAILED or predictions is _CANCELLED:
                 return
         else:
             self._sync("forward")
             started = perf_counter()
             try:
-                predictions = self.pipeline.forward(batch, sessions)
+                with abandon_when(self._stop_check(row.session_id for row in rows)):
+                    predictions = self.pipeline.forward(batch, sessions)
+            except Abandoned:  # every row's session is stopping
+                result.pipeline_s += perf_counter() - started
+                for row in rows:
+                    result.row(row.session_id, row.chunk_index).cancelled = True
+                return
             except Exception:
                 # Find the culprit: rerun each row alone (forward leaves state
                 # untouched), so one bad row fails only its own session.
@@ -186,10 +224,13 @@ class ModelRunner:
             out = result.row(sid, index)
             out.denoise_ms += share + update_ms
             out.stepped = True
+            self._note_batch(out, len(rows))
             if not row.last:
                 continue
-            committed, commit_ms = self._call(result, sid, index, "commit", self.pipeline.commit, session, index)
-            if committed is not _FAILED:
+            committed, commit_ms = self._call(
+                result, sid, index, "commit", self.pipeline.commit, session, index, stoppable=True
+            )
+            if committed is not _FAILED and committed is not _CANCELLED:
                 out.decode_ms += commit_ms
                 self._committed(result, sid, index)
 
@@ -204,25 +245,38 @@ class ModelRunner:
             result.decodes.append((sid, chunk_index))
             return
         chunk, decode_ms = self._call(
-            result, sid, chunk_index, "decode", self.pipeline.decode, self.states[sid], chunk_index
+            result, sid, chunk_index, "decode", self.pipeline.decode, self.states[sid], chunk_index, stoppable=True
         )
-        if chunk is not _FAILED:
+        if chunk is not _FAILED and chunk is not _CANCELLED:
             out.chunk = chunk
             out.decode_ms += decode_ms
 
     def _call(
-        self, result: StepResult, session_id: str, chunk_index: int, stage: str, function: Callable, *args: Any
+        self,
+        result: StepResult,
+        session_id: str,
+        chunk_index: int,
+        stage: str,
+        function: Callable,
+        *args: Any,
+        stoppable: bool = False,
     ) -> tuple[Any, float]:
         """Run one pipeline call for one session (about chunk ``chunk_index``, where
         its result is reported); returns (its value, ms), and adds
         the time to the micro-step's pipeline time. On an exception the session
         fails and is released, and the value is ``_FAILED``: a pipeline bug never
-        takes the worker down."""
+        takes the worker down. ``stoppable``: the call is abandoned at its next
+        ``abandon_point`` once the session is stopping; the row is reported
+        cancelled and the value is ``_CANCELLED``."""
         self._sync(stage)
         started = perf_counter()
         failure = None
         try:
-            value = function(*args)
+            with abandon_when(self._stop_check((session_id,)) if stoppable else None):
+                value = function(*args)
+        except Abandoned:
+            result.row(session_id, chunk_index).cancelled = True
+            value = _CANCELLED
         except Exception as error:
             failure = error
             row = result.row(session_id, chunk_index)
@@ -242,6 +296,23 @@ class ModelRunner:
         result.pipeline_s += ms / 1000.0
         self._report(session_id, stage, ms, failure)
         return value, ms
+
+    def _note_batch(self, out: RowResult, rows: int) -> None:
+        """A forward of ``rows`` rows ran a step of ``out``'s chunk: its values are
+        those of a forward alone unless it had other rows and the pipeline's
+        batched forward is not batch-invariant (its ``batch_invariant``)."""
+        out.batch_rows = max(out.batch_rows, rows)
+        if rows > 1 and not getattr(self.pipeline, "batch_invariant", False):
+            out.batch_exact = False
+
+    def _stop_check(self, session_ids: Iterable[str]) -> Callable[[], bool] | None:
+        """A check that is true once every one of ``session_ids`` is stopping
+        (None without ``is_stopping``): a call over them may then be abandoned."""
+        is_stopping = self.is_stopping
+        if is_stopping is None:
+            return None
+        ids = tuple(dict.fromkeys(session_ids))
+        return lambda: all(is_stopping(sid) for sid in ids)
 
     def _sync(self, stage: str) -> None:
         if self._synchronize is not None:

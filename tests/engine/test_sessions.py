@@ -53,7 +53,7 @@ async def test_stop_mid_chunk_frees_the_session(make_engine):
     assert [c.generation_chunk_index for c in result.chunks] == [0]  # the cut chunk is discarded
     after = await engine.probe()
     assert after.sessions == after.runner_sessions == after.pipeline_sessions == ()
-    assert after.steps == 4 + 2  # chunk 0, then steps 0 and 1 of chunk 1: the group stopped early
+    assert after.steps == 4 + 1  # chunk 0, step 0 of chunk 1; step 1, under way at the stop, was abandoned
 
 
 async def test_probe_reports_what_the_runner_and_pipeline_hold(make_engine):

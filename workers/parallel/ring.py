@@ -15,7 +15,12 @@ rank finished in the micro-step before, back at rank 0). Micro-step m here:
         non-blocking, so rank 1 computes m while rank 0 goes on)
 
 Rows of a session that is stopping are not started (the plan's later ranks
-expect them, but the message says which rows it carries). A row a later rank
+expect them, but the message says which rows it carries), and rank 0's part
+of a forward or commit pass whose sessions are all stopping is abandoned
+between its blocks (``ModelRunner.is_stopping``): those rows are left out of
+the message, which still goes to rank 1, so no rank waits for a message that
+never comes. Ranks after the first do not know of stops and run their part
+of the rows they receive to the end. A row a later rank
 failed comes back in the message's ``failed`` and fails its session here,
 like any pipeline error.
 """
@@ -27,8 +32,8 @@ from typing import Any
 
 from engine.plan import MicroStep, StepResult, StepRow
 from workers.parallel.link import Message
-from workers.pipelines.base import BatchRow, StepBatch
-from workers.runner import _FAILED, ModelRunner
+from workers.pipelines.base import Abandoned, BatchRow, StepBatch, abandon_when
+from workers.runner import _CANCELLED, _FAILED, ModelRunner
 
 
 class RankError(RuntimeError):
@@ -88,6 +93,8 @@ class RingRunner(ModelRunner):
         for first in range(0, len(denoise), width):
             group = denoise[first : first + width]
             hidden = self._batched(result, group, blocks) if len(group) > 1 else _FAILED
+            if hidden is _CANCELLED:
+                continue
             if hidden is not _FAILED:
                 self._add(items, tensors, "forward", hidden)
                 continue
@@ -95,10 +102,20 @@ class RingRunner(ModelRunner):
                 batch = StepBatch((BatchRow(row.session_id, row.chunk_index, row.step),))
                 session = self.states[row.session_id]
                 hidden, ms = self._call(
-                    result, row.session_id, row.chunk_index, "forward", self.pipeline.forward, batch, [session], blocks
+                    result,
+                    row.session_id,
+                    row.chunk_index,
+                    "forward",
+                    self.pipeline.forward,
+                    batch,
+                    [session],
+                    blocks,
+                    stoppable=True,
                 )
-                if hidden is not _FAILED:
-                    result.row(row.session_id, row.chunk_index).denoise_ms += ms
+                if hidden is not _FAILED and hidden is not _CANCELLED:
+                    out = result.row(row.session_id, row.chunk_index)
+                    out.denoise_ms += ms
+                    self._note_batch(out, 1)
                     self._add(items, tensors, "forward", hidden)
         for row in rows:
             if row.commit:
@@ -112,26 +129,36 @@ class RingRunner(ModelRunner):
                     session,
                     row.chunk_index,
                     blocks,
+                    stoppable=True,
                 )
-                if hidden is not _FAILED:
+                if hidden is not _FAILED and hidden is not _CANCELLED:
                     result.row(row.session_id, row.chunk_index).decode_ms += ms
                     self._add(items, tensors, "commit", hidden)
         return Message({"items": items, "failed": {}}, tensors)
 
     def _batched(self, result: StepResult, rows: list[StepRow], blocks: range) -> Any:
-        """One first-rank forward over several rows; ``_FAILED`` when it raises."""
+        """One first-rank forward over several rows; ``_FAILED`` when it raises,
+        ``_CANCELLED`` (its rows reported cancelled) when it was abandoned because
+        every row's session is stopping."""
         batch = StepBatch(tuple(BatchRow(r.session_id, r.chunk_index, r.step) for r in rows))
         sessions = [self.states[r.session_id] for r in rows]
         began = time.perf_counter()
         try:
-            hidden = self.pipeline.forward(batch, sessions, blocks)
+            with abandon_when(self._stop_check(r.session_id for r in rows)):
+                hidden = self.pipeline.forward(batch, sessions, blocks)
+        except Abandoned:
+            hidden = _CANCELLED
+            for row in rows:
+                result.row(row.session_id, row.chunk_index).cancelled = True
         except Exception:
             hidden = _FAILED
         seconds = time.perf_counter() - began
         result.pipeline_s += seconds
-        if hidden is not _FAILED:
+        if hidden is not _FAILED and hidden is not _CANCELLED:
             for row in rows:
-                result.row(row.session_id, row.chunk_index).denoise_ms += seconds * 1000.0 / len(rows)
+                out = result.row(row.session_id, row.chunk_index)
+                out.denoise_ms += seconds * 1000.0 / len(rows)
+                self._note_batch(out, len(rows))
         return hidden
 
     def _add(self, items: list[dict], tensors: list, kind: str, hidden) -> None:

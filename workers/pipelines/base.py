@@ -34,11 +34,25 @@ chunk k's keys), and chunks decode in order (the decoder's causal cache).
 Everything a pipeline allocates for a session lives in its ``SessionState``
 or in a pool keyed by the session id, and is gone after ``release``;
 ``held_sessions`` lets the worker prove it.
+
+A long call may be abandoned: the runner runs ``forward``, ``commit`` and
+``decode`` inside ``abandon_when(check)``, and the pipeline calls
+``abandon_point()`` where stopping is cheap and safe (between transformer
+blocks, between decoded latent frames), which raises ``Abandoned`` once the
+check says every row of the call belongs to a session that is stopping. What
+an abandoned call leaves is only ever read again by ``release``: a forward
+writes nothing a later forward trusts (a stream-batch forward may have staged
+some layers' provisional keys), a commit leaves the chunk uncommitted (some
+layers' keys staged, never committed), a decode leaves the session's decoder
+cache part-way through the chunk and the chunk's record in place, so the
+runner runs no later decode of that session.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
@@ -49,6 +63,38 @@ from engine.plan import ChunkOutput
 class ChunkOrderError(RuntimeError):
     """A stage was asked for a chunk that is not ready for it (not prepared, at
     another step, not denoised, not committed), or out of the chunks' order."""
+
+
+class Abandoned(BaseException):  # noqa: N818 -- like CancelledError: not an error, and not caught as one
+    """Raised by ``abandon_point`` when the running call's check says stop. A
+    ``BaseException``, as ``asyncio.CancelledError`` is: the handlers that turn a
+    pipeline's exception into a failed session (``except Exception``) let it
+    through to the runner, which reports the rows cancelled, not failed."""
+
+
+_abandon = threading.local()  # per thread: the forward and the decode stage run on threads of their own
+
+
+@contextmanager
+def abandon_when(check: Callable[[], bool] | None) -> Iterator[None]:
+    """Within the block, ``abandon_point()`` on this thread raises ``Abandoned``
+    once ``check()`` is true (None: never). Nests; the outer check is restored
+    on exit."""
+    outer = getattr(_abandon, "check", None)
+    _abandon.check = check
+    try:
+        yield
+    finally:
+        _abandon.check = outer
+
+
+def abandon_point() -> None:
+    """Where a long pipeline call may stop (between blocks, between latent
+    frames): raises ``Abandoned`` when the check of the enclosing
+    ``abandon_when`` on this thread is true; a no-op outside one."""
+    check = getattr(_abandon, "check", None)
+    if check is not None and check():
+        raise Abandoned
 
 
 @dataclass
@@ -231,6 +277,9 @@ class ChunkPipeline(Protocol):
     knob for it; sizes that depend on it (attention buffers, memory) follow."""
     warm_up_chunks: int
     """Chunks of a throwaway session the worker runs before READY (``workers.warmup``); 0: none."""
+    # Optional: ``batch_invariant: bool``, whether a row of a batched forward computes
+    # bit for bit what it computes alone (read with getattr, False when absent); the
+    # runner reports a chunk batched on a pipeline without it as not replay-exact.
 
     def describe(self, start: StartSession) -> SessionGeometry:
         """The effective geometry of ``start``, defaults filled in. Raises
@@ -273,7 +322,8 @@ class ChunkPipeline(Protocol):
         and returns one prediction per row, any other returns its ``Hidden``.
         Reads the sessions' caches; writes nothing (the runner may rerun a row
         alone to find which one fails). Refuses a row whose chunk is not
-        prepared, or is at another step."""
+        prepared, or is at another step. Calls ``abandon_point()`` between
+        blocks."""
         ...
 
     def sampler_step(self, session: SessionState, row: BatchRow, prediction: Any) -> None:
@@ -290,14 +340,16 @@ class ChunkPipeline(Protocol):
         cache, and at the last block marks the record committed (and keeps the
         clean latent for a re-cache). Returns the ``Hidden`` for the next range,
         or None once the last block has run. Refuses a chunk not denoised, or
-        one after an uncommitted chunk."""
+        one after an uncommitted chunk. Calls ``abandon_point()`` between blocks
+        (abandoned: the record is not marked committed)."""
         ...
 
     def decode(self, session: SessionState, chunk_index: int) -> ChunkOutput:
         """Last rank, chunks in order, after the commit: the chunk's frames. Reads its
         clean latent, reads and writes the session's decoder cache, drops the
         record. Refuses a chunk not committed, or one with an earlier chunk still
-        undecoded."""
+        undecoded. Calls ``abandon_point()`` between latent frames (abandoned:
+        the decoder cache is part-way through the chunk; the record stays)."""
         ...
 
     def release(self, session: SessionState) -> None:

@@ -58,6 +58,7 @@ from workers.pipelines.wan_blocks import (
     head,
     run_blocks,
     select_rows,
+    stack_rows,
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -151,6 +152,15 @@ class CausalWanPipeline:
         self._t_zero = torch.zeros(1, device=self.device)  # the commit forward's timestep
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._held: set[str] = set()
+        self.batch_invariant = self.device.type == "cpu"
+        """Whether a row of a batched forward computes bit for bit what it computes
+        alone. Each row is embedded on its own (the patch convolution and the
+        timestep MLP round by batch size: a one-row MLP is a matrix-vector
+        product), and on a CPU the blocks and the head were then measured and
+        are tested batch-invariant (``tests/model/test_batched_rows.py``). On a
+        GPU the matrix products' kernels are chosen by shape, so a batch may
+        round differently: not claimed. Read by the runner for
+        ``ChunkTiming.batch_exact``."""
         self.chunks_in_flight: Callable[[str], int] = lambda prompt_change: 1
         """A session's ``lookahead`` from its ``prompt_change``: the engine's rule
         (``EngineConfig.lookahead``), set by the worker; 1 (exact) unless stream batch."""
@@ -580,15 +590,30 @@ class CausalWanPipeline:
         with stream batch the provisional frames of the chunks before it
         (``chunks``: each row's chunk index; None: the held frames only)."""
         if chunks is None:
-            self.rope.frame_offsets = tuple(kv.frames for kv in caches)
+            offsets = tuple(kv.frames for kv in caches)
         else:
-            self.rope.frame_offsets = tuple(kv.frames_before(c) for kv, c in zip(caches, chunks, strict=True))
+            offsets = tuple(kv.frames_before(c) for kv, c in zip(caches, chunks, strict=True))
+        # fp32, as diffusers' Wan pipelines pass it: the time embedder stays fp32,
+        # and bf16 would round 937.5 to 936. A tensor already on the device
+        # (the sessions' schedules) costs no host round trip.
+        timestep = torch.as_tensor(timesteps, device=self.device, dtype=torch.float32)
         try:
-            # fp32, as diffusers' Wan pipelines pass it: the time embedder stays fp32,
-            # and bf16 would round 937.5 to 936. A tensor already on the device
-            # (the sessions' schedules) costs no host round trip.
-            timestep = torch.as_tensor(timesteps, device=self.device, dtype=torch.float32)
-            return embed(self.transformer, latent, timestep, text)
+            # Row by row, so a row's embedding is the one it gets alone: the patch
+            # convolution and the timestep MLP of a batch round differently from
+            # one row's (see ``batch_invariant``); the blocks take the batch.
+            rows = latent.shape[0]
+            if rows == 1:
+                self.rope.frame_offsets = offsets
+                return embed(self.transformer, latent, timestep, text)
+            timestep = timestep.reshape(-1).expand(rows) if timestep.numel() == 1 else timestep
+            text = text.expand(rows, -1, -1) if text.shape[0] == 1 else text
+            parts = []
+            for row in range(rows):
+                self.rope.frame_offsets = (offsets[row if len(offsets) > 1 else 0],)
+                parts.append(
+                    embed(self.transformer, latent[row : row + 1], timestep[row : row + 1], text[row : row + 1])
+                )
+            return stack_rows(parts)
         finally:
             self.rope.frame_offsets = (0,)
 

@@ -19,9 +19,11 @@ Knobs for tests and benchmarks (all keyword options of the constructor):
 ``spin=True`` the way a host thread spins on a GPU sync), ``gates``
 (``StubGate``: block at a chunk and step until released, to place a control
 message mid-chunk deterministically; at step ``DECODE_GATE_STEP``, the chunk's
-decode), ``fail_prompt`` / ``fail_chunk`` (raise in ``forward`` for sessions
-started with that prompt; in ``decode`` with ``fail_in_decode``), ``startup_gate``
-(a path: when a FIFO lies there, construction waits until a writer opens it,
+decode; a forward's gate is passed before its blocks, so a forward whose
+sessions all stopped meanwhile is abandoned at its first block),
+``fail_prompt`` / ``fail_chunk`` (raise in ``forward`` for sessions started
+with that prompt; in ``decode`` with ``fail_in_decode``), ``startup_gate`` (a path:
+when a FIFO lies there, construction waits until a writer opens it,
 so a test can hold a worker restart for as long as it needs).
 """
 
@@ -45,6 +47,7 @@ from workers.pipelines.base import (
     Hidden,
     SessionState,
     StepBatch,
+    abandon_point,
     block_range,
     check_hidden,
     refuse_negative_prompt,
@@ -117,6 +120,7 @@ class StubPipeline:
     decode_overlap_pays: ClassVar[bool] = True  # simulated compute sleeps: the stages overlap for real
     num_blocks: ClassVar[int] = 2  # block 0: the conditioning; block 1: the committed context
     warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
+    batch_invariant: ClassVar[bool] = True  # each row's arithmetic is its own, whatever the batch
 
     def __init__(
         self,
@@ -244,9 +248,10 @@ class StubPipeline:
             carried = [(chunk.latent, chunk.conditioning, None) for chunk in chunks]  # (latent, conditioning, target)
         else:
             carried = hidden.tensors
-        if self.step_time_s:
-            self._wait(self.step_time_s * len(blocks) / self.num_blocks)  # one forward for the whole batch
         for block in blocks:
+            abandon_point()  # as a model does between blocks: a forward of stopping sessions ends here
+            if self.step_time_s:
+                self._wait(self.step_time_s / self.num_blocks)  # one forward for the whole batch
             if block == 0:
                 carried = [(latent, conditioning, conditioning) for latent, conditioning, _ in carried]
             else:
@@ -288,10 +293,12 @@ class StubPipeline:
         self._pass_gates(chunk_index, DECODE_GATE_STEP, session)
         if self.fail_in_decode and session.start.prompt == self.fail_prompt and chunk_index == self.fail_chunk:
             raise RuntimeError(f"stub pipeline: injected decode failure at chunk {chunk_index}")
-        if self.decode_time_s:
-            self._wait(self.decode_time_s)
         final = chunk.clean
         frames = self.first_chunk_frames if chunk_index == 0 else self.frames_per_chunk
+        for _ in range(frames):  # as a model's decode, frame by frame: a stop abandons it between frames
+            abandon_point()
+            if self.decode_time_s:
+                self._wait(self.decode_time_s / frames)
         width, height = session.geometry.width, session.geometry.height
         y, x = np.mgrid[0:height, 0:width]
         video = np.empty((frames, height, width, 3), dtype=np.uint8)

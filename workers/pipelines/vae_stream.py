@@ -5,7 +5,11 @@ on every call, so decoding chunk by chunk that way leaves seams and drops
 frames. Here each session owns its feature cache (a list the decoder fills),
 and latent frames go through the decoder one at a time, the very first of the
 stream marked ``first_chunk``: the frames equal a one-shot decode of all the
-latents so far. Two sessions never share a cache.
+latents so far. Two sessions never share a cache. A decode may be abandoned
+(``workers.pipelines.base.abandon_point``) before each latent frame and before
+each of the decoder's up-sampling stages, so a stop waits for a fraction of a
+frame's decode, not a chunk's; the cache is then part-way through the chunk
+and must not be decoded from again.
 
 ``StreamingDecoder`` also makes two CPU hot spots of the tiny preset's decode
 fast, computing the same functions (``use_fast_cpu_kernels``):
@@ -24,6 +28,8 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanRMS_norm
+
+from workers.pipelines.base import abandon_point
 
 
 class FastRMSNorm(WanRMS_norm):
@@ -65,10 +71,18 @@ def use_fast_cpu_kernels(vae: torch.nn.Module) -> int:
     return swapped
 
 
+def _abandon_point_hook(module: torch.nn.Module, args: tuple) -> None:
+    abandon_point()
+
+
 class StreamingDecoder:
     def __init__(self, vae: AutoencoderKLWan) -> None:
         self.vae = vae
         use_fast_cpu_kernels(vae)
+        decoder = vae.decoder  # Wan's: a stop point before its middle and each up-sampling stage
+        for stage in (getattr(decoder, "mid_block", None), *getattr(decoder, "up_blocks", ())):
+            if stage is not None:
+                stage.register_forward_pre_hook(_abandon_point_hook)
         config = vae.config
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
@@ -115,6 +129,7 @@ class StreamingDecoder:
         x = vae.post_quant_conv(z)
         outputs = []
         for i in range(x.shape[2]):
+            abandon_point()
             outputs.append(
                 vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=first and i == 0)
             )

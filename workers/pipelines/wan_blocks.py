@@ -13,10 +13,13 @@ batch row, no image conditioning.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+from workers.pipelines.base import abandon_point
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,12 @@ def embed(
 
 
 def run_blocks(model: WanTransformer3DModel, activations: Activations, blocks: range) -> Activations:
-    """Blocks ``blocks`` of ``model``, in order, from ``activations``."""
+    """Blocks ``blocks`` of ``model``, in order, from ``activations``. Before each
+    block, ``abandon_point()``: a forward whose rows' sessions all stopped ends
+    there (``Abandoned``), so a stop waits at most one block."""
     hidden = activations.hidden
     for index in blocks:
+        abandon_point()
         hidden = model.blocks[index](hidden, activations.text, activations.modulation, activations.rotary)
     return replace(activations, hidden=hidden)
 
@@ -77,6 +83,22 @@ def activations_from(tensors: list[torch.Tensor], latent_shape: tuple[int, ...])
     """``Activations`` again from ``activation_tensors``' list (received from the rank before)."""
     hidden, text, modulation, temb, cos, sin = tensors
     return Activations(hidden, text, modulation, temb, (cos, sin), tuple(latent_shape))
+
+
+def stack_rows(parts: Sequence[Activations]) -> Activations:
+    """One batch of the rows of ``parts`` (each embedded on its own), in order;
+    the RoPE tables per row."""
+    cos = torch.cat([part.rotary[0] for part in parts])
+    sin = torch.cat([part.rotary[1] for part in parts])
+    rows = sum(part.latent_shape[0] for part in parts)
+    return Activations(
+        torch.cat([part.hidden for part in parts]),
+        torch.cat([part.text for part in parts]),
+        torch.cat([part.modulation for part in parts]),
+        torch.cat([part.temb for part in parts]),
+        (cos, sin),
+        (rows, *parts[0].latent_shape[1:]),
+    )
 
 
 def select_rows(activations: Activations, positions: list[int]) -> Activations:
