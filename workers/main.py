@@ -157,7 +157,7 @@ def run_worker(
         log.exception("engine loop failed")
         detail = "".join(traceback.format_exception_only(error)).strip()
         ending.acquire()  # a rank's death may be saying why already (and exiting): it is the reason then
-        reason = group.dead_reason() if group is not None else None
+        reason = group.dead_reason(wait_s=1.0) if group is not None else None
         why = reason or f"engine loop failed: {detail}"
         sender.send(EngineDead(reason=why))
         exit_code = 2

@@ -166,8 +166,12 @@ class RankGroup:
         for rank, busy_s, wall_s in figures:
             self.figures[int(rank)] = (float(busy_s), float(wall_s))
 
-    def dead_reason(self) -> str | None:
-        """Why the group is broken, when a follower has died (None: all alive)."""
+    def dead_reason(self, wait_s: float = 0.0) -> str | None:
+        """Why the group is broken, when a follower has died (None: all alive).
+        ``wait_s``: how long to wait for a death to show (a killed rank's sockets
+        close, and its peers' links fail, a moment before its exit can be seen)."""
+        if wait_s > 0 and self._processes:
+            wait([process.sentinel for process in self._processes], timeout=wait_s)
         for rank, process in enumerate(self._processes, start=1):
             if not process.is_alive():
                 return f"pipeline rank {rank} (pid {process.pid}) died with exit code {process.exitcode}"
