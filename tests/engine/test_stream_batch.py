@@ -16,15 +16,20 @@ def frames(payload: bytes) -> np.ndarray:
     return np.frombuffer(payload, np.uint8).astype(np.int16)
 
 
-async def test_one_session_streams_ahead_in_order_and_differs_from_exact_only_after_its_first_chunk():
+async def test_stream_batch_runs_ahead_in_order_differs_only_after_chunk_0_and_lands_interactions_where_it_says():
     """Chunk 0 has nothing before it: bit for bit the exact one. Every later
     chunk attended to the chunk before it part-denoised, so it differs, by a
-    bounded amount (the figure docs/ENGINE.md quotes: ``bench pp`` measures it
-    on the same model)."""
+    bounded amount (``bench pp`` measures it). An interaction lands where its
+    applied answer says, behind the chunk still under way."""
     start = start_of("a", 7, 6)
     streamed = await start_engine(2, stream_batch=True)
     try:
         got = (await run_sessions(streamed, [start]))["a"]
+        handle = await streamed.start_session(start_of("s", 3, 8))
+        seen = Collected()
+        await read_until(handle, ChunkReady, seen)
+        await handle.interact("e1", Interaction(prompt="a storm"))
+        interacted = await collect(handle, seen, timeout=120)
         probe = await streamed.probe()
     finally:
         await streamed.shutdown()
@@ -43,19 +48,8 @@ async def test_one_session_streams_ahead_in_order_and_differs_from_exact_only_af
     assert max(differences) < 64, differences  # levels of 255: the same picture, not another one
     assert probe.runner_sessions == probe.pipeline_sessions == ()
 
-
-async def test_an_interaction_under_stream_batch_lands_where_it_says_behind_the_chunks_in_flight():
-    engine = await start_engine(2, stream_batch=True)
-    try:
-        handle = await engine.start_session(start_of("s", 3, 8))
-        seen = Collected()
-        await read_until(handle, ChunkReady, seen)
-        await handle.interact("e1", Interaction(prompt="a storm"))
-        result = await collect(handle, seen, timeout=120)
-    finally:
-        await engine.shutdown()
-    assert [c.generation_chunk_index for c in result.chunks] == list(range(8))
-    (applied,) = result.of(InteractionApplied)
-    chunk = next(c for c in result.chunks if c.generation_chunk_index == applied.generation_chunk_index)
+    assert [c.generation_chunk_index for c in interacted.chunks] == list(range(8))
+    (applied,) = interacted.of(InteractionApplied)
+    chunk = next(c for c in interacted.chunks if c.generation_chunk_index == applied.generation_chunk_index)
     assert "e1" in chunk.started_event_ids and applied.first_frame_index == chunk.first_frame_index
     assert applied.chunks_in_flight == 2  # the chunk before it was still under way when it began
