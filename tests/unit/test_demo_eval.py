@@ -88,12 +88,16 @@ def test_a_wrong_shape_or_direction_fails_its_bar():
     other_shape = {"circle": "square", "square": "triangle", "triangle": "circle"}
     shapes = summarize(judged(streams(), lambda t, c, f: render_as(t, c, shape=other_shape[t.attributes[c].shape])))
     assert shapes["shape"] == 0.0 and not shapes["bars"]["shape"]["passes"] and shapes["bars"]["colour"]["passes"]
+    assert shapes["long_shape"] == 0.0 and not shapes["bars"]["long_shape"]["passes"]
+    assert shapes["bars"]["long_colour"]["passes"] and shapes["bars"]["long_direction"]["passes"]
 
     backwards = {"left": "right", "right": "left", "up": "down", "down": "up"}
     directions = summarize(
         judged(streams(), lambda t, c, f: render_as(t, c, direction=backwards[t.attributes[c].direction]))
     )
     assert directions["direction"] == 0.0 and not directions["bars"]["direction"]["passes"]
+    assert directions["long_direction"] == 0.0 and not directions["bars"]["long_direction"]["passes"]
+    assert directions["bars"]["long_shape"]["passes"]
 
 
 def test_a_late_switch_fails_the_switch_bar():

@@ -13,13 +13,20 @@ same ``WanTransformer3DModel`` with the served self-attention processors
   chunk at the same positions as its clean twin;
 - a clean chunk attends to the clean chunks up to itself (the commit pass);
   a noisy chunk attends to the clean chunks before it and to itself (a
-  denoise step reading the cache);
+  denoise step reading the cache); with ``window_chunks`` W, only to the W
+  clean chunks just before it, as the served cache's rolling window holds
+  them (RoPE is relative in attention, so absolute positions along the clip
+  give the same scores as the cache-relative ones serving uses);
 - the timestep is per chunk (0 for the clean ones), the caption per chunk
   (``ChunkTextProcessor`` on every ``attn2``: a token attends to its own
   chunk's caption only, which is exactly diffusers' cross-attention over that
   caption alone);
 - the loss is flow matching, ``v = noise - x0`` at ``x_t = (1 - sigma) x0 +
-  sigma noise``, at noise levels drawn from the serving schedule.
+  sigma noise``, at noise levels drawn from the serving schedule;
+- the clean chunks attended to (the context) may be other latents than the
+  targets' (``loss(context=...)``): the trainer passes the model's own
+  denoised chunks (``denoise``), since a served chunk attends to chunks the
+  model made, never to ground truth.
 
 ``tests/model/test_demo_train.py`` checks that a noisy chunk's prediction
 here equals the served pipeline's cached forward of that chunk.
@@ -60,16 +67,20 @@ class ChunkTextProcessor:
 class TeacherForcing:
     """The training forward of one transformer (whose processors it swaps once)."""
 
-    def __init__(self, model: WanTransformer3DModel, latent_frames_per_chunk: int = 3) -> None:
+    def __init__(
+        self, model: WanTransformer3DModel, latent_frames_per_chunk: int = 3, window_chunks: int | None = None
+    ) -> None:
         self.model = model
         self.frames = latent_frames_per_chunk
+        self.window = window_chunks  # clean chunks a chunk attends to before itself (None: all)
         self.context: ForwardContext = make_causal(model)
         self.text_processors = [ChunkTextProcessor() for _ in model.blocks]
         for block, processor in zip(model.blocks, self.text_processors, strict=True):
             block.attn2.set_processor(processor)
 
     def self_attention_mask(self, chunks: int, tokens_per_chunk: int, device: torch.device) -> torch.Tensor:
-        """Boolean ``[tokens, tokens]`` over [clean 0 .. N-2, noisy 0 .. N-1]."""
+        """Boolean ``[tokens, tokens]`` over [clean 0 .. N-2, noisy 0 .. N-1]; with a
+        window, a chunk sees the ``window`` clean chunks just before it, no earlier."""
         clean = torch.arange(chunks - 1, device=device)
         chunk = torch.cat([clean, torch.arange(chunks, device=device)]).repeat_interleave(tokens_per_chunk)
         noisy = torch.cat([torch.zeros(chunks - 1, dtype=torch.bool), torch.ones(chunks, dtype=torch.bool)])
@@ -79,7 +90,10 @@ class TeacherForcing:
         clean_to_clean = ~q_noisy & ~k_noisy & (k_chunk <= q_chunk)
         noisy_to_clean = q_noisy & ~k_noisy & (k_chunk < q_chunk)
         noisy_to_itself = q_noisy & k_noisy & (k_chunk == q_chunk)
-        return clean_to_clean | noisy_to_clean | noisy_to_itself
+        mask = clean_to_clean | noisy_to_clean | noisy_to_itself
+        if self.window is not None:
+            mask &= k_chunk >= q_chunk - self.window
+        return mask
 
     def predict(
         self,
@@ -150,13 +164,36 @@ class TeacherForcing:
         caption_of_chunk: torch.Tensor,
         text_length: int,
         weight: torch.Tensor,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Flow-matching MSE over the noisy chunks, each chunk weighted by ``weight``
-        ``[batch, N]`` (0 leaves a chunk out of the loss)."""
+        ``[batch, N]`` (0 leaves a chunk out of the loss). ``context``: the clean
+        chunks attended to, ``clean``'s shape (default ``clean`` itself: teacher
+        forcing); the targets are ``clean``'s either way."""
         f = self.frames
         sigma = (timesteps / 1000.0).repeat_interleave(f, dim=1)[:, None, :, None, None]
         noisy = (1.0 - sigma) * clean + sigma * noise
-        prediction = self.predict(clean, noisy, timesteps, text, caption_of_chunk, text_length)
+        context = clean if context is None else context
+        prediction = self.predict(context, noisy, timesteps, text, caption_of_chunk, text_length)
         error = F.mse_loss(prediction.float(), (noise - clean).float(), reduction="none")
         per_chunk = error.unflatten(2, (-1, f)).mean(dim=(1, 3, 4, 5))  # [batch, N]
         return (per_chunk * weight).sum() / weight.sum().clamp_min(1.0)
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        clean: torch.Tensor,
+        noise: torch.Tensor,
+        level: float,
+        text: torch.Tensor,
+        caption_of_chunk: torch.Tensor,
+        text_length: int,
+    ) -> torch.Tensor:
+        """Every chunk as the model makes it from ``clean``'s chunk noised to ``level``
+        (0-1000) with ``noise``, attending to ``clean``'s chunks before it: ``x0 = x_t -
+        sigma v``, the served sampler's last update (no gradient), ``clean``'s shape."""
+        sigma = level / 1000.0
+        noisy = (1.0 - sigma) * clean + sigma * noise
+        timesteps = torch.full(caption_of_chunk.shape, float(level), device=clean.device)
+        prediction = self.predict(clean, noisy, timesteps, text, caption_of_chunk, text_length)
+        return (noisy.float() - sigma * prediction.float()).to(clean.dtype)

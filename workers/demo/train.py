@@ -15,7 +15,17 @@ so a resumed run sees exactly the data an uninterrupted one would.
   (``transformer/``, ``vae/`` (the ``LinearVideoCodec``), ``text_encoder/``,
   ``tokenizer/``, ``rtvideo.json``), replaced at every checkpoint;
 - ``train.json``: the config, checked against ``--resume``'s; ``codec/``: the
-  codec fitted at the start (a resumed run reads it back).
+  codec fitted at the start (a resumed run reads it back), or the one of the
+  run ``--init-from`` named: a run initialised from another's weights starts
+  from its transformer, text encoder and codec (its latent space), with a new
+  optimizer, at step 0; ``init.json`` records that run and its step, and the
+  exported ``trained_steps`` count both runs' steps.
+
+The recipe, beyond teacher forcing: clips of ``chunks`` chunks attend through
+a rolling window of ``window_chunks`` (the served cache's), and in
+``self_context`` of the clips the chunks attended to are the model's own
+(``TeacherForcing.denoise`` at the served sampler's last noise level), since
+a served chunk only ever attends to chunks the model made.
 
 The log (stdout) has one JSON line every ``--log-every`` steps: the step, the
 mean loss since the last line, seconds per step.
@@ -37,78 +47,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import WanTransformer3DModel
-from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+from transformers import ByT5Tokenizer, UMT5EncoderModel
 
 from workers.demo import scenes
 from workers.demo.codec import LinearVideoCodec
+from workers.demo.config import BEFORE_FIELD, TINY, TrainConfig
 from workers.demo.objective import TeacherForcing
 from workers.pipelines.causal_wan import self_forcing_timesteps
 from workers.pipelines.presets import Components, save_directory, write_rtvideo_json
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """What a run trains; a resumed run must have the same (``train.json``)."""
-
-    size: int = 64  # frame width and height, pixels
-    chunks: int = 4  # chunks per training clip: the served attention span (window = chunks - 1)
-    batch: int = 16
-    lr: float = 5e-4
-    warmup_steps: int = 100
-    grad_clip: float = 1.0
-    seed: int = 0
-    switch_probability: float = 0.35  # clips whose caption switches at a chunk boundary
-    stream_start_probability: float = 0.35  # clips that begin a stream (canonical start)
-    schedule_probability: float = 0.75  # noise levels from the 4-step serving schedule; else shifted uniform
-    codec_fit_clips: int = 256
-    latent_channels: int = 16
-    text_length: int = 32  # tokens per caption (ByT5 bytes + EOS; the longest caption is 31)
-    layers: int = 4
-    dim: int = 128
-    heads: int = 4
-    ffn: int = 512
-    text_dim: int = 64
-    text_layers: int = 2
-    text_heads: int = 4
-    text_ff: int = 128
-
-    def transformer_config(self) -> dict:
-        return dict(
-            patch_size=(1, 2, 2),
-            num_attention_heads=self.heads,
-            attention_head_dim=self.dim // self.heads,
-            in_channels=self.latent_channels,
-            out_channels=self.latent_channels,
-            text_dim=self.text_dim,
-            freq_dim=64,
-            ffn_dim=self.ffn,
-            num_layers=self.layers,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            image_dim=None,
-            added_kv_proj_dim=None,
-            rope_max_seq_len=1024,
-        )
-
-    def text_config(self) -> UMT5Config:
-        return UMT5Config(
-            vocab_size=384,
-            d_model=self.text_dim,
-            d_kv=self.text_dim // self.text_heads,
-            d_ff=self.text_ff,
-            num_layers=self.text_layers,
-            num_heads=self.text_heads,
-            relative_attention_num_buckets=16,
-            feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,
-        )
-
-
-# A configuration small enough to train a few steps in seconds (tests).
-TINY = TrainConfig(
-    size=32, chunks=2, batch=2, codec_fit_clips=8, layers=1, dim=24, heads=2, ffn=48, text_dim=16, text_ff=32
-)
 
 
 def _to_pixels(frames: np.ndarray) -> torch.Tensor:
@@ -173,6 +119,15 @@ def draw_noise(config: TrainConfig, step: int, shape: tuple[int, ...]) -> tuple[
     return noise, torch.where(use_schedule, pick, uniform)
 
 
+def draw_self_context(config: TrainConfig, step: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which clips of step ``step`` attend to the model's own chunks ``[batch]`` bool, the
+    noise those are denoised from ``shape``), from a generator of their own (seed, step)."""
+    offset = 500_000_000_000  # keeps these seeds apart from ``draw_noise``'s (seed * 1_000_003 + step)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step + offset)
+    chosen = torch.rand(config.batch, generator=generator) < config.self_context
+    return chosen, torch.randn(shape, generator=generator)
+
+
 class Trainer:
     """The models, the optimizer and the step; ``run`` trains, checkpoints and exports."""
 
@@ -182,7 +137,7 @@ class Trainer:
         self.transformer = WanTransformer3DModel(**config.transformer_config()).to(device)
         self.text_encoder = UMT5EncoderModel(config.text_config()).to(device)
         self.tokenizer = ByT5Tokenizer()
-        self.teacher = TeacherForcing(self.transformer, scenes.LATENT_FRAMES_PER_CHUNK)
+        self.teacher = TeacherForcing(self.transformer, scenes.LATENT_FRAMES_PER_CHUNK, config.window_chunks)
         parameters = [*self.transformer.parameters(), *self.text_encoder.parameters()]
         self.optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0)
         tokens = self.tokenizer(
@@ -197,15 +152,17 @@ class Trainer:
         self.ids, self.mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
         self.step = 0
         self.codec: LinearVideoCodec | None = None
+        self.init: dict | None = None  # ``init.json``: the run this one was initialised from, and its step
 
     # -- state ---------------------------------------------------------------------------
 
-    def start(self, resume: bool) -> None:
-        """Fit the codec and begin, or load ``checkpoint.pt`` (``resume``)."""
+    def start(self, resume: bool, init_from: Path | None = None) -> None:
+        """Fit the codec and begin, or load ``checkpoint.pt`` (``resume``); a new run
+        with ``init_from`` (another run's OUT) starts from that run's weights and codec."""
         checkpoint = self.out / "checkpoint.pt"
         saved = self.out / "train.json"
         if resume and checkpoint.is_file():
-            recorded = json.loads(saved.read_text())
+            recorded = {**BEFORE_FIELD, **json.loads(saved.read_text())}
             if recorded != dataclasses.asdict(self.config):
                 raise SystemExit(f"{saved} records another config; resume with the same options")
             state = torch.load(checkpoint, map_location="cpu", weights_only=False)
@@ -216,13 +173,28 @@ class Trainer:
             torch.set_rng_state(state["torch_rng"])
             np.random.set_state(state["numpy_rng"])
             self.codec = LinearVideoCodec.from_pretrained(self.out / "codec")
+            if (self.out / "init.json").is_file():
+                self.init = json.loads((self.out / "init.json").read_text())
             return
         if checkpoint.is_file():
             raise SystemExit(f"{checkpoint} exists: pass --resume to continue it, or choose another --out")
         self.out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(dataclasses.asdict(self.config), indent=2) + "\n")
-        self.codec = fit_codec(self.config)  # on the CPU, where the clips are rendered and encoded
+        if init_from is not None:
+            self.initialise_from(init_from)
+        else:
+            self.codec = fit_codec(self.config)  # on the CPU, where the clips are rendered and encoded
         self.codec.save_pretrained(self.out / "codec")
+
+    def initialise_from(self, source: Path) -> None:
+        """Take the transformer, text encoder and codec of the run in ``source`` (an OUT
+        directory: its ``checkpoint.pt`` and ``codec/``); the shapes must match."""
+        state = torch.load(source / "checkpoint.pt", map_location="cpu", weights_only=False)
+        self.transformer.load_state_dict(state["transformer"])
+        self.text_encoder.load_state_dict(state["text_encoder"])
+        self.codec = LinearVideoCodec.from_pretrained(source / "codec")
+        self.init = {"from": str(source.resolve()), "step": int(state["step"])}
+        (self.out / "init.json").write_text(json.dumps(self.init, indent=2) + "\n")
 
     def save(self) -> None:
         """Write ``checkpoint.pt`` atomically, then replace ``model/``."""
@@ -252,10 +224,14 @@ class Trainer:
             text_length=self.config.text_length,
             default_size=(self.config.size, self.config.size),
             sink_frames=0,  # no sinks: the cache holds the chunks just before, as in training
-            window_frames=scenes.LATENT_FRAMES_PER_CHUNK * (self.config.chunks - 1),
+            window_frames=scenes.LATENT_FRAMES_PER_CHUNK * self.config.window_chunks,
         )
         save_directory(components, building)
-        write_rtvideo_json(building, demo={"trained_steps": self.step, "prompts": list(scenes.CAPTIONS)})
+        steps = self.step + (self.init["step"] if self.init else 0)
+        demo = {"trained_steps": steps, "prompts": list(scenes.CAPTIONS)}
+        if self.init:
+            demo["initialised_from"] = self.init
+        write_rtvideo_json(building, demo=demo)
         shutil.rmtree(old, ignore_errors=True)
         if target.exists():
             os.replace(target, old)
@@ -277,16 +253,19 @@ class Trainer:
         embeds = self.encode_captions()
         pairs = torch.tensor(batch.captions, device=self.device)  # [batch, 2]
         text = embeds[pairs].flatten(1, 2)  # [batch, 2L, text_dim]
+        caption_of_chunk, weight = batch.caption_of_chunk.to(self.device), batch.weight.to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = config.lr * min(1.0, (self.step + 1) / config.warmup_steps)
+        context = self.own_context(clean, text, caption_of_chunk, weight)
         loss = self.teacher.loss(
             clean,
             noise.to(self.device),
             timesteps.to(self.device),
             text,
-            batch.caption_of_chunk.to(self.device),
+            caption_of_chunk,
             config.text_length,
-            batch.weight.to(self.device),
+            weight,
+            context=context,
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -295,6 +274,32 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
         return float(loss.detach())
+
+    def own_context(
+        self, clean: torch.Tensor, text: torch.Tensor, caption_of_chunk: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """The chunks this step's clips attend to: in the clips ``draw_self_context`` picks,
+        each chunk the model denoised from the served sampler's last noise level,
+        attending to ground truth (not a clip's first chunk when the clip does not
+        begin a stream: nothing before it says where its object is); elsewhere, the
+        ground truth."""
+        chosen, noise = draw_self_context(self.config, self.step, tuple(clean.shape))
+        rows = chosen.nonzero().flatten().tolist()
+        if not rows:
+            return clean
+        level = self_forcing_timesteps(4)[-1]
+        made = self.teacher.denoise(
+            clean[rows],
+            noise[rows].to(self.device),
+            level,
+            text[rows].detach(),
+            caption_of_chunk[rows],
+            self.config.text_length,
+        )
+        keep = (weight[rows] == 0).repeat_interleave(scenes.LATENT_FRAMES_PER_CHUNK, dim=1)[:, None, :, None, None]
+        context = clean.clone()
+        context[rows] = torch.where(keep, clean[rows], made)
+        return context
 
     def run(self, steps: int, checkpoint_minutes: float, log_every: int) -> None:
         """Train until step ``steps``; checkpoint every ``checkpoint_minutes``, at the end
@@ -328,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="checkpoints and the model directory (OUT/model)")
     parser.add_argument("--steps", type=int, default=200_000, help="train until this step (default 200000)")
     parser.add_argument("--resume", action="store_true", help="continue OUT/checkpoint.pt")
+    parser.add_argument(
+        "--init-from", type=Path, default=None, help="a new run starts from this run's (OUT's) weights and codec"
+    )
     parser.add_argument("--checkpoint-minutes", type=float, default=5.0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -344,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     trainer = Trainer(config, Path(args.out), device)
-    trainer.start(args.resume)
+    trainer.start(args.resume, args.init_from)
     print(json.dumps({"start_step": trainer.step, "device": str(device), "config": dataclasses.asdict(config)}))
     trainer.run(args.steps, args.checkpoint_minutes, args.log_every)
     return 0
