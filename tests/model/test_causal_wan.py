@@ -112,13 +112,13 @@ def test_streaming_decode_equals_one_shot_decode(pipeline):
     assert (torch.cat(parts, dim=2) - whole).abs().max().item() <= 1e-6
 
 
-def test_a_2000_chunk_stream_keeps_constant_memory_and_valid_positions(pipeline):
+def test_a_400_chunk_stream_keeps_constant_memory_and_valid_positions(pipeline):
     state = open_session(pipeline, width=16, height=16, num_inference_steps=1)
     kv = state.kv
     allocated = kv.nbytes()
     table = pipeline.rope.max_seq_len
     held_at = {}
-    for chunk in range(2000):  # 6000 latent frames: far past the 1024-frame RoPE table
+    for chunk in range(400):  # 1200 latent frames: past the 1024-frame RoPE table
         run_chunk(pipeline, state)
         if chunk + 1 in (20, 200):
             held_at[chunk + 1] = (kv.nbytes(), kv.frames, _tensor_bytes(state))
