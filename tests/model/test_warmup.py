@@ -11,11 +11,12 @@ from workers.warmup import WARM_UP_SESSION, warm_up
 
 def _count_warm_up(warmed) -> tuple[list, list, list]:
     """Run ``warm_up`` counting: text encoder calls, transformer passes (each pass
-    embeds its latent once: the patch embedding's input shape) and decodes."""
+    runs the first block once over all its rows: that block's input shape, rows
+    first; rows are embedded one by one) and decodes."""
     encoded, forwards, decoded = [], [], []
     warmed.text_encoder.register_forward_hook(lambda module, args, out: encoded.append(args[0].shape))
-    patches = warmed.transformer.patch_embedding
-    patches.register_forward_hook(lambda module, args, out: forwards.append(tuple(args[0].shape)))
+    first_block = warmed.transformer.blocks[0]
+    first_block.register_forward_hook(lambda module, args, out: forwards.append(tuple(args[0].shape)))
     decode = warmed.decoder.decode
     warmed.decoder.decode = lambda latents, cache, first: decoded.append(first) or decode(latents, cache, first)
     assert warm_up(warmed) > 0
@@ -36,7 +37,7 @@ def test_warm_up_runs_its_chunks_then_holds_nothing():
 
     assert list(warmed._prompts) == ["warm-up"] and len(encoded) == 1
     steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
-    one, four = (1, 16, 3, 8, 8), (4, 16, 3, 8, 8)  # 64x64: 8x8 latents
+    one, four = (1, 48, 24), (4, 48, 24)  # 64x64: 8x8 latents, 3 frames of 4x4 patches; 2 heads x 12
     alone = [one] * (steps + 1)
     batched = [four] * steps + [one] * 4
     assert forwards == alone * warmed.warm_up_chunks + batched * warmed.warm_up_chunks
@@ -48,7 +49,7 @@ def test_a_pipeline_of_one_row_a_forward_warms_one_session():
     warmed = build("tiny", device="cpu", max_batch_rows=1)
     _, forwards, decoded = _count_warm_up(warmed)
     steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
-    assert forwards == [(1, 16, 3, 8, 8)] * (warmed.warm_up_chunks * (steps + 1))
+    assert forwards == [(1, 48, 24)] * (warmed.warm_up_chunks * (steps + 1))
     assert decoded == [True, False] and warmed.held_sessions() == ()
 
 
