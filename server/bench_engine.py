@@ -70,7 +70,12 @@ async def _engine(options: BenchOptions, grouped: bool, step_ms: float) -> Engin
     # The decode in line: overhead is busy time less pipeline time, which holds while
     # one stage runs at a time (an overlapped decode would count its time twice).
     config = EngineConfig(
-        pipeline=PipelineSpec("stub", stub), group_chunk_steps=grouped, max_sessions=1, overlap_decode=False
+        pipeline=PipelineSpec("stub", stub),
+        group_chunk_steps=grouped,
+        max_sessions=1,
+        overlap_decode=False,
+        max_pixels=1 << 30,  # the engine's own overhead is measured: no start-up calibration, no admission by cost
+        max_realtime_load=None,
     )
     client = EngineClient(config)
     await client.start()

@@ -24,6 +24,7 @@ from engine.messages import (
     SessionFailed,
     StartSession,
 )
+from tests.conftest import PINNED_LIMITS
 from tests.support import Collected, collect, make_gate, read_until, wait_reached
 
 
@@ -147,7 +148,8 @@ async def test_a_dead_worker_is_replaced_within_the_restart_budget(make_engine):
 
 
 async def test_a_tiny_worker_warms_up_before_ready_and_serves_clean():
-    client = EngineClient(EngineConfig(pipeline=PipelineSpec("tiny", {"device": "cpu"}), startup_timeout_s=120))
+    spec = PipelineSpec("tiny", {"device": "cpu"})
+    client = EngineClient(EngineConfig(pipeline=spec, startup_timeout_s=120, **PINNED_LIMITS))
     await client.start()
     try:
         probe = await client.probe()
@@ -162,7 +164,7 @@ async def test_a_tiny_worker_warms_up_before_ready_and_serves_clean():
 async def test_a_pipeline_that_cannot_warm_up_is_a_clear_startup_error():
     # Its default size (64x64) is past its own max_size: the warm-up's describe() refuses it.
     spec = PipelineSpec("tiny", {"device": "cpu", "max_size": 32})
-    client = EngineClient(EngineConfig(pipeline=spec, startup_timeout_s=120))
+    client = EngineClient(EngineConfig(pipeline=spec, startup_timeout_s=120, **PINNED_LIMITS))
     with pytest.raises(EngineStartupError, match="width must be a multiple of 16 up to 32, got 64"):
         await client.start()
 
