@@ -238,6 +238,13 @@ def test_a_run_initialised_from_another_starts_from_its_weights_and_codec(traine
     resumed.start(resume=True)
     assert resumed.step == 1 and resumed.init == trainer.init
 
+    snapshot = Trainer(TINY, tmp_path / "from-model", torch.device("cpu"))  # from the servable directory alone
+    snapshot.start(resume=False, init_from=out / "model")
+    for name, tensor in source.transformer.state_dict().items():
+        assert torch.equal(snapshot.transformer.state_dict()[name], tensor), name
+    assert torch.equal(snapshot.codec.decoder.basis, trainer.codec.decoder.basis)
+    assert snapshot.init["step"] == 3
+
 
 def test_a_run_recorded_before_the_window_and_self_context_resumes_with_their_old_meaning(trained, tmp_path):
     """A ``train.json`` without ``window_chunks`` / ``self_context`` meant a window of 3

@@ -188,12 +188,24 @@ class Trainer:
 
     def initialise_from(self, source: Path) -> None:
         """Take the transformer, text encoder and codec of the run in ``source`` (an OUT
-        directory: its ``checkpoint.pt`` and ``codec/``); the shapes must match."""
-        state = torch.load(source / "checkpoint.pt", map_location="cpu", weights_only=False)
-        self.transformer.load_state_dict(state["transformer"])
-        self.text_encoder.load_state_dict(state["text_encoder"])
-        self.codec = LinearVideoCodec.from_pretrained(source / "codec")
-        self.init = {"from": str(source.resolve()), "step": int(state["step"])}
+        directory: its ``checkpoint.pt`` and ``codec/``), or of a model directory a run
+        wrote (its ``transformer/``, ``text_encoder/``, ``vae/``: a snapshot kept
+        without the optimizer); the shapes must match."""
+        if (source / "checkpoint.pt").is_file():
+            state = torch.load(source / "checkpoint.pt", map_location="cpu", weights_only=False)
+            self.transformer.load_state_dict(state["transformer"])
+            self.text_encoder.load_state_dict(state["text_encoder"])
+            self.codec = LinearVideoCodec.from_pretrained(source / "codec")
+            step = int(state["step"])
+        else:
+            from workers.pipelines.presets import load_directory
+
+            components = load_directory(source, torch.float32)
+            self.transformer.load_state_dict(components.transformer.state_dict())
+            self.text_encoder.load_state_dict(components.text_encoder.state_dict())
+            self.codec = components.vae
+            step = int(json.loads((source / "rtvideo.json").read_text())["demo"]["trained_steps"])
+        self.init = {"from": str(source.resolve()), "step": step}
         (self.out / "init.json").write_text(json.dumps(self.init, indent=2) + "\n")
 
     def save(self) -> None:
