@@ -19,9 +19,7 @@ from workers.pipelines.stub import DECODE_GATE_STEP
 
 def _start(prompt: str = "a harbour at night") -> StartSession:
     scheduled = (ScheduledInteraction(at_chunk=2, event_id="e", interaction=Interaction(prompt="fog")),)
-    return StartSession(
-        session_id="s", prompt=prompt, seed=3, num_chunks=5, transition_chunks=2, scheduled=scheduled
-    )
+    return StartSession(session_id="s", prompt=prompt, seed=3, num_chunks=5, transition_chunks=2, scheduled=scheduled)
 
 
 async def test_the_next_chunk_denoises_while_a_chunk_decodes(make_engine):

@@ -27,7 +27,7 @@ from engine.messages import (
     SessionFailed,
 )
 from tests.conftest import PINNED_LIMITS
-from tests.engine.test_pipeline_parallel import payloads, run_sessions, start_engine, start_of
+from tests.engine.test_pipeline_parallel import interact_once, payloads, run_sessions, start_engine, start_of
 from tests.support import Collected, collect, read_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,11 +82,7 @@ async def test_a_torchrun_group_serves_exactly_what_one_rank_makes_and_a_killed_
         assert follower != ready.pid
 
         # Served exactly: a session with a prompt sent once its first chunk is in.
-        handle = await client.start_session(start_of("s", 5, 4))
-        seen = Collected()
-        await read_until(handle, ChunkReady, seen)
-        await handle.interact("e1", Interaction(prompt="a storm"))
-        launched = await collect(handle, seen, timeout=120)
+        launched = await interact_once(client, start_of("s", 5, None))
         (applied,) = launched.of(InteractionApplied)
 
         # A rank killed mid-session: the session fails with the reason, soon.
@@ -120,7 +116,7 @@ async def test_a_torchrun_group_serves_exactly_what_one_rank_makes_and_a_killed_
                 at_chunk=applied.generation_chunk_index, event_id="e1", interaction=Interaction(prompt="a storm")
             ),
         )
-        exact = await run_sessions(one, [start_of("s", 5, 4, scheduled=scheduled)])
+        exact = await run_sessions(one, [start_of("s", 5, len(launched.chunks), scheduled=scheduled)])
     finally:
         await one.shutdown()
     assert payloads(launched) == payloads(exact["s"])

@@ -65,11 +65,19 @@ def payloads(result: Collected) -> list[bytes]:
 
 
 async def interact_once(engine: EngineClient, start: StartSession) -> Collected:
-    """Run ``start``, sending one prompt once its first chunk is in."""
+    """Run the open-ended ``start``, send one prompt once its first chunk is in,
+    and stop the session once the chunk that prompt applied at is in. Open-ended,
+    the session always has a next chunk for the prompt to land on, however far
+    the worker has run ahead of this test when the prompt reaches it."""
+    assert start.num_chunks is None
     handle = await engine.start_session(start)
     seen = Collected()
     await read_until(handle, ChunkReady, seen)
     await handle.interact("e1", Interaction(prompt="a storm"))
+    applied = await read_until(handle, InteractionApplied, seen, timeout=120)
+    while not any(c.generation_chunk_index >= applied.generation_chunk_index for c in seen.chunks):
+        await read_until(handle, ChunkReady, seen, timeout=120)
+    await handle.stop()
     return await collect(handle, seen, timeout=120)
 
 
@@ -89,7 +97,7 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
     try:
         assert two.ready.blocks_per_rank == (1, 1) and len(two.ready.pipeline_ranks) == 1
         got = await run_sessions(two, starts, stagger=1)
-        interacted = await interact_once(two, start_of("s", 5, 5))
+        interacted = await interact_once(two, start_of("s", 5, None))
         probe = await two.probe()
     finally:
         await two.shutdown()
@@ -104,7 +112,7 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
     try:
         expected = await run_sessions(one, starts)
         scheduled = (ScheduledInteraction(at_chunk=at, event_id="e1", interaction=Interaction(prompt="a storm")),)
-        replay = await run_sessions(one, [start_of("s", 5, 5, scheduled=scheduled)])
+        replay = await run_sessions(one, [start_of("s", 5, len(interacted.chunks), scheduled=scheduled)])
     finally:
         await one.shutdown()
     for start in starts:
