@@ -2,7 +2,7 @@
 #   CPU:  docker build --build-arg VARIANT=cpu -t rtvideo:cpu .
 #   GPU:  docker build --build-arg VARIANT=cuda -t rtvideo:cuda .
 # The model directory is a volume (mount it and set RTVIDEO_MODEL=/models/...);
-# nothing is baked in and nothing is downloaded at start. Give `docker stop` more
+# nothing but the 5 MB demo model (the default) is baked in, and nothing is downloaded at start. Give `docker stop` more
 # time than RTVIDEO_SHUTDOWN_GRACE_S (e.g. --stop-timeout 45): SIGTERM drains.
 ARG VARIANT=cpu
 

@@ -15,9 +15,10 @@ class ServerSettings:
     """Address to listen on (0.0.0.0: every interface)."""
     port: int = 8000
     """Port to listen on (0: any free port, printed at start)."""
-    model: str = "tiny"
-    """What to serve: ``tiny`` (the built-in random-weight causal Wan), ``stub``
-    (arithmetic, for tests), or a model directory (Wan2.1 diffusers layout)."""
+    model: str = "demo"
+    """What to serve: ``demo`` (the built-in demo model: coloured shapes that follow
+    their prompt), ``tiny`` (the built-in random-weight causal Wan, for fast tests),
+    ``stub`` (arithmetic, for tests), or a model directory (Wan2.1 diffusers layout)."""
     pipeline_options: dict = field(default_factory=dict)
     """The pipeline's options as a JSON object, e.g. '{"dtype": "bfloat16", "compile": true}' for causal Wan
     (dtype, vae_dtype, sink_frames, window_frames, warm_up_chunks, compile: docs/MODEL.md)."""

@@ -1,16 +1,20 @@
 """A demo model directory behind the real server: written by ``rtvideo train-demo``,
 served by ``rtvideo serve --model DIR``; the prompts it knows reach ``GET /v1/models``
-(where the page reads its suggestions) and it streams at its own size."""
+(where the page reads its suggestions) and it streams at its own size. And the
+shipped demo model, the server's default: a red circle turns into a blue square
+at the chunk the server names."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import numpy as np
 import pytest
 
-from tests.e2e.client import Realtime, assert_applied_as_promised, interaction, open_realtime
+from tests.e2e.client import Chunk, Realtime, assert_applied_as_promised, interaction, open_realtime
 from tests.e2e.conftest import start_server, stop_server, train_tiny_demo
+from workers.demo.classify import dominant_colour
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +49,43 @@ async def test_the_demo_model_streams_a_known_prompt_and_a_switch(demo_server):
     assert_applied_as_promised(queued, applied)
     assert [c.metadata["num_frames"] for c in got.chunks] == [9, 12, 12]
     assert all(len(c.payload) == c.metadata["num_frames"] * 32 * 32 * 3 for c in got.chunks)
+
+
+@pytest.fixture(scope="module")
+def shipped_server():
+    server = start_server(model="demo")
+    yield server
+    stop_server(server)
+
+
+async def test_the_shipped_demo_model_draws_red_then_blue_from_the_applied_chunk(shipped_server):
+    """Over WebSocket, raw frames: "a red circle moving right", then "a blue square
+    moving left" once chunk 0 is in. Every chunk before the one the applied event
+    names is red, that chunk and every one after it blue."""
+    async with open_realtime(shipped_server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "a red circle moving right", "seed": 3, "format": "raw"})
+        started = await client.until("video.start")
+        assert isinstance(await client.next(), Chunk)  # chunk 0
+        await client.send(interaction("a blue square moving left", "switch"))
+        applied = await client.until("session.interaction.applied", timeout=60)
+        at = applied["generation_chunk_index"]
+        while not client.received.chunks or client.received.chunks[-1].metadata["generation_chunk_index"] < at + 2:
+            await client.next(timeout=60)
+        await client.send({"type": "session.stop"})
+        got = await client.rest()
+    width, height = started["config"]["width"], started["config"]["height"]
+    assert (width, height) == (64, 64)
+    colours = {}
+    for chunk in got.chunks:
+        frames = np.frombuffer(chunk.payload, np.uint8).reshape(-1, height, width, 3)
+        colours[chunk.metadata["generation_chunk_index"]] = dominant_colour(frames)
+    assert at >= 1 and len(colours) >= at + 3
+    assert all(colours[i] == "red" for i in range(at)), colours
+    assert all(colours[i] == "blue" for i in colours if i >= at), colours
+
+
+def test_the_shipped_demo_models_card_lists_what_it_knows(shipped_server):
+    [card] = httpx.get(f"{shipped_server.http}/v1/models").json()["data"]
+    assert card["id"] == "demo" and len(card["prompts"]) == 60 and "a blue square moving left" in card["prompts"]
+    assert (card["defaults"]["width"], card["defaults"]["height"]) == (64, 64)

@@ -11,9 +11,9 @@ def parse(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
-def test_defaults_serve_the_tiny_model_on_localhost():
+def test_defaults_serve_the_demo_model_on_localhost():
     settings = settings_from(parse(), {})
-    assert (settings.model, settings.host, settings.port, settings.api_key) == ("tiny", "127.0.0.1", 8000, None)
+    assert (settings.model, settings.host, settings.port, settings.api_key) == ("demo", "127.0.0.1", 8000, None)
 
 
 def test_environment_then_flags():
@@ -46,7 +46,7 @@ def test_engine_options_reach_the_engine_config():
     settings = settings_from(parse("--max-batch-rows", "3", "--pipeline-options", '{"dtype": "bfloat16"}'), {})
     config = engine_config(settings)
     assert config.max_batch_rows == 3 and config.group_chunk_steps is True
-    assert config.pipeline.name == "tiny" and config.pipeline.options == {"dtype": "bfloat16"}
+    assert config.pipeline.name == "demo" and config.pipeline.options == {"dtype": "bfloat16"}
     assert engine_config(settings_from(parse(), {})).max_batch_rows == 1
     assert engine_config(settings_from(parse(), {})).session_memory_bytes is None
     assert engine_config(settings_from(parse(), {"RTVIDEO_SESSION_MEMORY_GIB": "1.5"})).session_memory_bytes == 3 << 29

@@ -10,3 +10,9 @@ frames, ``metrics`` turns a stream's readings into
 the evaluation's measures and bars, and ``evaluate`` (``rtvideo eval-demo``)
 judges a trained model's chunks through the served pipeline with them.
 """
+
+from pathlib import Path
+
+WEIGHTS = Path(__file__).parent / "weights"
+"""The shipped demo model: a servable model directory (``rtvideo serve --model demo``,
+the server's default), kept in the repository and read offline."""

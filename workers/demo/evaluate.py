@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.demo import metrics
+from workers.demo import WEIGHTS, metrics
 from workers.demo.metrics import StreamJudge, Trial
 
 
@@ -47,14 +47,14 @@ def _groups(trials: list[Trial], rows: int) -> list[list[Trial]]:
 
 
 def judge_model(model: str, trials: list[Trial], rows: int = 8, device: str = "cpu") -> list[StreamJudge]:
-    """Run every trial through the served pipeline of ``model`` (a model directory, or
-    ``tiny``), ``rows`` sessions a forward, and judge each chunk."""
+    """Run every trial through the served pipeline of ``model`` (a model directory,
+    ``demo`` or ``tiny``), ``rows`` sessions a forward, and judge each chunk."""
     from engine.messages import StartSession
     from workers.chunk_driver import ChunkDriver
     from workers.pipelines.causal_wan import build
 
-    if model == "tiny":
-        pipeline = build(preset="tiny", device=device, max_batch_rows=rows)
+    if model in ("tiny", "demo"):
+        pipeline = build(preset=model, device=device, max_batch_rows=rows)
     else:
         pipeline = build(model_dir=model, device=device, max_batch_rows=rows)
     driver = ChunkDriver(pipeline)
@@ -95,10 +95,18 @@ def judge_ground_truth(trials: list[Trial], size: int = 64) -> list[StreamJudge]
 
 def trained_steps(model: str) -> int | None:
     """The steps the model directory was trained for (``rtvideo.json``'s ``demo.trained_steps``)."""
-    file = Path(model) / "rtvideo.json"
+    file = Path(WEIGHTS if model == "demo" else model) / "rtvideo.json"
     if not file.is_file():
         return None
     return json.loads(file.read_text()).get("demo", {}).get("trained_steps")
+
+
+def record(model: str, name: str, summary: dict) -> None:
+    """Keep ``summary`` in ``model``'s ``rtvideo.json`` as ``demo.evaluation[name]``."""
+    file = Path(WEIGHTS if model == "demo" else model) / "rtvideo.json"
+    data = json.loads(file.read_text())
+    data.setdefault("demo", {}).setdefault("evaluation", {})[name] = summary
+    file.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def evaluate(
@@ -139,7 +147,10 @@ def evaluate(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rtvideo eval-demo", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="a demo model directory (train-demo's OUT/model; copy it while training)")
+    source.add_argument(
+        "--model",
+        help="demo (the shipped model), or a demo model directory (train-demo's OUT/model; copy it while training)",
+    )
     source.add_argument("--ground-truth", action="store_true", help="judge the scenes' own clips (self-check)")
     parser.add_argument("--trials", type=int, default=60, help="streams with a prompt change (default 60)")
     parser.add_argument("--chunks", type=int, default=6, help="chunks per such stream (default 6)")
@@ -150,7 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=8, help="sessions per forward (default 8)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
+    parser.add_argument(
+        "--record",
+        metavar="NAME",
+        help="also keep the summary in the model directory's rtvideo.json as demo.evaluation.NAME "
+        "(`full`: the figures the docs quote; `check`: the short run the tests repeat)",
+    )
     args = parser.parse_args(argv)
+    if args.record and (args.ground_truth or args.model == "tiny"):
+        parser.error("--record needs a model directory (or demo) to record into")
     if args.threads:
         import torch
 
@@ -165,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         rows=args.rows,
     )
+    if args.record:
+        record(args.model, args.record, summary)
     if not args.json:
         for name, bar in summary["bars"].items():
             verdict = {True: "passes", False: "FAILS", None: "not measured"}[bar["passes"]]

@@ -11,6 +11,7 @@ from workers.pipelines.base import ChunkPipeline
 REGISTRY: dict[str, str] = {
     "stub": "workers.pipelines.stub:StubPipeline",
     "tiny": "workers.pipelines.causal_wan:build",
+    "demo": "workers.pipelines.causal_wan:build_demo",
     "causal_wan": "workers.pipelines.causal_wan:build",
 }
 
@@ -33,9 +34,12 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
 
 def known_prompts(spec: PipelineSpec) -> tuple[str, ...]:
     """The prompts the model ``spec`` names knows, for clients to suggest
-    (``WorkerReady.prompts``): a model directory's ``demo.prompts``; () for the
-    presets and for directories that name none."""
+    (``WorkerReady.prompts``): a model directory's ``demo.prompts`` (the ``demo``
+    preset's: its shipped directory's); () for the other presets and for
+    directories that name none."""
     model_dir = spec.options.get("model_dir")
+    if spec.name == "demo":
+        from workers.demo import WEIGHTS as model_dir
     if model_dir is None:
         return ()
     from workers.pipelines.presets import demo_prompts

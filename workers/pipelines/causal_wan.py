@@ -740,13 +740,27 @@ def _own_aligned_memory(model: torch.nn.Module) -> int:
 
 
 def build(preset: str = "tiny", model_dir: str | None = None, device: str | None = None, **options: Any):
-    """The pipeline registry's factory: the tiny preset, or a model directory."""
+    """The pipeline registry's factory: a preset (``tiny``: random weights;
+    ``demo``: the shipped demo model), or a model directory."""
     if model_dir is not None:
         target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(options.get("dtype"), target)
         if target.type == "cpu":  # a full-size chunk takes minutes there: no warm-up unless asked
             options.setdefault("warm_up_chunks", 0)
         return CausalWanPipeline(load_directory(model_dir, dtype), device=device, name=str(model_dir), **options)
+    if preset == "demo":
+        return build_demo(device=device, **options)
     if preset != "tiny":
-        raise ValueError(f"unknown preset {preset!r}; known: tiny")
+        raise ValueError(f"unknown preset {preset!r}; known: tiny, demo")
     return CausalWanPipeline(build_tiny(options.pop("seed", 0)), device=device, name="tiny", **options)
+
+
+def build_demo(device: str | None = None, **options: Any):
+    """The ``demo`` preset: the shipped demo model (``workers.demo.WEIGHTS``), read
+    offline. Small enough to warm up at start on a CPU like the tiny preset."""
+    from workers.demo import WEIGHTS
+
+    options.setdefault("warm_up_chunks", 2)
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    components = load_directory(WEIGHTS, resolve_dtype(options.get("dtype"), target))
+    return CausalWanPipeline(components, device=device, name="demo", **options)
