@@ -14,20 +14,24 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.client import EngineClient, EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized, redact_access_log
 from server.drain import Drainer
-from server.jobs import JobManager, JobsFullError
+from server.job_forms import OPENAPI_FORMS, FormBodies
+from server.job_store import StoreError
+from server.jobs import JobManager, JobsFullError, UnknownJobError, open_job_store
 from server.limits import BodyLimits
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
@@ -83,6 +87,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
 def create_app(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await open_job_store(settings)  # first: a data_dir in use stops the start before the model loads
         engine = EngineClient(engine_config(settings))
         await engine.start()
         app.state.engine = engine
@@ -94,14 +99,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
         app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
         app.state.jobs = JobManager(
-            engine, settings, engine.ready.pipeline, app.state.capacity, app.state.metrics, app.state.drainer
+            engine, settings, engine.ready.pipeline, app.state.capacity, app.state.metrics, app.state.drainer, store
         )
+        await app.state.jobs.open()
         try:
             yield
         finally:
-            for job in list(app.state.jobs.jobs.values()):
-                if job.task is not None:
-                    job.task.cancel()
+            await app.state.jobs.close()  # jobs still running are kept failed (interrupted_by_restart)
             await engine.shutdown()
 
     app = FastAPI(
@@ -138,6 +142,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
 
     app.state.settings = settings
+    # Added first, so it sits inside BodyLimits: a form is bounded as a JSON body is, then read as one.
+    app.add_middleware(FormBodies, paths=("/v1/videos", "/v1/videos/sync"))
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
     redact_access_log()
 
@@ -149,6 +155,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def _engine_unavailable(request: Request, error: EngineDeadError) -> JSONResponse:
         return engine_unavailable_response(error)
+
+    @app.exception_handler(StoreError)
+    async def _storage_unavailable(request: Request, error: StoreError) -> JSONResponse:
+        return _error(503, "storage_unavailable", str(error))  # the data_dir's disk or database failed
 
     @app.exception_handler(StarletteHTTPException)  # ours, and the router's 404 / 405
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -277,9 +287,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         tags=["videos"],
         dependencies=[Depends(authorized)],
         responses=errors(401, 413, 422, 429, 503),
+        openapi_extra=OPENAPI_FORMS,
     )
     async def create_video(body: JobRequest, request: Request) -> VideoObject:
-        """Start a job; poll it, then fetch ``/content``."""
+        """Start a job; poll it, then fetch ``/content``. The body is JSON, or a form
+        (multipart, as the OpenAI SDK's videos.create sends it, or urlencoded) of
+        the same fields."""
         return (await _create(request, body)).public()
 
     @app.post(
@@ -288,10 +301,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         dependencies=[Depends(authorized)],
         response_class=Response,
         responses={**VIDEO_CONTENT, **errors(401, 413, 422, 429, 499, 500, 503)},
+        openapi_extra=OPENAPI_FORMS,
     )
     async def create_video_sync(body: JobRequest, request: Request) -> Response:
         """Run a job and answer with its content. A client that leaves before the
-        answer cancels the job: nobody would fetch it, so it frees its slot."""
+        answer cancels the job: nobody would fetch it, so it frees its slot. The job
+        is not kept: it is deleted once its content was sent."""
+        jobs = request.app.state.jobs
         job = await _create(request, body)
         finished = asyncio.ensure_future(job.finished.wait())
         left = asyncio.ensure_future(_disconnected(request))
@@ -299,50 +315,85 @@ def create_app(settings: ServerSettings) -> FastAPI:
         left.cancel()
         if not finished.done():
             finished.cancel()
-            await request.app.state.jobs.cancel(job.id)
+            await jobs.delete(job.id)
             return _error(499, "client_closed", "the client left before the video was ready; the job was cancelled")
-        request.app.state.jobs.jobs.pop(job.id, None)
-        if job.status != "completed":
-            code = job.error["code"] if job.error else "failed"
+        try:
+            video, stored = await jobs.content(job.id)
+        except UnknownJobError:  # deleted meanwhile by another client
+            return _error(500, "failed", f"video {job.id} was deleted before it finished")
+        if stored is None:
+            await jobs.delete(job.id)
+            code = video.error.code if video.error else "failed"
             status = 503 if code in ("engine_unavailable", "worker_died", "worker_wedged") else 500
-            return _error(status, code, _job_error(job))
-        return _content(job)
+            return _error(status, code, video.error.message if video.error else f"the job ended {video.status}")
+        return _content(video, stored.media, background=BackgroundTask(jobs.delete, job.id))
 
-    @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401))
-    async def list_videos(request: Request) -> VideoList:
-        """The jobs kept (queued, running, or finished less than job_ttl_s ago), newest first."""
-        request.app.state.jobs.expire()
-        jobs = sorted(request.app.state.jobs.jobs.values(), key=lambda j: j.created_at, reverse=True)
-        return VideoList(object="list", data=[job.public() for job in jobs])
+    @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 422, 503))
+    async def list_videos(
+        request: Request,
+        after: str | None = Query(None, description="A video id: list the ones after it (a page's last_id)."),
+        limit: int = Query(20, ge=1, le=100, description="At most this many videos (1-100)."),
+        order: Literal["asc", "desc"] = Query("desc", description="desc: newest first; asc: oldest first."),
+    ) -> VideoList:
+        """The jobs kept (queued, running, or finished less than job_ttl_s ago), a
+        page at a time: newest first (order=asc: oldest first), at most ``limit``,
+        after the video ``after``; ``has_more`` says whether another page follows
+        (its ``after`` is this page's ``last_id``)."""
+        try:
+            return await request.app.state.jobs.page(after, limit, order)
+        except RequestError as error:
+            raise HTTPException(422, detail={"code": "invalid_request", "message": str(error)}) from None
 
     @app.get(
-        "/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 404, 422)
+        "/v1/videos/{video_id}",
+        tags=["videos"],
+        dependencies=[Depends(authorized)],
+        responses=errors(401, 404, 422, 503),
     )
     async def get_video(video_id: str, request: Request) -> VideoObject:
         """The job: status, progress, its request, and where each scheduled prompt landed."""
-        return _job(request, video_id).public()
+        try:
+            return await request.app.state.jobs.get(video_id)
+        except UnknownJobError:
+            raise _not_found(video_id) from None
 
     @app.get(
         "/v1/videos/{video_id}/content",
         tags=["videos"],
         dependencies=[Depends(authorized)],
         response_class=Response,
-        responses={**VIDEO_CONTENT, **errors(401, 404, 409, 422)},
+        responses={**VIDEO_CONTENT, **errors(401, 404, 409, 422, 503)},
     )
-    async def video_content(video_id: str, request: Request) -> Response:
-        job = _job(request, video_id)
-        if job.status != "completed":
-            return _error(409, "not_ready", f"video {video_id} is {job.status}, not completed")
-        return _content(job)
+    async def video_content(
+        video_id: str,
+        request: Request,
+        variant: str | None = Query(None, description="video (the default; the OpenAI SDK's parameter): nothing else"),
+    ) -> Response:
+        """The finished video, from its file (range requests answered)."""
+        if variant not in (None, "video"):
+            message = f"variant: only 'video' is served (no thumbnail or spritesheet), got {variant!r}"
+            return _error(422, "invalid_request", message)
+        try:
+            video, stored = await request.app.state.jobs.content(video_id)
+        except UnknownJobError:
+            raise _not_found(video_id) from None
+        if stored is None:
+            return _error(409, "not_ready", f"video {video_id} is {video.status}, not completed")
+        return _content(video, stored.media)
 
     @app.delete(
-        "/v1/videos/{video_id}", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 404, 422)
+        "/v1/videos/{video_id}",
+        tags=["videos"],
+        dependencies=[Depends(authorized)],
+        responses=errors(401, 404, 422, 503),
     )
     async def delete_video(video_id: str, request: Request) -> DeletedVideo:
         """Stop the job if it runs, and forget it and its video."""
-        _job(request, video_id)
-        job = await request.app.state.jobs.cancel(video_id)
-        return DeletedVideo(id=job.id, object="video", deleted=True, status=job.status)
+        try:
+            status = await request.app.state.jobs.delete(video_id)
+        except UnknownJobError:
+            raise _not_found(video_id) from None
+        return DeletedVideo(id=video_id, object="video.deleted", deleted=True, status=status)
 
     return app
 
@@ -365,24 +416,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _job(request: Request, video_id: str):
-    request.app.state.jobs.expire()
-    job = request.app.state.jobs.jobs.get(video_id)
-    if job is None:
-        raise HTTPException(404, detail={"code": "not_found", "message": f"no video {video_id!r}"})
-    return job
+def _not_found(video_id: str) -> HTTPException:
+    return HTTPException(404, detail={"code": "not_found", "message": f"no video {video_id!r}"})
 
 
-def _job_error(job) -> str:
-    return job.error["message"] if job.error else f"the job ended {job.status}"
-
-
-def _content(job) -> Response:
-    c = job.config
-    media_type = CONTENT_TYPES[c.format]
-    suffix = "mp4" if c.format == "fmp4" else "bin"
-    headers = {"Content-Disposition": f'attachment; filename="{job.id}.{suffix}"'}
-    return Response(job.content, media_type=media_type, headers=headers)
+def _content(video: VideoObject, path: Path, background: BackgroundTask | None = None) -> Response:
+    """The video's file as the answer (``Content-Disposition`` names it ID.mp4 or ID.bin)."""
+    suffix = "mp4" if video.format == "fmp4" else "bin"
+    headers = {"Content-Disposition": f'attachment; filename="{video.id}.{suffix}"'}
+    return FileResponse(path, media_type=CONTENT_TYPES[video.format], headers=headers, background=background)
 
 
 ERROR_MEANINGS = {
@@ -394,7 +436,8 @@ ERROR_MEANINGS = {
     429: "too many jobs kept or waiting (too_many_jobs, queue_full); see Retry-After",
     499: "the client left before the answer; the job was cancelled (client_closed)",
     500: "the job did not complete: its own error code",
-    503: "no worker can take it (engine_unavailable; Retry-After while one restarts) or the server drains",
+    503: "no worker can take it (engine_unavailable; Retry-After while one restarts), the server drains, "
+    "or the job store's disk failed (storage_unavailable)",
 }
 VIDEO_CONTENT = {
     200: {
@@ -416,7 +459,7 @@ def describe_body_errors(errors: list[dict], content_type: str | None = None) ->
     one (a list, or a body sent without ``content-type: application/json``)."""
     parts = []
     for e in errors:
-        where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+        where = ".".join(str(p) for p in e["loc"] if p not in ("body", "query")) or "body"
         if e["type"] == "json_invalid":
             at = e["loc"][1] if len(e["loc"]) > 1 else "?"
             parts.append(f"body: not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}) at character {at}")

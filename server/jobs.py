@@ -1,13 +1,24 @@
 """HTTP request mode: ``/v1/videos`` jobs over the same engine sessions.
 
 API process. A job is a finite session whose prompt changes are scheduled in
-advance; its chunks are encoded as they arrive and kept in memory until the
-job is deleted or ``job_ttl_s`` after it finished, never pushed out earlier by
-other clients' jobs. A job waits (``queued``) while the engine is full and
-starts when a session ends. The work is bounded: at most ``max_jobs_kept``
-jobs at once (queued, running, or finished and kept) and ``max_queued_jobs``
-waiting for the engine; beyond either a new job is refused (``JobsFullError``,
-HTTP 429 with ``Retry-After``) before anything is kept.
+advance. Jobs live in a ``JobStore`` (``server/job_store.py``: SQLite records
+and video files in ``data_dir``), so they outlast a restart: each chunk is
+encoded as it arrives and appended to the job's file (never held whole in
+memory), and the finished video is renamed into place once complete. A job
+stays until it is deleted or ``job_ttl_s`` after it finished (its record and
+file are then deleted, across restarts too), never pushed out earlier by
+other clients' jobs. A job that was queued or running when the server
+stopped, however it stopped, reads ``failed`` with ``interrupted_by_restart``
+(``INTERRUPTED``) afterwards; none is resumed.
+
+A job waits (``queued``) while the engine is full and starts when a session
+ends. The work is bounded: at most ``max_jobs_kept`` jobs at once (queued,
+running, or finished and kept) and ``max_queued_jobs`` waiting for the engine;
+beyond either a new job is refused (``JobsFullError``, HTTP 429 with
+``Retry-After``) before anything is kept.
+
+The jobs running here are ``live`` (in memory: their progress is read there);
+every other job is read from the store.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.client import (
     EngineClient,
@@ -38,58 +49,68 @@ from engine.messages import (
     StartSession,
 )
 from server.drain import Drainer
+from server.job_store import INTERRUPTED, INTERRUPTED_MESSAGE, JobStore, StoredJob, UnknownCursorError
 from server.metrics import Metrics
 from server.output import SessionOutput
-from server.schemas import EffectiveConfig, JobRequest, RequestError, VideoObject, resolve
+from server.schemas import EffectiveConfig, JobRequest, RequestError, VideoList, VideoObject, resolve
 from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 CAPACITY_RETRY_S = 1.0  # a queued job retries its start at least this often
+SUFFIXES = {"fmp4": "mp4", "jpeg": "bin", "raw": "bin"}  # a finished video's file name: ID.SUFFIX
+CLOSE_WAIT_S = 10.0  # at shutdown, how long the running jobs' tasks get to end
 
 
 @dataclass
 class Job:
+    """A job queued or running in this process (``JobManager.live``)."""
+
     id: str
     request: JobRequest
     config: EffectiveConfig
+    ttl_s: float
     created_at: float = field(default_factory=time.time)
     status: str = "queued"  # queued / in_progress / completed / failed / cancelled
     chunks_done: int = 0
     completed_at: float | None = None
     error: dict[str, str] | None = None
-    payloads: list[bytes] = field(default_factory=list)
     compute_ms: float = 0.0
     outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)  # scheduled event id -> where it landed
     inexact_reason: str | None = None  # why its request would not regenerate the same bytes (None: it would)
     waiting: bool = False  # queued for want of an engine session (max_queued_jobs counts these)
     task: asyncio.Task | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once its end is in the store
 
-    @property
-    def content(self) -> bytes:
-        return b"".join(self.payloads)
-
-    def public(self) -> VideoObject:
-        """The job as the API answers it (``VideoObject``, the schema /openapi.json documents)."""
-        total = self.config.num_chunks
+    def public(self, final: bool = False) -> VideoObject:
+        """The job as the API answers it (``VideoObject``, the schema /openapi.json
+        documents). It reads ``completed`` only once its video is in the store
+        (``finished``), or ``final``: what is stored as it finishes."""
+        c = self.config
+        total = c.num_chunks
+        status = self.status
+        if status == "completed" and not (final or self.finished.is_set()):
+            status = "in_progress"  # the last chunk is in; the video is being renamed into place
         progress = 100 if self.status == "completed" else int(100 * self.chunks_done / total)
         return VideoObject(
             id=self.id,
             object="video",
-            model=self.config.model,
-            status=self.status,
+            model=c.model,
+            status=status,
             progress=progress,
             created_at=int(self.created_at),
             completed_at=None if self.completed_at is None else int(self.completed_at),
+            expires_at=None if self.completed_at is None else int(self.completed_at + self.ttl_s),
             error=self.error,
-            format=self.config.format,
-            num_frames=self.config.num_frames,
+            seconds=f"{c.num_frames / c.fps:g}",
+            size=f"{c.width}x{c.height}",
+            format=c.format,
+            num_frames=c.num_frames,
             num_chunks=total,
-            width=self.config.width,
-            height=self.config.height,
-            fps=self.config.fps,
-            seed=self.config.seed,
-            prompt=self.config.prompt,
+            width=c.width,
+            height=c.height,
+            fps=c.fps,
+            seed=c.seed,
+            prompt=c.prompt,
             interactions=[
                 {
                     "at_chunk": item.at_chunk,
@@ -103,6 +124,10 @@ class Job:
             exact=self.inexact_reason is None,
             inexact_reason=self.inexact_reason,
         )
+
+    def body(self, final: bool = False) -> dict[str, Any]:
+        """``public()`` as the store keeps it (JSON)."""
+        return self.public(final).model_dump(mode="json")
 
     def record(self, message: Any) -> None:
         """Where a scheduled prompt landed (applied: chunk, first frame, media time) or why not."""
@@ -130,7 +155,14 @@ class JobsFullError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class UnknownJobError(KeyError):
+    """No such job: never made, deleted, or expired."""
+
+
 class JobManager:
+    """The jobs: the ones running here (``live``) and the ``store`` of all kept.
+    ``open()`` before the first request, ``close()`` at shutdown."""
+
     def __init__(
         self,
         engine: EngineClient,
@@ -139,6 +171,7 @@ class JobManager:
         capacity: asyncio.Condition,
         metrics: Metrics,
         drainer: Drainer,
+        store: JobStore,
     ) -> None:
         self.engine = engine
         self.drainer = drainer
@@ -146,75 +179,181 @@ class JobManager:
         self.settings = settings
         self.model = model
         self.capacity = capacity  # notified whenever a session ends anywhere
-        self.jobs: dict[str, Job] = {}
-        self._starting = 0  # creates past the kept-jobs check, waiting on the engine's answer
+        self.store = store
+        self.live: dict[str, Job] = {}
+        self._starting = 0  # creates past the kept-jobs check, not yet in the store
+        self._admission = asyncio.Lock()  # the kept-jobs check and _starting, together
+        self._closing = False
+        self._sweeper: asyncio.Task | None = None
+
+    async def open(self) -> None:
+        """Once the server is ready: fail the jobs the previous process left
+        unfinished (``INTERRUPTED``, kept ``job_ttl_s`` from now), delete the
+        expired ones, and start expiring jobs in the background."""
+        found = await self.store.recover()
+        log.info(
+            "jobs in %s: %d interrupted by the restart (now failed: %s), %d expired, %d stray files removed",
+            self.store.data_dir.resolve(),
+            len(found.interrupted),
+            INTERRUPTED,
+            found.expired,
+            found.orphans,
+        )
+        self._sweeper = asyncio.create_task(self._sweep(), name="jobs-expiry")
+
+    async def close(self) -> None:
+        """Shutdown: end the jobs still running here (each is kept ``failed``
+        with ``INTERRUPTED``), stop expiring, close the store."""
+        self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        tasks = [job.task for job in self.live.values() if job.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        await self.store.close()
+
+    async def _sweep(self) -> None:
+        interval = min(60.0, self.settings.job_ttl_s / 2)
+        while True:
+            await asyncio.sleep(interval)  # a period, not a synchronisation: expiry is also checked on every read
+            try:
+                await self.store.expire()
+            except Exception:
+                log.exception("expiring jobs failed; trying again in %g s", interval)
 
     async def create(self, request: JobRequest) -> Job:
         """Validate and start a job; ``RequestError`` names what is wrong. The
         first start attempt happens here, so the worker's own checks (sizes,
-        steps) refuse a bad request at once; a full engine leaves it queued."""
+        steps) refuse a bad request at once; a full engine leaves it queued.
+        The job is in the store (``queued``) when this returns."""
         if request.num_frames is None and request.num_chunks is None and request.seconds is None:
             raise RequestError("num_frames: a job needs a length (num_frames, num_chunks or seconds)")
         if (unavailable := self.engine.unavailable()) is not None:
             raise unavailable  # answered 503 before anything is kept
-        self.expire()
-        # Counted with the creates still waiting on the engine (the await below), so a
-        # burst of concurrent requests cannot all pass the check before any is kept.
-        kept = len(self.jobs) + self._starting
-        if kept >= self.settings.max_jobs_kept:
-            raise JobsFullError(
-                "too_many_jobs",
-                f"{kept} jobs are kept (queued, running, or finished less than "
-                f"{self.settings.job_ttl_s:g} s ago); at most {self.settings.max_jobs_kept}",
-                self._soonest_expiry_s(),
-            )
-        job_id = f"video_{uuid.uuid4().hex}"
-        start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False)
-        handle = None
-        self._starting += 1
+        # Counted with the creates still on their way to the store (the awaits below), so
+        # a burst of concurrent requests cannot all pass the check before any is kept.
+        async with self._admission:
+            await self.store.expire()
+            kept = await self.store.count() + self._starting
+            if kept >= self.settings.max_jobs_kept:
+                raise JobsFullError(
+                    "too_many_jobs",
+                    f"{kept} jobs are kept (queued, running, or finished less than "
+                    f"{self.settings.job_ttl_s:g} s ago); at most {self.settings.max_jobs_kept}",
+                    await self._soonest_expiry_s(),
+                )
+            self._starting += 1
         try:
-            handle = await self.engine.start_session(start)
-        except SessionRejectedError as error:
-            if error.code != "server_full":
-                raise RequestError(error.message) from None
-            waiting = sum(1 for j in self.jobs.values() if j.waiting)
-            if waiting >= self.settings.max_queued_jobs:
-                limit = self.settings.max_queued_jobs
-                message = f"{waiting} jobs wait for the engine already; at most {limit}"
-                raise JobsFullError("queue_full", message, CAPACITY_RETRY_S) from None
+            job_id = f"video_{uuid.uuid4().hex}"
+            start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False)
+            handle = None
+            try:
+                handle = await self.engine.start_session(start)
+            except SessionRejectedError as error:
+                if error.code != "server_full":
+                    raise RequestError(error.message) from None
+                waiting = sum(1 for j in self.live.values() if j.waiting)
+                if waiting >= self.settings.max_queued_jobs:
+                    limit = self.settings.max_queued_jobs
+                    message = f"{waiting} jobs wait for the engine already; at most {limit}"
+                    raise JobsFullError("queue_full", message, CAPACITY_RETRY_S) from None
+            job = Job(job_id, request, config, self.settings.job_ttl_s, waiting=handle is None)
+            self.live[job_id] = job  # now: the next create's waiting count sees it
+            try:
+                await self.store.insert(job.id, job.created_at, job.body())
+            except BaseException:
+                del self.live[job_id]
+                if handle is not None:
+                    await _stop_and_drain(self.engine, handle)
+                raise
         finally:
             self._starting -= 1
-        job = Job(job_id, request, config, waiting=handle is None)
-        self.jobs[job_id] = job
         job.task = asyncio.create_task(self._run(job, start, handle), name=f"job-{job_id}")
         return job
 
-    async def cancel(self, job_id: str) -> Job:
-        job = self.jobs.pop(job_id)
-        if job.task is not None and not job.task.done():
-            with contextlib.suppress(EngineDeadError, UnknownSessionError):
-                await self.engine.stop(job_id, "cancelled")
-            job.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await job.task
-        return job
+    async def get(self, job_id: str) -> VideoObject:
+        """The job as the API answers it; ``UnknownJobError`` if it is not kept."""
+        if (job := self.live.get(job_id)) is not None:
+            return job.public()
+        return VideoObject.model_validate((await self._stored(job_id)).body)
+
+    async def _stored(self, job_id: str) -> StoredJob:
+        await self.store.expire()
+        stored = await self.store.get(job_id)
+        if stored is None:
+            raise UnknownJobError(job_id)
+        return stored
+
+    async def page(self, after: str | None, limit: int, order: Literal["asc", "desc"]) -> VideoList:
+        """A page of the jobs kept, in creation order (``desc``: newest first),
+        after the job ``after``; ``RequestError`` naming ``after`` if it is not kept."""
+        await self.store.expire()
+        try:
+            rows, has_more = await self.store.page(after, limit, order)
+        except UnknownCursorError:
+            raise RequestError(f"after: no video {after!r} (deleted, expired, or never made)") from None
+        data = [
+            self.live[row.id].public() if row.id in self.live else VideoObject.model_validate(row.body) for row in rows
+        ]
+        first, last = (data[0].id, data[-1].id) if data else (None, None)
+        return VideoList(object="list", data=data, first_id=first, last_id=last, has_more=has_more)
+
+    async def content(self, job_id: str) -> tuple[VideoObject, StoredJob | None]:
+        """The job, and with it its record when its video is complete (``media``
+        set); ``UnknownJobError`` if it is not kept."""
+        if (job := self.live.get(job_id)) is not None:
+            return job.public(), None
+        stored = await self._stored(job_id)
+        video = VideoObject.model_validate(stored.body)
+        return video, (stored if stored.status == "completed" and stored.media is not None else None)
+
+    async def delete(self, job_id: str) -> str:
+        """Stop the job if it runs, and forget it and its video; its status at
+        that point (``cancelled`` if it had not finished). ``UnknownJobError`` if
+        it is not kept."""
+        job = self.live.pop(job_id, None)
+        if job is None:
+            status = (await self._stored(job_id)).status
+        else:
+            if job.task is not None and not job.task.done():
+                with contextlib.suppress(EngineDeadError, UnknownSessionError):
+                    await self.engine.stop(job_id, "cancelled")
+                job.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job.task
+            status = job.status
+        await self.store.delete(job_id)
+        return status
 
     async def _run(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:
         try:
             await self._generate(job, start, handle)
         except asyncio.CancelledError:
-            job.status = "cancelled"
+            if self._closing:
+                self._fail(job, INTERRUPTED, INTERRUPTED_MESSAGE)
+            else:
+                job.status = "cancelled"
             raise
         except EngineDeadError as error:
             self._fail(job, "engine_unavailable", str(error))
-        except Exception as error:  # an encoder or server bug fails this job, not the server
+        except Exception as error:  # an encoder, disk or server bug fails this job, not the server
             log.exception("job %s failed", job.id)
             self._fail(job, "internal_error", f"{type(error).__name__}: {error}")
         finally:
             job.waiting = False
             job.completed_at = job.completed_at or time.time()
-            job.finished.set()
-            self.metrics.jobs.labels(job.status).inc()
+            suffix = SUFFIXES[job.config.format] if job.status == "completed" else None
+            try:
+                await self.store.finish(job.id, job.body(final=True), job.completed_at, suffix)
+            except Exception:
+                log.exception("job %s: its end could not be stored", job.id)
+            finally:  # even when a delete cancels the wait: the store finishes it all the same
+                if self.live.get(job.id) is job:
+                    del self.live[job.id]
+                job.finished.set()
+                self.metrics.jobs.labels(job.status).inc()
 
     async def _generate(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:
         while handle is None:
@@ -224,7 +363,7 @@ class JobManager:
                 async with self.capacity:
                     await asyncio.wait_for(self.capacity.wait(), CAPACITY_RETRY_S)
             if self.drainer.draining:
-                return self._fail(job, "shutting_down", "the server shut down before this job could start")
+                return self._fail(job, INTERRUPTED, INTERRUPTED_MESSAGE)
             try:
                 handle = await self.engine.start_session(start)
             except SessionRejectedError as error:
@@ -234,6 +373,7 @@ class JobManager:
                 pass  # a queued job outlives a worker restart: try again once it is up
         job.waiting = False
         job.status = "in_progress"
+        await self.store.update(job.id, job.body())
         output = SessionOutput(job.id, job.config, self.metrics)
         try:
             async with asyncio.timeout(self.settings.max_session_seconds):
@@ -241,7 +381,7 @@ class JobManager:
                     if isinstance(message, ChunkReady):
                         chunk = await output.chunk(message)
                         if chunk is not None:
-                            job.payloads.append(chunk.payload)
+                            await self.store.append(job.id, chunk.payload)
                             job.chunks_done += 1
                             job.compute_ms = output.compute_ms
                             job.inexact_reason = output.inexact_reason
@@ -249,7 +389,12 @@ class JobManager:
                         output.count(message)  # on /metrics as a realtime session's would be
                         job.record(message)
                     if isinstance(message, SessionDone):
-                        job.status = "completed" if message.reason == "completed" else "cancelled"
+                        if message.reason == "completed":
+                            job.status = "completed"
+                        elif message.reason in ("shutdown", "parent_exited"):  # the server drained or stops
+                            self._fail(job, INTERRUPTED, INTERRUPTED_MESSAGE)
+                        else:
+                            job.status = "cancelled"
                     elif isinstance(message, SessionFailed):
                         self._fail(job, message.code, message.message)
         except TimeoutError:
@@ -267,18 +412,10 @@ class JobManager:
         job.status = "failed"
         job.error = {"code": code, "message": message}
 
-    def expire(self) -> None:
-        """Forget finished jobs kept for ``job_ttl_s`` already."""
-        now = time.time()
-        for job in [j for j in self.jobs.values() if j.finished.is_set()]:
-            if now - (job.completed_at or now) >= self.settings.job_ttl_s:
-                del self.jobs[job.id]
-
-    def _soonest_expiry_s(self) -> float:
+    async def _soonest_expiry_s(self) -> float:
         """Seconds until a kept job expires (a fair Retry-After when the store is full)."""
-        now = time.time()
-        ends = [j.completed_at + self.settings.job_ttl_s - now for j in self.jobs.values() if j.finished.is_set()]
-        return max(1.0, min(ends)) if ends else CAPACITY_RETRY_S
+        soonest = await self.store.soonest_expiry()
+        return CAPACITY_RETRY_S if soonest is None else max(1.0, soonest - time.time())
 
 
 async def _stop_and_drain(engine: EngineClient, handle: SessionHandle) -> None:
@@ -289,3 +426,11 @@ async def _stop_and_drain(engine: EngineClient, handle: SessionHandle) -> None:
         async with asyncio.timeout(30.0):
             async for _ in handle:
                 pass
+
+
+async def open_job_store(settings: ServerSettings) -> JobStore:
+    """The store in ``settings.data_dir``, opened: held by this process (``DataDirInUseError``
+    if another holds it). ``JobManager.open`` recovers what the previous process left."""
+    store = JobStore(settings.data_dir, settings.job_ttl_s)
+    await store.open()
+    return store

@@ -96,6 +96,26 @@ class JobRequest(VideoRequest):
     (accepted so that body posts as it is)."""
     inexact_reason: str | None = Field(None, max_length=2000)
     """Ignored, as exact is."""
+    size: str | None = Field(None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")
+    """WIDTHxHEIGHT, as the OpenAI SDK sends it (e.g. "64x64"): the same as width and
+    height, which it must not contradict."""
+    input_reference: Any = None
+    """Not supported (the OpenAI SDK's reference image or video): this server makes
+    video from the prompt alone, and refuses a request that carries one."""
+
+    @model_validator(mode="after")
+    def _size(self) -> JobRequest:
+        if self.input_reference is not None:
+            raise ValueError("input_reference: not supported: this server makes video from the prompt alone")
+        if self.size is not None:
+            width, height = (int(side) for side in self.size.split("x"))
+            for name, side, given in (("width", width, self.width), ("height", height, self.height)):
+                if side < 2:
+                    raise ValueError(f"size: {name} {side} is less than 2")
+                if given is not None and given != side:
+                    raise ValueError(f"size: {self.size} says {name} {side}, but {name} is {given}")
+            self.width, self.height = width, height
+        return self
 
 
 # -- WebSocket client events ---------------------------------------------------------
@@ -233,16 +253,26 @@ class VideoObject(_Answer):
     model: str
     """The served model that makes it."""
     status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
-    """queued (waiting for the engine, or not begun yet), in_progress, completed, failed,
-    cancelled (stopped by a shutdown, or deleted)."""
+    """queued (waiting for the engine, or not begun yet), in_progress, completed
+    (its video is ready), failed (error says why; interrupted_by_restart when the
+    server stopped before it finished), cancelled (deleted while it ran: only a
+    DELETE answer says it)."""
     progress: int = Field(ge=0, le=100)
     """Chunks done over chunks, in percent."""
     created_at: int
     """Unix seconds."""
     completed_at: int | None
     """Unix seconds; null until the job ends."""
+    expires_at: int | None
+    """Unix seconds: when the finished job and its video are deleted (completed_at +
+    job_ttl_s); null until the job ends."""
     error: ErrorDetail | None
     """Why it failed; null otherwise."""
+    seconds: str
+    """The video's length in seconds of media (num_frames / fps), as a decimal string
+    (the OpenAI SDK's type)."""
+    size: str
+    """WIDTHxHEIGHT (the OpenAI SDK's form of width and height)."""
     format: Literal["fmp4", "jpeg", "raw"]
     """The media format of /content."""
     num_frames: int
@@ -268,17 +298,24 @@ class VideoObject(_Answer):
 
 
 class VideoList(_Answer):
-    """The jobs kept, newest first."""
+    """A page of the jobs kept, in creation order (newest first unless order=asc)."""
 
     object: Literal["list"]
     data: list[VideoObject]
+    first_id: str | None
+    """The first job of this page; null when the page is empty."""
+    last_id: str | None
+    """The last job of this page: pass it as after= for the next page; null when the page is empty."""
+    has_more: bool
+    """Whether more jobs follow this page."""
 
 
 class DeletedVideo(_Answer):
     """A job that was stopped if it ran, and forgotten."""
 
     id: str
-    object: Literal["video"]
+    object: Literal["video.deleted"]
+    """What the OpenAI SDK's VideoDeleteResponse expects."""
     deleted: Literal[True]
     status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
     """Its status when it was deleted (cancelled if it had not finished)."""

@@ -103,8 +103,8 @@ class ServerSettings:
     """Wall-clock limit of one realtime session or job."""
     max_frames: int = 4800
     """Largest ``num_frames`` (or equivalent) one request may ask for. 4800: five
-    minutes at 16 fps, the served models' rate. A job holds its whole video in
-    memory until it expires (``job_ttl_s``): five minutes at the tiny model's
+    minutes at 16 fps, the served models' rate. A job keeps its whole video on
+    disk (``data_dir``) until it expires (``job_ttl_s``): five minutes at the tiny model's
     64x64 are 59 MB raw (the ``max_jobs_kept`` 64 jobs: 3.8 GB), 9 MB fmp4, made
     in about 20 s on 2 CPU cores. Longer videos: raise it, or stream a realtime
     session without a length (nothing is held; it runs until stopped)."""
@@ -130,8 +130,13 @@ class ServerSettings:
     """Jobs that may wait for the engine at once; a new one that would wait beyond
     it is refused with 429 (queue_full)."""
     job_ttl_s: float = 3600.0
-    """How long a finished job (and its video) is kept for download."""
-    """Finished jobs kept for download; the oldest finished ones go first."""
+    """How long a finished job (and its video) is kept for download; measured in
+    wall-clock time from when it finished, so it holds across restarts."""
+    data_dir: str = "rtvideo-data"
+    """Directory where /v1/videos jobs live (relative: to the working directory):
+    their records (SQLite, jobs.sqlite3) and videos (media/), so finished jobs
+    outlast a restart. Created if missing; one server per directory (a second one
+    refused at start)."""
     worker_startup_timeout_s: float = 300.0
     """How long a worker may take to load its model and say READY."""
     max_worker_restarts: int = 3
@@ -156,6 +161,8 @@ class ServerSettings:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, got {self.port}")
+        if not self.data_dir:
+            raise ValueError("data_dir must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.stream_batch and self.pp < 2:

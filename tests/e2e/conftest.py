@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ class RunningServer:
         self.http = url
         self.ws = url.replace("http://", "ws://") + "/v1/realtime/video"
         self.log = log
+        self.data_dir: Path | None = None  # the job store's directory, when start_server chose it
 
     def health(self) -> dict:
         return httpx.get(f"{self.http}/health", timeout=10).json()
@@ -58,6 +61,10 @@ def start_server(
         command += ["--pipeline-options", json.dumps(pipeline)]
     if "--max-pixels" not in flags:  # measured from the machine's speed at start: pinned unless a test says
         command += ["--max-pixels", str(PINNED_LIMITS["max_pixels"])]
+    data_dir = None
+    if "--data-dir" not in flags:  # each server its own job store, removed when it stops
+        data_dir = Path(tempfile.mkdtemp(prefix="rtvideo-data-"))
+        command += ["--data-dir", str(data_dir)]
     if "--max-realtime-load" not in flags:
         command += ["--max-realtime-load", "none"]
     # uvicorn logs to stderr and its access log to stdout: keep both, in order.
@@ -78,8 +85,12 @@ def start_server(
     threading.Thread(target=drain, daemon=True).start()
     if not found.wait(timeout) or not url:
         process.kill()
+        if data_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)
         raise RuntimeError("the server did not start:\n" + "".join(log))
-    return RunningServer(process, url[0], log)
+    running = RunningServer(process, url[0], log)
+    running.data_dir = data_dir
+    return running
 
 
 def train_tiny_demo(out: Path) -> Path:
@@ -93,10 +104,13 @@ def train_tiny_demo(out: Path) -> Path:
 def stop_server(server: RunningServer) -> int:
     server.process.terminate()
     try:
-        return server.process.wait(timeout=30)
+        code = server.process.wait(timeout=30)
     except subprocess.TimeoutExpired:
         server.process.kill()
-        return server.process.wait()
+        code = server.process.wait()
+    if server.data_dir is not None:
+        shutil.rmtree(server.data_dir, ignore_errors=True)
+    return code
 
 
 @pytest.fixture(scope="module")

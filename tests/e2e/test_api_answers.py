@@ -80,7 +80,7 @@ def test_real_answers_match_the_documented_schema(served):
     assert [job["id"] for job in listed["data"]] == [long["id"], created["id"]]
     gone = httpx.delete(f"{http}/v1/videos/{long['id']}", headers=AUTH)
     deleted = check(spec, "delete", "/v1/videos/{video_id}", gone)
-    assert deleted == {"id": long["id"], "object": "video", "deleted": True, "status": "cancelled"}
+    assert deleted == {"id": long["id"], "object": "video.deleted", "deleted": True, "status": "cancelled"}
     check(spec, "get", "/v1/videos/{video_id}", get(f"/v1/videos/{long['id']}"))  # 404 now
 
     for refused in (
@@ -109,8 +109,10 @@ def test_refusals_name_the_field_that_was_sent(served):
         assert "max_frames" in message, message
     bad_json = httpx.post(f"{server.http}/v1/videos", content=b'{"prompt": "p", "num_chunks": }', headers=JSON)
     assert bad_json.json()["error"]["message"] == "body: not valid JSON (Expecting value) at character 30"
-    form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p"}, headers=AUTH)
-    assert "content-type: application/json" in form.json()["error"]["message"]
+    text = httpx.post(f"{server.http}/v1/videos", content=b"prompt=p", headers={**AUTH, "content-type": "text/plain"})
+    assert "content-type: application/json" in text.json()["error"]["message"]
+    form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p"}, headers=AUTH)  # a form is a body too
+    assert form.status_code == 422 and form.json()["error"]["message"].startswith("num_frames: a job needs a length")
 
 
 def _bounds(spec: dict, schema_name: str, field: str) -> dict:
