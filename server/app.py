@@ -46,6 +46,7 @@ from server.schemas import (
     VideoList,
     VideoObject,
 )
+from server.session_registry import SessionRegistry
 from server.settings import ServerSettings
 
 STATIC = Path(__file__).parent / "static"
@@ -142,6 +143,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
 
     app.state.settings = settings
+    app.state.live_sessions = SessionRegistry()  # realtime sessions by token (resume, watch, control)
     # Added first, so it sits inside BodyLimits: a form is bounded as a JSON body is, then read as one.
     app.add_middleware(FormBodies, paths=("/v1/videos", "/v1/videos/sync"))
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
@@ -273,7 +275,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
         engine = websocket.app.state.engine
         state = websocket.app.state
         connection = RealtimeConnection(
-            websocket, engine, settings, engine.ready.pipeline, state.metrics, state.drainer
+            websocket,
+            engine,
+            settings,
+            engine.ready.pipeline,
+            state.metrics,
+            state.drainer,
+            sessions=state.live_sessions,
+            capacity=state.capacity,
         )
         try:
             await connection.serve()

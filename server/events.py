@@ -24,6 +24,12 @@ class VideoStart(_Event):
     request_id: str
     format: str
     config: dict[str, Any]  # the effective parameters after defaults
+    role: Literal["controller", "spectator"] = "controller"
+    controller_id: str | None = None  # this connection's id among the session's controllers
+    resumed: bool | None = None  # true on a connection that resumed the session
+    resume_token: str | None = None  # to the controller that started (or resumed) the session
+    watch_token: str | None = None  # to controllers: spectators join with ?watch=
+    control_token: str | None = None  # to controllers of a shared_control session: ?control=
 
 
 class ChunkMetadata(_Event):
@@ -64,6 +70,7 @@ class InteractionAppliedEvent(_Event):
     queued_to_applied_ms: float
     transition_chunks: int
     chunks_in_flight: int
+    controller: str | None = None  # the controller that sent it
 
 
 class InteractionSupersededEvent(_Event):
@@ -71,6 +78,8 @@ class InteractionSupersededEvent(_Event):
     request_id: str
     event_id: str
     by_event_id: str
+    controller: str | None = None  # the controller that sent the replaced one
+    by_controller: str | None = None  # the controller whose event won
 
 
 class SessionPong(_Event):

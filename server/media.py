@@ -91,6 +91,7 @@ class Fmp4Encoder:
         self.rate = Fraction(fps).limit_denominator(1001)
         self._sequence = 0
         self._timescale: int | None = None
+        self.init = b""  # the init segment (ftyp + moov), once the first chunk was encoded
 
     def encode(self, frames: np.ndarray, first_frame_index: int) -> bytes:
         count = len(frames)
@@ -114,6 +115,7 @@ class Fmp4Encoder:
         init, fragment = _split_init(data)
         if self._timescale is None:
             self._timescale = _media_timescale(init)
+            self.init = init
         self._sequence += 1
         decode_time = round(first_frame_index * self._timescale / self.rate)
         fragment = _rewrite_fragment(fragment, self._sequence, decode_time)

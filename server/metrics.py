@@ -31,7 +31,9 @@ SESSION_OUTCOMES = (
     "shutdown",
     "failed",
     "slow_client",
+    "abandoned",
 )
+VIEWER_ROLES = ("controller", "spectator")
 REJECTION_REASONS = (
     "server_full",
     "unauthorized",
@@ -62,6 +64,16 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.sessions_active = Gauge("rtvideo_sessions_active", "Realtime sessions open now", registry=r)
         self.sessions = Counter("rtvideo_sessions", "Realtime sessions ended, by outcome", ["outcome"], registry=r)
+        self.viewers = Gauge(
+            "rtvideo_session_viewers", "Connections attached to realtime sessions now, by role", ["role"], registry=r
+        )
+        self.sessions_detached = Gauge(
+            "rtvideo_sessions_detached",
+            "Realtime sessions without a controller now, kept for a resume (resume_grace_s)",
+            registry=r,
+        )
+        for role in VIEWER_ROLES:
+            self.viewers.labels(role)
         self.rejections = Counter(
             "rtvideo_session_rejections", "Realtime starts refused, by reason", ["reason"], registry=r
         )

@@ -47,6 +47,7 @@ class MediaChunk:
     payload: bytes
     compute_s: float  # the worker's pipeline time for it
     fps: float  # the session's
+    init_length: int = 0  # bytes of the payload that are the fmp4 init segment (the session's first chunk)
 
     @property
     def media_end_seconds(self) -> float:
@@ -72,6 +73,7 @@ class SessionOutput:
         self.chunks_sent = 0
         self.compute_ms = 0.0  # pipeline time of the chunks sent, from the worker
         self.inexact: dict[str, str] = {}  # why a replay would not be bit-exact: kind -> the first instance
+        self.senders: dict[str, str] = {}  # event_id -> the controller that sent it (realtime sessions)
 
     async def chunk(self, ready: ChunkReady) -> MediaChunk | None:
         """Encode one chunk; None when every frame of it is past ``num_frames``."""
@@ -102,10 +104,16 @@ class SessionOutput:
             completed_event_ids=list(ready.completed_event_ids),
             compute_ms=compute_ms,
         ).wire()
+        init_length = len(self.init_segment) if self.chunks_sent == 0 else 0
         self.transport_index += 1
         self.frames_sent += len(frames)
         self.chunks_sent += 1
-        return MediaChunk(metadata, payload, compute_ms / 1000.0, self.config.fps)
+        return MediaChunk(metadata, payload, compute_ms / 1000.0, self.config.fps, init_length)
+
+    @property
+    def init_segment(self) -> bytes:
+        """The fmp4 init segment once the first chunk was encoded (b"" for the other formats)."""
+        return getattr(self.encoder, "init", b"")
 
     def _note_exactness(self, ready: ChunkReady) -> None:
         """Note what makes a chunk sent depend on more than its session's own
@@ -160,10 +168,15 @@ class SessionOutput:
                 queued_to_applied_ms=message.queued_to_applied_ms,
                 transition_chunks=message.transition_chunks,
                 chunks_in_flight=message.chunks_in_flight,
+                controller=self.senders.get(message.event_id),
             ).wire()
         if isinstance(message, InteractionSuperseded):
             return InteractionSupersededEvent(
-                request_id=rid, event_id=message.event_id, by_event_id=message.by_event_id
+                request_id=rid,
+                event_id=message.event_id,
+                by_event_id=message.by_event_id,
+                controller=self.senders.get(message.event_id),
+                by_controller=self.senders.get(message.by_event_id),
             ).wire()
         if isinstance(message, InteractionRejected):
             return error_event(message.code, message.message, request_id=rid, event_id=message.event_id)

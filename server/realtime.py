@@ -1,30 +1,41 @@
-"""``WS /v1/realtime/video``: one connection, one realtime session.
+"""``WS /v1/realtime/video``: one connection, attached to one realtime session.
 
-API process, asyncio. Per connection three tasks cooperate:
+API process, asyncio. The session itself (engine handle, encoder, resume
+buffer, fan-out) is a ``server.live_session.LiveSession``, which outlives its
+connections; this module is the connection side. A connection becomes one of:
 
-- the **reader** validates client events (``server.schemas``) and forwards
-  interactions, playback positions and stops to the engine; bad input gets an
+- the session's first **controller**, by ``session.start`` (it starts one);
+- its first controller again, by ``session.resume`` (after a drop);
+- a further controller, by ``?control=TOKEN`` (a ``shared_control`` session);
+- a **spectator**, by ``?watch=TOKEN``: read-only.
+
+Per connection two tasks cooperate with the session's pump:
+
+- the **reader** validates client events (``server.schemas``) and hands
+  interactions, playback positions and stops to the session; bad input gets an
   ``error`` and, after the start, the session goes on;
-- the **pump** turns the session's engine results into protocol events,
-  encoding chunks off the event loop (``server.output``);
 - the **writer** is the only task that sends on the socket, so a
   ``video.chunk_metadata`` and its binary frame are never split.
 
-The outbox between them and the writer is bounded: it counts the bytes
-queued and not yet written to the socket (events as their JSON text, chunks
-as metadata plus payload). A client whose backlog passes ``max_outbox_bytes``
-(an item reaching an empty outbox is always taken, however large), or whose
-socket takes nothing for ``send_timeout_s`` while a write waits, is a slow
-client: it is closed with 1008 and the reason ``slow_client: ...`` at once,
-without waiting for it to read (``server.ws_protocol``), what was queued for it
-is dropped, and its session ends (``session.done`` reason ``slow_client``).
-Pacing (``max_undelivered_seconds``) holds a lagging session's generation long
-before that; these limits are for a client that stopped reading for good.
+The session queues events and chunks for the connection without waiting
+(``send_event``, ``send_chunk``). The outbox between it and the writer is
+bounded: it counts the bytes queued and not yet written to the socket (events
+as their JSON text, chunks as metadata plus payload). A client whose backlog
+passes ``max_outbox_bytes`` (an item reaching an empty outbox is always taken,
+however large), or whose socket takes nothing for ``send_timeout_s`` while a
+write waits, is a slow client: it is closed with 1008 and the reason
+``slow_client: ...`` at once, without waiting for it to read
+(``server.ws_protocol``), and what was queued for it is dropped. A slow
+spectator is only dropped; a slow last controller ends its session
+(``session.done`` reason ``slow_client``). Pacing (``max_undelivered_seconds``)
+holds a lagging controller's session long before that; these limits are for a
+client that stopped reading for good.
 
-Ending: ``session.stop``, a length reached, the stall or duration limit, a
-slow client, or the client leaving all go through one path,
-``EngineClient.stop``, and the connection waits for the engine's
-``SessionDone`` so nothing is left behind.
+Leaving: ``session.stop`` and the stall limit end the session (the connection
+waits for its ``session.done``); a socket of the last controller that goes as
+a drop (``RESUMABLE_CLOSES``) detaches it (``LiveSession.leave``), to be
+resumed within ``resume_grace_s``; any other close ends it
+(``client_disconnected``).
 """
 
 from __future__ import annotations
@@ -44,17 +55,18 @@ from engine.client import (
     EngineClient,
     EngineDeadError,
     EngineRestartingError,
-    SessionHandle,
     SessionRejectedError,
     UnknownSessionError,
 )
-from engine.messages import ChunkReady, Interaction, SessionDone, SessionFailed, SessionStarted
+from engine.messages import Interaction
 from server.auth import is_authorized, key_subprotocol
 from server.drain import Drainer
-from server.events import SessionPong, VideoStart
+from server.events import SessionPong
 from server.limits import TooDeepError, too_deep
+from server.live_session import LiveSession, ResumeRefused
 from server.metrics import Metrics, SessionClock
-from server.output import MediaChunk, SessionOutput, error_event
+from server.output import SessionOutput, error_event
+from server.resume_buffer import BufferedChunk
 from server.schemas import (
     CLIENT_EVENT_TYPES,
     ClientEvent,
@@ -62,11 +74,13 @@ from server.schemas import (
     SessionInteractionEvent,
     SessionPingEvent,
     SessionPlaybackEvent,
+    SessionResumeEvent,
     SessionStartEvent,
     SessionStopEvent,
     describe_validation_error,
     resolve,
 )
+from server.session_registry import SessionRegistry
 from server.settings import ServerSettings
 from server.ws_protocol import EXTENSION as CLOSE_NOW
 
@@ -75,10 +89,19 @@ CLIENT_EVENTS: TypeAdapter = TypeAdapter(ClientEvent)
 
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_ERROR, CLOSE_FULL = 1000, 1008, 1009, 1011, 1013
 SLOW_CLIENT_GRACE_S = 10.0  # a slow client closed now has this long to read up to the close frame
+STOP_WAIT_S = 30.0  # how long a stopping connection waits for its session's end
+# How a socket that may come back goes: going away (a reload), a close without a
+# code, no close at all (a network drop). Any other close (1000 done, 1009 too big,
+# 1008 ...) ends the session when its last controller goes that way.
+RESUMABLE_CLOSES = (1001, 1005, 1006)
 
 
 class _Closed(Exception):
-    """The client is gone."""
+    """The client is gone (``code``: the close code it sent, 1005/1006 for none)."""
+
+    def __init__(self, code: int | None = None) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -96,12 +119,13 @@ class Event:
 class Media:
     """A ``video.chunk_metadata`` text frame and its binary frame, sent back to back."""
 
-    chunk: MediaChunk
+    chunk: BufferedChunk
+    payload: bytes
     metadata: str
 
     @property
     def size(self) -> int:
-        return len(self.metadata) + len(self.chunk.payload)
+        return len(self.metadata) + len(self.payload)
 
 
 @dataclass(frozen=True)
@@ -134,6 +158,8 @@ class RealtimeConnection:
         model: str,
         metrics: Metrics,
         drainer: Drainer,
+        sessions: SessionRegistry | None = None,
+        capacity: asyncio.Condition | None = None,
     ) -> None:
         self.drainer = drainer
         self.ws = websocket
@@ -141,14 +167,41 @@ class RealtimeConnection:
         self.settings = settings
         self.model = model
         self.metrics = metrics
+        self.sessions: SessionRegistry = sessions if sessions is not None else SessionRegistry()
+        self.capacity = capacity
         self.clock = SessionClock(metrics)
         self.outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
         self.backlog = 0  # bytes queued in the outbox and not yet written to the socket
         self.slow: str | None = None  # why the client was closed as slow, once it was
         self._slow = asyncio.Event()
+        self._ended = asyncio.Event()  # the session ended; its last events and the close are queued
         self._writer: asyncio.Task | None = None
-        self.handle: SessionHandle | None = None
-        self.output: SessionOutput | None = None
+        self.session: LiveSession | None = None  # while attached
+        self._written_to: LiveSession | None = None  # the session whose chunks the writer reports written
+        # Viewer
+        self.role = "controller"
+        self.controller_id: str | None = None
+        self.transport_index = 0  # chunks sent on this connection
+        self._needs_init = True  # an fmp4 connection's first chunk carries the init segment
+
+    # ------------------------------------------------------------------
+    # Viewer: what the session calls (each queues and returns at once)
+    # ------------------------------------------------------------------
+
+    def send_event(self, event: dict[str, Any]) -> None:
+        self._send(event)
+
+    def send_chunk(self, chunk: BufferedChunk) -> None:
+        payload = chunk.payload(with_init=self._needs_init)
+        self._needs_init = False
+        metadata = {**chunk.metadata, "transport_chunk_index": self.transport_index, "byte_length": len(payload)}
+        self.transport_index += 1
+        self._put(Media(chunk, payload, json.dumps(metadata)))
+
+    def session_ended(self, close_code: int, reason: str) -> None:
+        if not self._ended.is_set():
+            self._put(Close(close_code, reason))
+            self._ended.set()
 
     # ------------------------------------------------------------------
 
@@ -161,16 +214,14 @@ class RealtimeConnection:
         await self.ws.accept(subprotocol=key_subprotocol(self.ws))
         writer = self._writer = asyncio.create_task(self._write_all(), name="ws-writer")
         try:
-            await self._session()
+            await self._connect()
         except _Closed:
             pass
         except Exception:
             log.exception("realtime connection failed")
-            self._send(error_event("internal_error", "the server failed this session", fatal=True))
+            self._send(error_event("internal_error", "the server failed this connection", fatal=True))
             self._put(Close(CLOSE_ERROR, "internal error"))
         finally:
-            if self.handle is not None and not self.handle.finished:
-                await self._finish_session("slow_client" if self.slow else "server_error")
             self.outbox.put_nowait(END)
             # The writer delivers what is queued (each write bounded by send_timeout_s) and stops.
             await asyncio.gather(writer, return_exceptions=True)
@@ -178,10 +229,36 @@ class RealtimeConnection:
                 with contextlib.suppress(Exception):  # another server: try an ordinary close, briefly
                     await asyncio.wait_for(self.ws.close(CLOSE_POLICY, f"slow_client: {self.slow}"[:123]), 1.0)
 
-    async def _session(self) -> None:
-        start = await self._receive_start()
-        if start is None:
-            return
+    async def _connect(self) -> None:
+        """Attach this connection to a session: by a token in the query, or by its first message."""
+        query = self.ws.query_params
+        watch, control = query.get("watch"), query.get("control")
+        if watch is not None and control is not None:
+            message = "give at most one of the query parameters watch and control"
+            return await self._fatal("invalid_request", message, CLOSE_POLICY)
+        if watch is not None:
+            session = self.sessions.find("watch", watch)
+            if session is None:
+                message = "watch: no live session has this watch token (wrong, or the session ended)"
+                return await self._fatal("unknown_watch_token", message, CLOSE_POLICY)
+            self.role = "spectator"
+            return await self._attached(session, session.join)
+        if control is not None:
+            session = self.sessions.find("control", control)
+            if session is None:
+                message = (
+                    "control: no live session has this control token (wrong, or the session ended; "
+                    "only a session started with shared_control: true gives one)"
+                )
+                return await self._fatal("unknown_control_token", message, CLOSE_POLICY)
+            return await self._attached(session, session.join)
+        first = await self._receive_first()
+        if isinstance(first, SessionResumeEvent):
+            await self._resume(first)
+        elif first is not None:
+            await self._start(first)
+
+    async def _start(self, start: SessionStartEvent) -> None:
         if self.drainer.draining:
             return await self._fatal("shutting_down", "the server is shutting down", CLOSE_FULL)
         if (unavailable := self.engine.unavailable()) is not None:
@@ -193,34 +270,39 @@ class RealtimeConnection:
         except RequestError as error:
             return await self._fatal("invalid_request", str(error), CLOSE_POLICY)
         try:
-            self.handle = await self.engine.start_session(engine_start)
+            handle = await self.engine.start_session(engine_start)
         except SessionRejectedError as error:
             code = CLOSE_FULL if error.code == "server_full" else CLOSE_POLICY
             return await self._fatal(error.code, error.message, code)
         except EngineDeadError as error:
             return await self._engine_unavailable(error)
-        self.output = SessionOutput(request_id, config, self.metrics, self.clock)
-        self.metrics.sessions_active.inc()
-        self._send(VideoStart(request_id=request_id, format=config.format, config=config.wire()).wire())
-        pump = asyncio.create_task(self._pump(), name="ws-pump")
-        reader = asyncio.create_task(self._reader(), name="ws-reader")
-        limit = asyncio.create_task(self._duration_limit(), name="ws-duration")
-        slow = asyncio.create_task(self._slow.wait(), name="ws-slow")
+        output = SessionOutput(request_id, config, self.metrics, self.clock)
+        session = LiveSession(
+            handle,
+            output,
+            self.engine,
+            self.settings,
+            self.metrics,
+            self.sessions,
+            shared_control=start.shared_control,
+            on_end=self._capacity_freed,
+        )
+        await self._attached(session, session.attach_first)
+
+    async def _resume(self, event: SessionResumeEvent) -> None:
+        session = self.sessions.find("resume", event.resume_token)
+        if session is None or session.request_id != event.request_id:
+            message = "no live session has this request_id and resume_token (wrong, or the session ended)"
+            return await self._fatal("unknown_resume_token", message, CLOSE_POLICY)
         try:
-            done, _ = await asyncio.wait({pump, reader, slow}, return_when=asyncio.FIRST_COMPLETED)
-            if pump not in done:  # the client stopped, stalled, left or is too slow: end the session, drain it
-                reason = "slow_client" if self.slow else self._reader_end(reader)
-                with contextlib.suppress(EngineDeadError, UnknownSessionError):
-                    await self.engine.stop(self.handle.session_id, reason)
-                await asyncio.wait_for(asyncio.shield(pump), 30.0)
-            elif pump.exception() is not None:
-                raise pump.exception()
-        finally:
-            for task in (pump, reader, limit, slow):
-                task.cancel()
-            # Collect what they ended with (the reader ends with _Closed when the client
-            # leaves), so no task's exception is left unretrieved.
-            await asyncio.gather(pump, reader, limit, slow, return_exceptions=True)
+            await self._attached(session, lambda viewer: session.resume(viewer, event.last_chunk_index))
+        except ResumeRefused as refused:
+            await self._fatal(refused.code, refused.message, CLOSE_POLICY)
+
+    async def _capacity_freed(self) -> None:
+        if self.capacity is not None:
+            async with self.capacity:
+                self.capacity.notify_all()
 
     async def _engine_unavailable(self, error: EngineDeadError) -> None:
         """No worker takes the session: 1013 (try again later) while a fresh one is
@@ -228,39 +310,65 @@ class RealtimeConnection:
         close = CLOSE_FULL if isinstance(error, EngineRestartingError) else CLOSE_ERROR
         await self._fatal("engine_unavailable", str(error), close)
 
-    @staticmethod
-    def _reader_end(reader: asyncio.Task) -> str:
-        """Why the reader ended: its own answer, or the client leaving."""
-        if reader.cancelled() or reader.exception() is not None:
+    # ------------------------------------------------------------------
+    # attached
+    # ------------------------------------------------------------------
+
+    async def _attached(self, session: LiveSession, attach) -> None:
+        """Attach (``attach(self)`` queues video.start and what this connection is
+        owed), then serve the client until it or the session is done, and leave."""
+        attach(self)
+        self.session = self._written_to = session
+        reader = asyncio.create_task(self._reader(), name="ws-reader")
+        slow = asyncio.create_task(self._slow.wait(), name="ws-slow")
+        ended = asyncio.create_task(self._ended.wait(), name="ws-ended")
+        try:
+            done, _ = await asyncio.wait({reader, slow, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if ended in done:
+                return await session.leave(self, "ended")
+            why = "slow_client" if self.slow else self._reader_end(reader)
+            if why == "stopped" or (why == "stall_timeout" and session.only_controller(self)):
+                await session.stop(why)  # its session.done reaches this connection too
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(ended), STOP_WAIT_S)
+                return await session.leave(self, why)
+            if why == "stall_timeout":  # other controllers steer on: only this connection ends
+                await session.leave(self, why)
+                return self._put(Close(CLOSE_NORMAL, "stall timeout"))
+            await session.leave(self, why)
+        finally:
+            await session.leave(self, "server_error")  # a no-op once it left: here only on a server bug
+            self.session = None
+            for task in (reader, slow, ended):
+                task.cancel()
+            # Collect what they ended with (the reader ends with _Closed when the client
+            # leaves), so no task's exception is left unretrieved.
+            await asyncio.gather(reader, slow, ended, return_exceptions=True)
+
+    def _reader_end(self, reader: asyncio.Task) -> str:
+        """Why the reader ended: its own answer; the socket gone as a drop
+        (``dropped``: the session may be resumed, ``RESUMABLE_CLOSES``); or closed
+        any other way (``client_disconnected``)."""
+        if reader.cancelled():
+            return "client_disconnected"
+        error = reader.exception()
+        if isinstance(error, _Closed):
+            return "dropped" if error.code in RESUMABLE_CLOSES else "client_disconnected"
+        if error is not None:
             return "client_disconnected"
         return reader.result() or "stopped"
-
-    async def _finish_session(self, reason: str) -> None:
-        """Fallback when the pump is gone: stop the engine session and wait for its end."""
-        handle = self.handle
-        with contextlib.suppress(EngineDeadError, UnknownSessionError):
-            await self.engine.stop(handle.session_id, reason)
-        while not handle.finished:
-            try:
-                message = await handle.next(30.0)
-            except TimeoutError:
-                log.error("session %s did not end within 30 s of its stop", handle.session_id)
-                return
-            if isinstance(message, SessionDone | SessionFailed):
-                self._ended(message.reason if isinstance(message, SessionDone) else "failed")
-                self._send(self.output.event(message))
 
     # ------------------------------------------------------------------
     # reading
     # ------------------------------------------------------------------
 
-    async def _receive(self, timeout: float) -> dict | list | str | int | float | None | bytes:
+    async def _receive(self, timeout: float | None) -> dict | list | str | int | float | None | bytes:
         """The next client message: parsed JSON, or raw bytes for a binary frame.
         ``TimeoutError`` after ``timeout``; ``_Closed`` when the client left;
         ``ValueError`` for text that is not JSON."""
         message = await asyncio.wait_for(self.ws.receive(), timeout)
         if message["type"] == "websocket.disconnect":
-            raise _Closed()
+            raise _Closed(message.get("code"))
         if message.get("bytes") is not None:
             return message["bytes"]
         text = message.get("text") or ""
@@ -286,7 +394,7 @@ class RealtimeConnection:
             event_id = event_id if isinstance(event_id, str) else None
             return error_event(code, f"{kind}: {describe_validation_error(error)}", event_id=event_id)
 
-    async def _receive_start(self) -> SessionStartEvent | None:
+    async def _receive_first(self) -> SessionStartEvent | SessionResumeEvent | None:
         timeout = self.settings.start_timeout_s
         try:
             data = await self._receive(timeout)
@@ -300,25 +408,26 @@ class RealtimeConnection:
             await self._fatal("invalid_json", f"the first message is not JSON: {error}", CLOSE_POLICY)
             return None
         event = self._parse(data)
-        if isinstance(event, SessionStartEvent):
+        if isinstance(event, SessionStartEvent | SessionResumeEvent):
             return event
         if isinstance(event, dict):
             await self._fatal(event["code"], event["message"], CLOSE_POLICY)
         else:
-            await self._fatal(
-                "start_required", f"the first message must be session.start, not {event.type}", CLOSE_POLICY
-            )
+            message = f"the first message must be session.start or session.resume, not {event.type}"
+            await self._fatal("start_required", message, CLOSE_POLICY)
         return None
 
     async def _reader(self) -> str | None:
-        """Client events until a stop (returns the reason) or the client leaves."""
-        rid = self.output.request_id
+        """Client events until a stop (returns the reason) or the client leaves.
+        Spectators have no stall limit: they need not send anything."""
+        rid = self.session.request_id
+        spectator = self.role == "spectator"
+        stall = None if spectator else self.settings.stall_timeout_s
         while True:
             try:
-                data = await self._receive(self.settings.stall_timeout_s)
+                data = await self._receive(stall)
             except TimeoutError:
-                limit = self.settings.stall_timeout_s
-                self._send(error_event("stall_timeout", f"no message for {limit:g} s", request_id=rid, fatal=True))
+                self._send(error_event("stall_timeout", f"no message for {stall:g} s", request_id=rid, fatal=True))
                 return "stall_timeout"
             except TooDeepError as error:
                 self._send(error_event("invalid_message", str(error), request_id=rid))
@@ -329,58 +438,39 @@ class RealtimeConnection:
             event = self._parse(data)
             if isinstance(event, dict):
                 self._send({**event, "request_id": rid})
-            elif isinstance(event, SessionStopEvent):
+            elif isinstance(event, SessionStopEvent) and not spectator:
                 return "stopped"
             else:
                 await self._on_event(event)
 
     async def _on_event(self, event: Any) -> None:
-        rid, sid = self.output.request_id, self.handle.session_id
+        session = self.session
+        rid = session.request_id
         if isinstance(event, SessionPingEvent):
             self._send(SessionPong(request_id=rid).wire())
-        elif isinstance(event, SessionStartEvent):
+        elif isinstance(event, SessionStartEvent | SessionResumeEvent):
             self._send(error_event("session_already_started", "this connection already has a session", request_id=rid))
-        elif isinstance(event, SessionPlaybackEvent):
-            self.clock.playhead = event.position_seconds
-            await self.engine.playback(sid, event.position_seconds)
-        elif isinstance(event, SessionInteractionEvent):
-            payload = event.interaction
-            event_id = payload.event_id or f"evt-{uuid.uuid4().hex}"
-            interaction = Interaction(prompt=payload.event.prompt, transition_chunks=payload.transition_chunks)
-            await self.engine.interact(sid, event_id, interaction)
-
-    async def _duration_limit(self) -> None:
-        await asyncio.sleep(self.settings.max_session_seconds)
-        with contextlib.suppress(EngineDeadError, UnknownSessionError):
-            await self.engine.stop(self.handle.session_id, "max_duration")
+        elif self.role == "spectator":
+            if isinstance(event, SessionPlaybackEvent):
+                return  # a spectator's playhead paces nothing
+            event_id = event.interaction.event_id if isinstance(event, SessionInteractionEvent) else None
+            message = f"{event.type}: this connection watches the session (?watch=) and cannot steer it"
+            self._send(error_event("read_only", message, request_id=rid, event_id=event_id))
+        else:
+            try:
+                if isinstance(event, SessionPlaybackEvent):
+                    await session.playback(event.position_seconds)
+                elif isinstance(event, SessionInteractionEvent):
+                    payload = event.interaction
+                    event_id = payload.event_id or f"evt-{uuid.uuid4().hex}"
+                    interaction = Interaction(prompt=payload.event.prompt, transition_chunks=payload.transition_chunks)
+                    await session.interact(self, event_id, interaction)
+            except UnknownSessionError as error:
+                self._send(error_event("unknown_session", str(error), request_id=rid))
 
     # ------------------------------------------------------------------
-    # results and writing
+    # writing
     # ------------------------------------------------------------------
-
-    async def _pump(self) -> None:
-        """Engine results to client events, until the session ends."""
-        async for message in self.handle:
-            if isinstance(message, ChunkReady):
-                chunk = await self.output.chunk(message)
-                if chunk is not None:
-                    self._put(Media(chunk, json.dumps(chunk.metadata)))
-                continue
-            if isinstance(message, SessionStarted):
-                continue
-            event = self.output.event(message)
-            if event is not None:
-                self._send(event)
-            if isinstance(message, SessionFailed):
-                self._ended("failed")
-                self._put(Close(CLOSE_ERROR, "generation failed"))
-            elif isinstance(message, SessionDone):
-                self._ended(message.reason)
-                self._put(Close(CLOSE_NORMAL, "session done"))
-
-    def _ended(self, outcome: str) -> None:
-        self.metrics.sessions_active.dec()
-        self.metrics.sessions.labels(outcome).inc()
 
     def _send(self, event: dict[str, Any]) -> None:
         self._put(Event(json.dumps(event)))
@@ -399,11 +489,12 @@ class RealtimeConnection:
     def _too_slow(self, why: str) -> None:
         """Close a client that stopped reading, now: 1008 ``slow_client: ...``
         queued behind what it has not read (``server.ws_protocol``), what waits
-        for it dropped, the writer stopped; the session then ends."""
+        for it dropped, the writer stopped; it then leaves its session."""
         if self.slow is not None:
             return
         self.slow = why
-        log.warning("closing a slow client (%s): %s", self.output.request_id if self.output else "no session", why)
+        rid = self.session.request_id if self.session else "no session"
+        log.warning("closing a slow client (%s, %s): %s", rid, self.role, why)
         while not self.outbox.empty():
             self.outbox.get_nowait()
         self.backlog = 0
@@ -416,17 +507,10 @@ class RealtimeConnection:
         self._slow.set()
 
     async def _fatal(self, code: str, message: str, close_code: int) -> None:
-        """Refuse the connection before its session began (counted as a rejected start)."""
+        """Refuse the connection before it joined a session (counted as a rejected start)."""
         self.metrics.rejections.labels(code).inc()
         self._send(error_event(code, message, fatal=True))
         self._put(Close(close_code, message[:120]))
-
-    async def _delivered(self, chunk: MediaChunk) -> None:
-        """The chunk is written to the socket: count it delivered, and tell the
-        engine, whose pacing holds a session whose client stops taking media."""
-        self.output.delivered(chunk)
-        with contextlib.suppress(EngineDeadError, UnknownSessionError):
-            await self.engine.delivered(self.handle.session_id, chunk.media_end_seconds)
 
     async def _write(self, send: Any) -> None:
         """One write to the socket, which may wait for the client to read; past
@@ -448,10 +532,11 @@ class RealtimeConnection:
                 match item:
                     case Event(text):
                         await self._write(self.ws.send_text(text))
-                    case Media(chunk, metadata):
+                    case Media(chunk, payload, metadata):
                         await self._write(self.ws.send_text(metadata))
-                        await self._write(self.ws.send_bytes(chunk.payload))
-                        await self._delivered(chunk)
+                        await self._write(self.ws.send_bytes(payload))
+                        if self._written_to is not None:
+                            await self._written_to.written(self, chunk)
                     case Close(code, reason):
                         if self.ws.client_state is WebSocketState.CONNECTED:
                             await self._write(self.ws.close(code, reason))
@@ -459,5 +544,5 @@ class RealtimeConnection:
             except _Slow:
                 return
             except (WebSocketDisconnect, RuntimeError, OSError):
-                return  # the client left; the reader ends the session
+                return  # the client left; the reader tells the session
             self.backlog -= item.size

@@ -123,6 +123,8 @@ class JobRequest(VideoRequest):
 
 class SessionStartEvent(VideoRequest):
     type: Literal["session.start"]
+    shared_control: bool = False
+    """Let further controllers join with video.start's control_token (shared steering)."""
 
 
 class InteractionBody(_Strict):
@@ -153,11 +155,30 @@ class SessionStopEvent(_Strict):
     type: Literal["session.stop"]
 
 
+class SessionResumeEvent(_Strict):
+    type: Literal["session.resume"]
+    request_id: str = Field(min_length=1, max_length=200)
+    resume_token: str = Field(min_length=1, max_length=200)
+    last_chunk_index: int = Field(ge=-1)
+
+
 ClientEvent = Annotated[
-    SessionStartEvent | SessionInteractionEvent | SessionPlaybackEvent | SessionPingEvent | SessionStopEvent,
+    SessionStartEvent
+    | SessionResumeEvent
+    | SessionInteractionEvent
+    | SessionPlaybackEvent
+    | SessionPingEvent
+    | SessionStopEvent,
     Field(discriminator="type"),
 ]
-CLIENT_EVENT_TYPES = ("session.start", "session.interaction", "session.playback", "session.ping", "session.stop")
+CLIENT_EVENT_TYPES = (
+    "session.start",
+    "session.resume",
+    "session.interaction",
+    "session.playback",
+    "session.ping",
+    "session.stop",
+)
 
 
 def describe_validation_error(error: ValidationError) -> str:

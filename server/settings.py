@@ -150,6 +150,14 @@ class ServerSettings:
     a fresh worker starts under ``max_worker_restarts``."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long running sessions and jobs may go on before they are ended."""
+    resume_grace_s: float = 30.0
+    """How long a realtime session whose controlling socket dropped (not closed with
+    1000, not stopped) is kept for a ``session.resume``; generation waits meanwhile
+    (max_undelivered_seconds). Past it the session ends (reason ``abandoned``)."""
+    resume_buffer_seconds: float = 8.0
+    """Media a realtime session keeps of its newest chunks, for a ``session.resume``
+    to send again what a dropped socket lost; a resume from an older chunk is
+    refused (``resume_gap``). Memory: this much media per session, encoded."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -1,0 +1,385 @@
+"""A realtime session that outlives its connections, and its fan-out.
+
+API process, asyncio. A ``LiveSession`` owns what a realtime session is in the
+server: the engine handle, the output (one encoder: each chunk is encoded
+once), the resume buffer of its newest chunks (``server.resume_buffer``), and
+the connections attached to it (``server.realtime``), each a ``Viewer``:
+
+- **controllers** steer it (interactions, playback, stop). The one that
+  started it is controller ``c1`` and holds its ``resume_token``; a
+  ``shared_control`` session takes further controllers (``c2``, ``c3``, ...)
+  by its ``control_token``. Only chunks written to a controller's socket count
+  as delivered, so the engine's pacing follows the controllers alone;
+- **spectators** (by its ``watch_token``) get the same media from the next
+  chunk on, and nothing they do reaches the engine.
+
+One task, the pump, turns engine results into events: every chunk goes into
+the buffer and to every viewer's own bounded outbox (never awaited, so a slow
+viewer holds nobody); an interaction's answer goes to the controller that sent
+it, its outcome (applied, superseded) to every controller, naming the
+controller whose event won; the end to everyone.
+
+When the last controller's socket drops (no close, a close without a code, or
+1001 going away; not stopped),
+the session is **detached**: it is kept for ``resume_grace_s``, and what was
+written counts as delivered, so pacing (``max_undelivered_seconds``) holds its
+generation. A ``session.resume`` attaches a new connection as ``c1``:
+``video.start`` again, then everything ``c1`` was sent after the chunk the
+client names, in the order it was first sent: the chunks from the buffer, and
+between them the results addressed to ``c1`` (``c1``'s answers and every
+controller's outcomes, kept in a bounded log with the chunk they followed; a
+result the lost socket did deliver may so arrive twice, by its ``event_id``),
+then the live stream. Past the grace the session is stopped, reason
+``abandoned``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from engine.client import EngineClient, EngineDeadError, SessionHandle, UnknownSessionError
+from engine.messages import (
+    ChunkReady,
+    Interaction,
+    InteractionApplied,
+    InteractionQueued,
+    InteractionRejected,
+    InteractionSuperseded,
+    ResultMessage,
+    SessionDone,
+    SessionFailed,
+)
+from server.events import VideoStart
+from server.metrics import Metrics
+from server.output import SessionOutput, error_event
+from server.resume_buffer import BufferedChunk, ChunkBuffer, ResumeGapError
+from server.session_registry import SessionRegistry, new_token
+from server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+PRIMARY = "c1"  # the controller that started the session; a resume attaches as it again
+MAX_KEPT_EVENTS = 1000  # results for c1 kept for a resume
+CLOSE_NORMAL, CLOSE_ERROR = 1000, 1011
+
+
+class Viewer(Protocol):
+    """A connection attached to a session (``server.realtime.RealtimeConnection``).
+    Every call queues and returns at once."""
+
+    role: str  # controller or spectator
+    controller_id: str | None
+
+    def send_event(self, event: dict[str, Any]) -> None: ...
+
+    def send_chunk(self, chunk: BufferedChunk) -> None: ...
+
+    def session_ended(self, close_code: int, reason: str) -> None: ...
+
+
+class ResumeRefused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class LiveSession:
+    def __init__(
+        self,
+        handle: SessionHandle,
+        output: SessionOutput,
+        engine: EngineClient,
+        settings: ServerSettings,
+        metrics: Metrics,
+        registry: SessionRegistry,
+        shared_control: bool = False,
+        on_end: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.handle = handle
+        self.output = output
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.registry = registry
+        self.on_end = on_end
+        self.request_id = output.request_id
+        self.session_id = handle.session_id
+        self.resume_token = new_token()
+        self.watch_token = new_token()
+        self.control_token = new_token() if shared_control else None
+        self.viewers: list[Viewer] = []
+        self.buffer = ChunkBuffer(settings.resume_buffer_seconds)
+        # Results addressed to c1, each with the newest chunk sent before it, for a resume.
+        self.kept: deque[tuple[int, dict[str, Any]]] = deque(maxlen=MAX_KEPT_EVENTS)
+        self.ended = False
+        self._controller_ids = itertools.count(2)
+        self._answer_to: dict[str, deque[str | None]] = {}  # event_id -> controllers awaiting its answer
+        self._delivered_s = 0.0  # the furthest media written to a controller's socket
+        self._counted = -1  # the newest chunk counted as delivered on /metrics
+        self._grace: asyncio.Task | None = None
+        registry.add(self, {"resume": self.resume_token, "watch": self.watch_token, "control": self.control_token})
+        metrics.sessions_active.inc()
+        self._pump_task = asyncio.create_task(self._pump(), name=f"session-pump-{self.request_id}")
+        self._limit_task = asyncio.create_task(self._duration_limit(), name=f"session-limit-{self.request_id}")
+
+    # ------------------------------------------------------------------
+    # attaching and leaving
+    # ------------------------------------------------------------------
+
+    def controllers(self) -> list[Viewer]:
+        return [v for v in self.viewers if v.role == "controller"]
+
+    @property
+    def detached(self) -> bool:
+        return self._grace is not None
+
+    def video_start(self, viewer: Viewer, resumed: bool = False) -> dict[str, Any]:
+        controller = viewer.role == "controller"
+        return VideoStart(
+            request_id=self.request_id,
+            format=self.output.config.format,
+            config=self.output.config.wire(),
+            role=viewer.role,
+            controller_id=viewer.controller_id,
+            resumed=True if resumed else None,
+            resume_token=self.resume_token if viewer.controller_id == PRIMARY else None,
+            watch_token=self.watch_token if controller else None,
+            control_token=self.control_token if controller else None,
+        ).wire()
+
+    def attach_first(self, viewer: Viewer) -> None:
+        """The connection that started the session: controller ``c1``."""
+        viewer.controller_id = PRIMARY
+        viewer.send_event(self.video_start(viewer))
+        self._add(viewer)
+
+    def resume(self, viewer: Viewer, last_chunk_index: int) -> None:
+        """Attach ``viewer`` as ``c1`` again, sending what it missed; ``ResumeRefused`` when it cannot."""
+        if self.ended:
+            raise ResumeRefused("unknown_resume_token", "the session has ended")
+        if any(v.controller_id == PRIMARY for v in self.viewers):
+            raise ResumeRefused(
+                "resume_token_in_use",
+                "another connection holds this session's resume_token (if it was yours and just dropped, "
+                "the server has not noticed yet: try again)",
+            )
+        try:
+            missed = self.buffer.after(last_chunk_index)
+        except ResumeGapError as error:
+            raise ResumeRefused("resume_gap", str(error)) from None
+        viewer.controller_id = PRIMARY
+        viewer.send_event(self.video_start(viewer, resumed=True))
+        events = [(after, event) for after, event in self.kept if after >= last_chunk_index]
+        for chunk in missed:
+            while events and events[0][0] < chunk.index:
+                viewer.send_event(events.pop(0)[1])
+            viewer.send_chunk(chunk)
+        for _, event in events:
+            viewer.send_event(event)
+        log.info("session %s resumed after chunk %d (%d chunks resent)", self.request_id, last_chunk_index, len(missed))
+        self._add(viewer)
+
+    def join(self, viewer: Viewer) -> None:
+        """A spectator (``watch_token``) or a further controller (``control_token``):
+        it gets the chunks from the next one on."""
+        viewer.controller_id = f"c{next(self._controller_ids)}" if viewer.role == "controller" else None
+        viewer.send_event(self.video_start(viewer))
+        self._add(viewer)
+
+    def _add(self, viewer: Viewer) -> None:
+        self.viewers.append(viewer)
+        self.metrics.viewers.labels(viewer.role).inc()
+        if viewer.role == "controller" and self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+            self.metrics.sessions_detached.dec()
+
+    def only_controller(self, viewer: Viewer) -> bool:
+        return self.controllers() == [viewer]
+
+    async def leave(self, viewer: Viewer, why: str) -> None:
+        """``viewer``'s connection is over. ``why`` ``dropped``: its socket went as a
+        drop (a last controller leaves the session detached);
+        anything else ends the session when no controller is left, with ``why``
+        as its reason."""
+        if viewer not in self.viewers:
+            return
+        self.viewers.remove(viewer)
+        self.metrics.viewers.labels(viewer.role).dec()
+        if viewer.role != "controller" or self.ended or self.controllers():
+            return
+        if why != "dropped":
+            await self.stop(why)
+            return
+        self.metrics.sessions_detached.inc()
+        self._grace = asyncio.create_task(self._abandon_after(), name=f"session-grace-{self.request_id}")
+        log.info("session %s detached: kept %g s for a resume", self.request_id, self.settings.resume_grace_s)
+        # What was written counts as delivered (also when nothing was yet), so the
+        # engine's max_undelivered_seconds holds generation until a client is back.
+        with contextlib.suppress(EngineDeadError, UnknownSessionError):
+            await self.engine.delivered(self.session_id, self._delivered_s)
+
+    async def _abandon_after(self) -> None:
+        await asyncio.sleep(self.settings.resume_grace_s)
+        log.info("session %s abandoned: no resume within %g s", self.request_id, self.settings.resume_grace_s)
+        await self.stop("abandoned")
+
+    # ------------------------------------------------------------------
+    # what controllers do
+    # ------------------------------------------------------------------
+
+    async def stop(self, reason: str) -> None:
+        with contextlib.suppress(EngineDeadError, UnknownSessionError):
+            await self.engine.stop(self.session_id, reason)
+
+    async def interact(self, viewer: Viewer, event_id: str, interaction: Interaction) -> None:
+        self.output.senders.setdefault(event_id, viewer.controller_id)
+        self._answer_to.setdefault(event_id, deque()).append(viewer.controller_id)
+        await self.engine.interact(self.session_id, event_id, interaction)
+
+    async def playback(self, position_seconds: float) -> None:
+        self.output.clock.playhead = position_seconds
+        await self.engine.playback(self.session_id, position_seconds)
+
+    async def written(self, viewer: Viewer, chunk: BufferedChunk) -> None:
+        """``chunk`` was written to ``viewer``'s socket. A controller's counts as
+        delivered: on /metrics once per chunk, and for the engine's pacing."""
+        if viewer.role != "controller":
+            return
+        if chunk.index > self._counted:
+            self._counted = chunk.index
+            frames = chunk.metadata["num_frames"]
+            self.output.clock.chunk(chunk.metadata["media_start_seconds"], chunk.media_seconds, frames, chunk.compute_s)
+        if chunk.media_end_seconds > self._delivered_s:
+            self._delivered_s = chunk.media_end_seconds
+            with contextlib.suppress(EngineDeadError, UnknownSessionError):
+                await self.engine.delivered(self.session_id, self._delivered_s)
+
+    async def _duration_limit(self) -> None:
+        await asyncio.sleep(self.settings.max_session_seconds)
+        await self.stop("max_duration")
+
+    # ------------------------------------------------------------------
+    # results
+    # ------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        """Engine results to every viewer, until the session ends."""
+        try:
+            async for message in self.handle:
+                await self._result(message)
+        except Exception:
+            log.exception("session %s failed in the server", self.request_id)
+            if not self.ended:
+                await self._fail_internally()
+
+    async def _result(self, message: ResultMessage) -> None:
+        if isinstance(message, ChunkReady):
+            chunk = await self.output.chunk(message)
+            if chunk is None:
+                return
+            buffered = BufferedChunk(
+                index=message.generation_chunk_index,
+                metadata=chunk.metadata,
+                fragment=chunk.payload[chunk.init_length :],
+                init=self.output.init_segment,
+                compute_s=chunk.compute_s,
+                fps=chunk.fps,
+            )
+            self.buffer.add(buffered)
+            for viewer in list(self.viewers):
+                viewer.send_chunk(buffered)
+            return
+        event = self.output.event(message)
+        if event is None:
+            return
+        if isinstance(message, InteractionQueued | InteractionRejected):
+            self._to_controller(self._answer(message.event_id), event)
+        elif isinstance(message, InteractionApplied | InteractionSuperseded):
+            self._to_controllers(event)
+        elif isinstance(message, SessionFailed):
+            self._end("failed", event, CLOSE_ERROR, "generation failed")
+        elif isinstance(message, SessionDone):
+            self._end(message.reason, event, CLOSE_NORMAL, "session done")
+
+    def _answer(self, event_id: str) -> str | None:
+        """The controller an answer about ``event_id`` goes to: the one whose
+        submission it answers (answers come in order), else the one that sent it first."""
+        waiting = self._answer_to.get(event_id)
+        if waiting:
+            who = waiting.popleft()
+            if not waiting:
+                del self._answer_to[event_id]
+            return who
+        return self.output.senders.get(event_id)
+
+    def _to_controller(self, controller_id: str | None, event: dict[str, Any]) -> None:
+        if controller_id == PRIMARY:
+            self._keep(event)
+        for viewer in self.viewers:
+            if viewer.controller_id == controller_id:
+                viewer.send_event(event)
+                return
+
+    def _to_controllers(self, event: dict[str, Any]) -> None:
+        self._keep(event)
+        for viewer in self.controllers():
+            viewer.send_event(event)
+
+    def _keep(self, event: dict[str, Any]) -> None:
+        """Log a result sent (or owed) to c1 for a resume; what no resume can ask for any more goes."""
+        oldest = self.buffer.oldest
+        while self.kept and oldest is not None and self.kept[0][0] < oldest - 1:
+            self.kept.popleft()
+        self.kept.append((self.buffer.newest, event))
+
+    def _end(self, outcome: str, event: dict[str, Any] | None, close_code: int, reason: str) -> None:
+        """The session is over: every viewer gets ``event`` and its close; its tokens find nothing from now."""
+        self.ended = True
+        self.registry.remove(self)
+        self.metrics.sessions_active.dec()
+        self.metrics.sessions.labels(outcome).inc()
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+            self.metrics.sessions_detached.dec()
+        self._limit_task.cancel()
+        self.kept.clear()
+        log.info("session %s ended: %s", self.request_id, outcome)
+        for viewer in list(self.viewers):
+            if event is not None:
+                viewer.send_event(event)
+            viewer.session_ended(close_code, reason)
+        if self.on_end is not None:
+            asyncio.create_task(self.on_end(), name=f"session-ended-{self.request_id}")
+
+    async def _fail_internally(self) -> None:
+        """A server bug in this session's pump: its viewers are told at once, the
+        engine session is stopped, and its end is waited for so nothing is left behind."""
+        message = "the server failed this session"
+        failure = error_event("internal_error", message, request_id=self.request_id, fatal=True)
+        for viewer in list(self.viewers):
+            viewer.send_event(failure)
+            viewer.session_ended(CLOSE_ERROR, "internal error")
+        await self.stop("server_error")
+        outcome = "failed"
+        while not self.handle.finished:
+            try:
+                message = await self.handle.next(30.0)
+            except TimeoutError:
+                log.error("session %s did not end within 30 s of its stop", self.request_id)
+                break
+            if isinstance(message, SessionDone):
+                outcome = message.reason
+        self._end(outcome, None, CLOSE_ERROR, "internal error")
+
+    async def close(self) -> None:
+        """Wait for the pump (tests and shutdown)."""
+        await asyncio.gather(self._pump_task, return_exceptions=True)
