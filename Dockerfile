@@ -2,6 +2,8 @@
 #   CPU:  docker build --build-arg VARIANT=cpu -t rtvideo:cpu .
 #   GPU:  docker build --build-arg VARIANT=cuda -t rtvideo:cuda .
 # The model directory is a volume (mount it and set RTVIDEO_MODEL=/models/...);
+# /v1/videos jobs live in the volume /data (RTVIDEO_DATA_DIR): mount one there for
+# finished jobs and their videos to outlast the container;
 # nothing but the 5 MB demo model (the default) is baked in, and nothing is downloaded at start. Give `docker stop` more
 # time than RTVIDEO_SHUTDOWN_GRACE_S (e.g. --stop-timeout 45): SIGTERM drains.
 ARG VARIANT=cpu
@@ -32,15 +34,17 @@ COPY requirements-cpu.lock requirements-cuda.lock ./
 COPY engine ./engine
 COPY workers ./workers
 COPY server ./server
-RUN make install && chown -R rtvideo:rtvideo /app
+RUN make install && chown -R rtvideo:rtvideo /app \
+ && mkdir /data && chown rtvideo:rtvideo /data
 USER rtvideo
 ENV RTVIDEO_HOST=0.0.0.0 \
     RTVIDEO_PORT=8000 \
     RTVIDEO_SHUTDOWN_GRACE_S=30 \
+    RTVIDEO_DATA_DIR=/data \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 EXPOSE 8000
-VOLUME ["/models"]
+VOLUME ["/models", "/data"]
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
   CMD ["/app/.venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]

@@ -90,3 +90,23 @@ def test_dockerfile_copies_what_exists_and_runs_the_readme_commands():
     assert "HEALTHCHECK" in dockerfile and "USER rtvideo" in dockerfile
     makefile = (ROOT / "Makefile").read_text()
     assert "rtvideo serve" in makefile and "make serve" in (ROOT / "README.md").read_text()
+
+
+def test_jobs_live_on_a_volume_wherever_the_server_is_deployed():
+    """The job store (RTVIDEO_DATA_DIR) is a mounted volume in the image, under
+    compose and in the pod, never the container's own layer that a restart resets."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    [data_dir] = re.findall(r"RTVIDEO_DATA_DIR=(\S+)", dockerfile)
+    [volumes] = re.findall(r"^VOLUME (\[.*\])$", dockerfile, flags=re.M)
+    assert data_dir in json.loads(volumes)
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    service = compose["services"]["rtvideo"]
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in service["volumes"]}
+    assert mounts[data_dir] in compose["volumes"]  # a named volume: it outlives the container
+    deployment = yaml.safe_load((DEPLOY / "k8s" / "deployment.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert env["RTVIDEO_DATA_DIR"] in mounted
+    assert mounted[env["RTVIDEO_DATA_DIR"]] in {v["name"] for v in pod["volumes"]}
