@@ -1,8 +1,11 @@
 """``EngineClient``: the API process's handle on the engine.
 
-Lives in the API process's event loop (asyncio, no torch). It spawns worker
-rank 0 (``spawn`` start method; the worker module is imported only in the
-child), waits for its READY, forwards control messages over the RPC queue
+Lives in the API process's event loop (asyncio, no torch). It starts worker
+rank 0 from a fork server (``forkserver`` start method) that has imported
+the worker's modules once (``EngineConfig.worker_modules``: torch, and
+diffusers for a model), so a worker, and every fresh one after a death, skips
+those seconds of imports; the API process itself never imports them. It
+waits for the worker's READY, forwards control messages over the RPC queue
 (``engine.transport``) and demultiplexes results into one async stream per
 session (``SessionHandle``).
 
@@ -123,6 +126,20 @@ class SessionRejectedError(EngineError):
 
 class UnknownSessionError(EngineError):
     """No open session has this id on this client."""
+
+
+def _worker_context(config: EngineConfig) -> Any:
+    """The start method of worker rank 0: ``forkserver``, preloading what a worker
+    of ``config`` imports. The fork server is one per API process, started with
+    the first worker; it imports those modules and nothing else (no device is
+    touched, no thread started), and each worker is a fork of it, so it starts
+    with them imported and shares nothing with this process but what
+    ``Process`` passes (the config, the endpoints, the liveness pipe). Its
+    environment is this process's when the first worker started: what a worker
+    needs is in its config, not in environment variables."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(config.worker_modules))  # no effect once the server runs
+    return context
 
 
 def _bootstrap(entry: str, *args: Any) -> None:
@@ -255,9 +272,9 @@ class EngineClient:
         if self.config.worker_listen is not None:
             await self._await_launched()
             return
-        spawn = multiprocessing.get_context("spawn")
-        parent_alive_reader, self._parent_alive = spawn.Pipe(duplex=False)
-        self._process = spawn.Process(
+        context = _worker_context(self.config)
+        parent_alive_reader, self._parent_alive = context.Pipe(duplex=False)
+        self._process = context.Process(
             target=_bootstrap,
             args=(self.config.worker_entry, self.config, self._endpoints, parent_alive_reader, 0),
             name="rtvideo-worker-0",
@@ -267,7 +284,8 @@ class EngineClient:
         )
         self._exited = asyncio.Event()
         began = time.monotonic()
-        self._process.start()
+        # In a thread: the first start waits for the fork server's imports (seconds).
+        await asyncio.to_thread(self._process.start)
         parent_alive_reader.close()
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_worker_exit)
         try:

@@ -101,6 +101,9 @@ class EngineConfig:
     worker_entry: str = "workers.main:run_worker"
     """Import path of the worker entry point; resolved in the child process only,
     so the API process never imports ``workers``."""
+    cpu_threads: int | None = None
+    """CPU threads for worker rank 0's kernels (``torch.set_num_threads``); None:
+    torch's default (every core), or with pipeline ranks the cores shared out."""
     wedged_after_s: float = 10.0
     """The heartbeat's floor (``engine.heartbeat``): a worker whose loop has answered
     no probe for this long, or whose one forward has run past
@@ -129,11 +132,21 @@ class EngineConfig:
         _check(self.worker_restart_window_s > 0, "worker_restart_window_s", "must be > 0")
         _check(self.wedged_after_s > 0, "wedged_after_s", "must be > 0")
         _check(":" in self.worker_entry, "worker_entry", "must look like 'module:function'")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", "must be >= 1")
         _check(self.orphan_after_s > 0, "orphan_after_s", "must be > 0")
         if self.worker_listen is not None:
             host, _, port = self.worker_listen.rpartition(":")
             ok = bool(host) and port.isdigit() and 0 < int(port) < 65535
             _check(ok, "worker_listen", f"must look like HOST:PORT with PORT below 65535, got {self.worker_listen!r}")
+
+    @property
+    def worker_modules(self) -> tuple[str, ...]:
+        """What a worker of this configuration imports before it can build its
+        pipeline: the entry point's module and, for a model (not the stub), the
+        causal Wan pipeline with diffusers. Preloaded once by the server that forks
+        workers (``engine.client``), so a (re)started worker imports nothing of it."""
+        entry = self.worker_entry.partition(":")[0]
+        return (entry,) if self.pipeline.name == "stub" else (entry, "workers.pipelines.causal_wan")
 
     def lookahead(self, prompt_change: str) -> int:
         """The chunks a session started with ``prompt_change`` may have in flight:

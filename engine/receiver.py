@@ -56,6 +56,7 @@ class ControlReceiver:
         self._heard_at = time.monotonic()
         self._on_terminate = on_terminate
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # stop() wakes the poll at once
         self._thread = threading.Thread(target=self._run, name="control-receiver", daemon=True)
 
     def start(self) -> None:
@@ -63,12 +64,16 @@ class ControlReceiver:
 
     def stop(self) -> None:
         self._stop.set()
+        os.write(self._wake_w, b"x")
         self._thread.join(timeout=2.0)
         self._socket.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         if self._parent_fd is not None:
             poller.register(self._parent_fd, zmq.POLLIN)
         while not self._stop.is_set():

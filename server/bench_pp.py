@@ -24,8 +24,8 @@ With ranks, rank 0 decodes on a stage of its own with a lane per rank (its
 own thread mostly waits on the ring), so on the tiny preset, whose VAE decode
 is most of the work, the decode's lanes are where the second core pays.
 
-The CPU thread count of a worker is set through ``OMP_NUM_THREADS`` at spawn
-(torch reads it); pipeline ranks take the cores shared out (one each on two
+The CPU thread count of a worker is its ``EngineConfig.cpu_threads``;
+pipeline ranks take the cores shared out (one each on two
 cores). The last line printed is one JSON object.
 """
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass
 
@@ -55,7 +54,7 @@ class PpBenchOptions:
 class Config:
     name: str
     pp: int
-    threads: int | None  # OMP_NUM_THREADS for the worker; None: the ranks share the cores
+    threads: int | None  # the worker's CPU threads (EngineConfig.cpu_threads); None: the ranks share the cores
     sessions: int
     max_batch_rows: int = 1
     serial: bool = False  # sessions one after another instead of together
@@ -84,6 +83,7 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
     engine_config = EngineConfig(
         pipeline=spec,
         pp=config.pp,
+        cpu_threads=config.threads,
         stream_batch=config.stream_batch,
         max_batch_rows=config.max_batch_rows,
         max_sessions=max(4, config.sessions),
@@ -92,17 +92,8 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
         max_pixels=1 << 30,  # a measurement beyond real time: no size bound, no admission by cost
         max_realtime_load=None,
     )
-    saved = os.environ.get("OMP_NUM_THREADS")
-    if config.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(config.threads)
-    try:
-        client = EngineClient(engine_config)
-        await client.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    client = EngineClient(engine_config)
+    await client.start()
     try:
         await client.probe()
         before = client.stats

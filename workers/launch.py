@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         site = LaunchSite(store, args.advertise_host)
     from workers.main import run_worker
 
-    run_worker(config, endpoints, None, 0, site)  # raises SystemExit with its code
+    run_worker(config, endpoints, None, 0, site)  # exits the process with its code
     return 0
 
 
