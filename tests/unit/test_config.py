@@ -2,13 +2,27 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, PipelineSpec
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_sessions", 0), ("max_batch_rows", 0), ("startup_timeout_s", 0), ("worker_entry", "nocolon")],
+    [
+        ("max_sessions", 0),
+        ("max_batch_rows", 0),
+        ("startup_timeout_s", 0),
+        ("worker_entry", "nocolon"),
+        ("cpu_threads", 0),
+    ],
 )
 def test_bounds_are_checked_at_construction_and_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_the_fork_server_preloads_what_the_worker_imports():
+    """The stub's workers need the entry point (and torch through it); a model's
+    need the causal Wan pipeline too, whose diffusers import is most of a start."""
+    assert EngineConfig().worker_modules == ("workers.main",)
+    model = EngineConfig(pipeline=PipelineSpec("tiny"), worker_entry="tests.fake:run")
+    assert model.worker_modules == ("tests.fake", "workers.pipelines.causal_wan")
