@@ -52,6 +52,30 @@ async def make_engine():
         await client.shutdown()
 
 
+@pytest.fixture(scope="session")
+def demo_server():
+    """A server on the shipped demo model (``rtvideo serve``'s default, what a
+    newcomer sees), started once and shared by the tests, in every tier, that
+    need no flags of their own: a model's start is mostly its imports (about
+    10 s here). Each test runs and ends sessions of its own on it."""
+    from tests.e2e.conftest import start_server, stop_server
+
+    server = start_server(model="demo")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """A server on the tiny preset (random weights), shared like ``demo_server``:
+    forwards carry up to 3 rows, frames at most 640 wide."""
+    from tests.e2e.conftest import start_server, stop_server
+
+    server = start_server("--max-batch-rows", "3", "--max-width", "640", model="tiny")
+    yield server
+    stop_server(server)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]

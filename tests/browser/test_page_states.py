@@ -159,8 +159,11 @@ def test_a_server_that_goes_away_is_said_in_words(browser):
         server.process.kill()  # no close frame: the socket just drops (1006)
         lost = wait_state(page, "gone")
         assert lost["title"] == "Connection lost" and lost["veil"] == "Connection lost" and lost["paused"]
-        assert re.fullmatch(r"The connection to the server was lost after \d+ chunks: the server stopped or the "
-                            r"network dropped \(WebSocket close 1006\)\. Start tries again\.", lost["detail"]), lost
+        assert re.fullmatch(
+            r"The connection to the server was lost after \d+ chunks: the server stopped or the "
+            r"network dropped \(WebSocket close 1006\)\. Start tries again\.",
+            lost["detail"],
+        ), lost
         assert lost["start"] and not lost["stop"]
         snapshot(page, "gone")
 
@@ -214,8 +217,11 @@ def test_a_session_the_server_ends_at_shutdown_says_so(browser):
         page.wait_for_function("document.getElementById('status-title').textContent === 'Server shut down'")
         ended = status(page)
         assert ended["state"] == "draining" and ended["start"] and not ended["stop"]
-        assert re.fullmatch(r"The server is shutting down and ended this session after \d+ chunks, \d+ frames "
-                            r"\(\d+\.\d\d s\)\. It takes no new sessions until it is back\.", ended["detail"]), ended
+        assert re.fullmatch(
+            r"The server is shutting down and ended this session after \d+ chunks, \d+ frames "
+            r"\(\d+\.\d\d s\)\. It takes no new sessions until it is back\.",
+            ended["detail"],
+        ), ended
         assert server.process.wait(timeout=30) == 0
     finally:
         stop_server(server)

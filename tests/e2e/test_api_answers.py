@@ -121,7 +121,7 @@ def _bounds(spec: dict, schema_name: str, field: str) -> dict:
     return next(branch for branch in prop.get("anyOf", [prop]) if branch.get("type") in ("integer", "number"))
 
 
-def test_the_schema_carries_the_served_models_own_bounds(served, make_server):
+def test_the_schema_carries_the_served_models_own_bounds(served, tiny_server):
     """The stub takes even sizes up to its max and its own steps; the tiny causal
     Wan, multiples of 16 up to 1280 (the server's max_width here: 640) and 1-4
     steps. A request past them is refused as the schema says it would be."""
@@ -132,7 +132,7 @@ def test_the_schema_carries_the_served_models_own_bounds(served, make_server):
     assert names
     width = _bounds(spec, names[0], "width")
     assert width["multipleOf"] == 2 and width["minimum"] == 2
-    tiny = make_server("--max-width", "640", model="tiny")
+    tiny = tiny_server  # --max-width 640
     tiny_spec = httpx.get(f"{tiny.http}/openapi.json").json()
     for name in names:
         width = _bounds(tiny_spec, name, "width")

@@ -18,15 +18,15 @@ from workers.demo.classify import dominant_colour
 
 
 @pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
+def trained_server(tmp_path_factory):
     model = train_tiny_demo(tmp_path_factory.mktemp("demo"))
     server = start_server(model=str(model))
     yield server, model
     stop_server(server)
 
 
-def test_the_model_card_lists_the_prompts_the_demo_model_knows(demo_server):
-    server, model = demo_server
+def test_the_model_card_lists_the_prompts_the_demo_model_knows(trained_server):
+    server, model = trained_server
     [card] = httpx.get(f"{server.http}/v1/models").json()["data"]
     known = json.loads((model / "rtvideo.json").read_text())["demo"]["prompts"]
     assert card["prompts"] == known and len(known) == 60
@@ -34,8 +34,8 @@ def test_the_model_card_lists_the_prompts_the_demo_model_knows(demo_server):
     assert (card["defaults"]["width"], card["defaults"]["height"]) == (32, 32)
 
 
-async def test_the_demo_model_streams_a_known_prompt_and_a_switch(demo_server):
-    server, _ = demo_server
+async def test_the_demo_model_streams_a_known_prompt_and_a_switch(trained_server):
+    server, _ = trained_server
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
         start = {"type": "session.start", "prompt": "a red circle moving right", "num_chunks": 3, "format": "raw"}
@@ -51,18 +51,12 @@ async def test_the_demo_model_streams_a_known_prompt_and_a_switch(demo_server):
     assert all(len(c.payload) == c.metadata["num_frames"] * 32 * 32 * 3 for c in got.chunks)
 
 
-@pytest.fixture(scope="module")
-def shipped_server():
-    server = start_server(model="demo")
-    yield server
-    stop_server(server)
 
-
-async def test_the_shipped_demo_model_draws_red_then_blue_from_the_applied_chunk(shipped_server):
+async def test_the_shipped_demo_model_draws_red_then_blue_from_the_applied_chunk(demo_server):
     """Over WebSocket, raw frames: "a red circle moving right", then "a blue square
     moving left" once chunk 0 is in. Every chunk before the one the applied event
     names is red, that chunk and every one after it blue."""
-    async with open_realtime(shipped_server.ws) as ws:
+    async with open_realtime(demo_server.ws) as ws:
         client = Realtime(ws)
         await client.send({"type": "session.start", "prompt": "a red circle moving right", "seed": 3, "format": "raw"})
         started = await client.until("video.start")
@@ -85,7 +79,7 @@ async def test_the_shipped_demo_model_draws_red_then_blue_from_the_applied_chunk
     assert all(colours[i] == "blue" for i in colours if i >= at), colours
 
 
-def test_the_shipped_demo_models_card_lists_what_it_knows(shipped_server):
-    [card] = httpx.get(f"{shipped_server.http}/v1/models").json()["data"]
+def test_the_shipped_demo_models_card_lists_what_it_knows(demo_server):
+    [card] = httpx.get(f"{demo_server.http}/v1/models").json()["data"]
     assert card["id"] == "demo" and len(card["prompts"]) == 60 and "a blue square moving left" in card["prompts"]
     assert (card["defaults"]["width"], card["defaults"]["height"]) == (64, 64)

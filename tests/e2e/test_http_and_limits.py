@@ -269,8 +269,9 @@ async def test_jobs_are_bounded_and_a_finished_one_is_kept_for_its_ttl(make_serv
 
 
 def test_a_finished_job_expires_after_its_ttl(make_server):
-    server = make_server("--job-ttl-s", "0.5", pipeline={"step_time_s": 0.002})
+    server = make_server("--job-ttl-s", "2", pipeline={"step_time_s": 0.002})  # time for a loaded machine to look
     job = poll(server, httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1}).json()["id"], "completed")
+    assert job["expires_at"] - job["completed_at"] in (1, 2, 3)  # completed_at + 2 s, each rounded down
     assert httpx.get(f"{server.http}/v1/videos/{job['id']}/content").status_code == 200
     deadline = time.monotonic() + 10
     while httpx.get(f"{server.http}/v1/videos/{job['id']}").status_code != 404:  # the condition is time itself

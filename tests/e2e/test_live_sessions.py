@@ -310,8 +310,12 @@ async def test_two_controllers_steer_one_session_and_both_learn_who_won(server):
     second = await dial(f"{server.ws}?control={start['control_token']}")
     joined = await second.until("video.start")
     assert joined["controller_id"] == "c2" and joined["role"] == "controller" and "resume_token" not in joined
-    # Hold the session at a boundary (no playhead report moves it), send both, then let it go.
+    # Hold the session at a boundary, send both, then let it go. The playhead at the
+    # end of chunk 1 (0.5 s) and a lead of 0.5 s allow chunks up to 3: once chunk 3
+    # is in, the session waits at chunk 4's boundary, however slow the machine.
     await read_paced(first, until=1)
+    while first.received.chunks[-1].metadata["generation_chunk_index"] < 3:
+        await first.next()
     await first.send(interaction("from one", "one"))
     assert (await first.until("session.interaction.queued"))["event_id"] == "one"
     await second.send(interaction("from two", "two"))

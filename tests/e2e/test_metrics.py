@@ -37,7 +37,9 @@ async def test_metrics_follow_a_scripted_run(make_server):
 
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
-        await client.send({"type": "session.start", "prompt": "p", "format": "raw"})
+        # Unpaced: a playhead report here must not hold it at a boundary with the
+        # interaction waiting (pacing would, had the worker run ahead of the report).
+        await client.send({"type": "session.start", "prompt": "p", "format": "raw", "max_lead_seconds": None})
         await client.until("video.start")
         await client.next()
         mid = scrape(server)

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import ROOT, start_server, stop_server
+from tests.e2e.conftest import ROOT
 from workers.demo.classify import dominant_colour
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
@@ -44,13 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def demo_server():
-    server = start_server(model="demo")
-    yield server
-    stop_server(server)
 
 
 def test_the_try_it_block_runs_as_pasted_and_its_numbers_are_true(demo_server, tmp_path):

@@ -1,4 +1,5 @@
-"""The built-in tiny model behind the real server: the default of ``rtvideo serve``."""
+"""The built-in tiny preset (random weights) behind the real server, shared by
+these tests (``tiny_server``: up to 3 rows a forward)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import httpx
 from tests.e2e.client import Realtime, assert_applied_as_promised, interaction, open_realtime
 
 
-async def test_tiny_model_streams_fmp4_and_applies_an_interaction_at_the_next_chunk(make_server):
-    server = make_server(model="tiny")
+async def test_tiny_model_streams_fmp4_and_applies_an_interaction_at_the_next_chunk(tiny_server):
+    server = tiny_server
     [card] = httpx.get(f"{server.http}/v1/models").json()["data"]
     assert card["id"] == "tiny" and card["prompts"] == []  # random weights know no prompts
     async with open_realtime(server.ws) as ws:
@@ -40,8 +41,8 @@ async def test_tiny_model_streams_fmp4_and_applies_an_interaction_at_the_next_ch
     assert len(first.content) == 45 * 64 * 64 * 3
 
 
-async def test_tiny_model_live_session_replays_bit_for_bit(make_server):
-    server = make_server(model="tiny")
+async def test_tiny_model_live_session_replays_bit_for_bit(tiny_server):
+    server = tiny_server
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
         start = {"type": "session.start", "prompt": "a red fox", "format": "raw", "transition_chunks": 2}
@@ -65,19 +66,19 @@ def _counter(metrics: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
 
 
-def test_tiny_model_jobs_batched_together_are_exact_and_replay_alone_bit_for_bit(make_server):
+def test_tiny_model_jobs_batched_together_are_exact_and_replay_alone_bit_for_bit(tiny_server):
     """Three jobs whose chunks share batched forwards (``--max-batch-rows 3``) make
     the bytes each makes alone: the batched forward is batch-invariant on a CPU,
     so each job says ``exact: true`` and its request, posted again alone,
     regenerates it."""
-    server = make_server("--max-batch-rows", "3", model="tiny")
+    server = tiny_server
     bodies = [{"prompt": f"scene {i}", "seed": i, "num_chunks": 3, "format": "raw"} for i in range(3)]
     ids = [httpx.post(f"{server.http}/v1/videos", json=body, timeout=60).json()["id"] for body in bodies]
     deadline = time.monotonic() + 120
     while {httpx.get(f"{server.http}/v1/videos/{i}").json()["status"] for i in ids} != {"completed"}:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    metrics = httpx.get(f"{server.http}/metrics").text
+    metrics = httpx.get(f"{server.http}/metrics").text  # the server's whole life: others' solo steps too
     assert _counter(metrics, "rtvideo_micro_step_rows_total") > _counter(metrics, "rtvideo_micro_steps_total")
     for video_id, body in zip(ids, bodies, strict=True):
         job = httpx.get(f"{server.http}/v1/videos/{video_id}").json()

@@ -5,6 +5,7 @@ wrong thing fails the bar that names it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -45,7 +46,13 @@ def judged(trials: list[Trial], frames_of) -> list[StreamJudge]:
 def render_as(trial: Trial, chunk: int, **changes: str) -> np.ndarray:
     """The trial's chunk as the scenes draw it, with ``changes`` made to every chunk's attributes."""
     wrong = Trial(trial.name, trial.seed, tuple(dataclasses.replace(a, **changes) for a in trial.attributes))
-    return ground_truth(wrong, SIZE)[chunk]
+    return _rendered(wrong)[chunk]
+
+
+@functools.lru_cache(maxsize=4)
+def _rendered(trial: Trial) -> list[np.ndarray]:
+    """Every chunk of ``trial``, rendered once (a stream is drawn from its start)."""
+    return ground_truth(trial, SIZE)
 
 
 def test_the_fixed_prompt_set_covers_every_caption_and_switches_every_attribute():
