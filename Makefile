@@ -16,9 +16,11 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/rtvideo serve
 
+# The tiers run side by side, a test file per process (pytest-xdist; most of a
+# test's time is a server or worker starting, or waiting on one).
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/rtvideo bench engine --json

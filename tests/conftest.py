@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Test processes side by side (``make test``: pytest-xdist): each one's torch,
+    # and the servers and workers it starts, get their share of the cores, so
+    # no OpenMP pool spins on a core another process needs. Set before anything
+    # imports torch (the fork servers inherit it too).
+    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 from engine.client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
