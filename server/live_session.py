@@ -11,7 +11,10 @@ the connections attached to it (``server.realtime``), each a ``Viewer``:
   by its ``control_token``. Only chunks written to a controller's socket count
   as delivered, so the engine's pacing follows the controllers alone;
 - **spectators** (by its ``watch_token``) get the same media from the next
-  chunk on, and nothing they do reaches the engine.
+  chunk on, and nothing they do reaches the engine. A spectator may ask for
+  another format than the session's (``?watch=TOKEN&format=fmp4``): each such
+  format is encoded once, by a ``server.rendition.Rendition``, for all of its
+  viewers, on a task of its own.
 
 One task, the pump, turns engine results into events: every chunk goes into
 the buffer and to every viewer's own bounded outbox (never awaited, so a slow
@@ -58,6 +61,7 @@ from engine.messages import (
 from server.events import VideoStart
 from server.metrics import Metrics
 from server.output import SessionOutput, error_event
+from server.rendition import Rendition
 from server.resume_buffer import BufferedChunk, ChunkBuffer, ResumeGapError
 from server.session_registry import SessionRegistry, new_token
 from server.settings import ServerSettings
@@ -75,12 +79,25 @@ class Viewer(Protocol):
 
     role: str  # controller or spectator
     controller_id: str | None
+    format: str | None  # the media format it gets (None until attached: the session's)
 
     def send_event(self, event: dict[str, Any]) -> None: ...
 
     def send_chunk(self, chunk: BufferedChunk) -> None: ...
 
     def session_ended(self, close_code: int, reason: str) -> None: ...
+
+    def drop_slow(self, why: str) -> None:
+        """Close it as a slow client (``slow_client: why``)."""
+
+
+class JoinRefused(Exception):
+    """A spectator's or controller's join cannot be served (the message says why)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class ResumeRefused(Exception):
@@ -115,6 +132,8 @@ class LiveSession:
         self.watch_token = new_token()
         self.control_token = new_token() if shared_control else None
         self.viewers: list[Viewer] = []
+        self.format = output.config.format  # the session's own: its controllers' and its buffer's
+        self.renditions: dict[str, Rendition] = {}  # the other formats its spectators watch in
         self.buffer = ChunkBuffer(settings.resume_buffer_seconds)
         # Results addressed to c1, each with the newest chunk sent before it, for a resume.
         self.kept: deque[tuple[int, dict[str, Any]]] = deque(maxlen=MAX_KEPT_EVENTS)
@@ -142,10 +161,11 @@ class LiveSession:
 
     def video_start(self, viewer: Viewer, resumed: bool = False) -> dict[str, Any]:
         controller = viewer.role == "controller"
+        config = self.output.config.wire()
         return VideoStart(
             request_id=self.request_id,
-            format=self.output.config.format,
-            config=self.output.config.wire(),
+            format=viewer.format,
+            config={**config, "format": viewer.format},
             role=viewer.role,
             controller_id=viewer.controller_id,
             resumed=True if resumed else None,
@@ -157,6 +177,7 @@ class LiveSession:
     def attach_first(self, viewer: Viewer) -> None:
         """The connection that started the session: controller ``c1``."""
         viewer.controller_id = PRIMARY
+        viewer.format = self.format
         viewer.send_event(self.video_start(viewer))
         self._add(viewer)
 
@@ -175,6 +196,7 @@ class LiveSession:
         except ResumeGapError as error:
             raise ResumeRefused("resume_gap", str(error)) from None
         viewer.controller_id = PRIMARY
+        viewer.format = self.format
         viewer.send_event(self.video_start(viewer, resumed=True))
         events = [(after, event) for after, event in self.kept if after >= last_chunk_index]
         for chunk in missed:
@@ -188,10 +210,32 @@ class LiveSession:
 
     def join(self, viewer: Viewer) -> None:
         """A spectator (``watch_token``) or a further controller (``control_token``):
-        it gets the chunks from the next one on."""
+        it gets the chunks from the next one on, a spectator in its own ``format``
+        if it asked for one (None: the session's). ``JoinRefused`` when that
+        format cannot carry this session's frames."""
+        wanted = viewer.format or self.format
+        if wanted != self.format and wanted not in self.renditions:
+            c = self.output.config
+            try:
+                self.renditions[wanted] = Rendition(
+                    wanted,
+                    c.width,
+                    c.height,
+                    c.fps,
+                    viewers=lambda fmt=wanted: [v for v in self.viewers if v.format == fmt],
+                    on_too_slow=lambda why, fmt=wanted: self._rendition_gave_up(fmt, why),
+                )
+            except ValueError as error:
+                raise JoinRefused("invalid_request", f"format: {error}") from None
+        viewer.format = wanted
         viewer.controller_id = f"c{next(self._controller_ids)}" if viewer.role == "controller" else None
         viewer.send_event(self.video_start(viewer))
         self._add(viewer)
+
+    def _rendition_gave_up(self, fmt: str, why: str) -> None:
+        self.renditions.pop(fmt, None)
+        for viewer in [v for v in self.viewers if v.format == fmt]:
+            viewer.drop_slow(why)
 
     def _add(self, viewer: Viewer) -> None:
         self.viewers.append(viewer)
@@ -213,6 +257,10 @@ class LiveSession:
             return
         self.viewers.remove(viewer)
         self.metrics.viewers.labels(viewer.role).dec()
+        rendition = self.renditions.get(viewer.format)
+        if rendition is not None and not any(v.format == viewer.format for v in self.viewers):
+            del self.renditions[viewer.format]  # nobody watches in it any more
+            rendition.close()
         if viewer.role != "controller" or self.ended or self.controllers():
             return
         if why != "dropped":
@@ -295,7 +343,10 @@ class LiveSession:
             )
             self.buffer.add(buffered)
             for viewer in list(self.viewers):
-                viewer.send_chunk(buffered)
+                if viewer.format == self.format:
+                    viewer.send_chunk(buffered)
+            for rendition in self.renditions.values():
+                rendition.offer(buffered.index, chunk.metadata, chunk.frames, chunk.compute_s)
             return
         event = self.output.event(message)
         if event is None:
@@ -354,9 +405,13 @@ class LiveSession:
         self.kept.clear()
         log.info("session %s ended: %s", self.request_id, outcome)
         for viewer in list(self.viewers):
+            if viewer.format != self.format and viewer.format in self.renditions:
+                continue  # its rendition ends it, after the chunks still being encoded for it
             if event is not None:
                 viewer.send_event(event)
             viewer.session_ended(close_code, reason)
+        for rendition in self.renditions.values():
+            rendition.end(event, close_code, reason)
         if self.on_end is not None:
             asyncio.create_task(self.on_end(), name=f"session-ended-{self.request_id}")
 
@@ -365,6 +420,9 @@ class LiveSession:
         engine session is stopped, and its end is waited for so nothing is left behind."""
         message = "the server failed this session"
         failure = error_event("internal_error", message, request_id=self.request_id, fatal=True)
+        for rendition in self.renditions.values():
+            rendition.close()
+        self.renditions.clear()
         for viewer in list(self.viewers):
             viewer.send_event(failure)
             viewer.session_ended(CLOSE_ERROR, "internal error")

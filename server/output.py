@@ -48,6 +48,7 @@ class MediaChunk:
     compute_s: float  # the worker's pipeline time for it
     fps: float  # the session's
     init_length: int = 0  # bytes of the payload that are the fmp4 init segment (the session's first chunk)
+    frames: np.ndarray | None = None  # what was encoded: (n, height, width, 3) uint8, trimmed to num_frames
 
     @property
     def media_end_seconds(self) -> float:
@@ -108,7 +109,7 @@ class SessionOutput:
         self.transport_index += 1
         self.frames_sent += len(frames)
         self.chunks_sent += 1
-        return MediaChunk(metadata, payload, compute_ms / 1000.0, self.config.fps, init_length)
+        return MediaChunk(metadata, payload, compute_ms / 1000.0, self.config.fps, init_length, frames)
 
     @property
     def init_segment(self) -> bytes:

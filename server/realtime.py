@@ -7,7 +7,8 @@ connections; this module is the connection side. A connection becomes one of:
 - the session's first **controller**, by ``session.start`` (it starts one);
 - its first controller again, by ``session.resume`` (after a drop);
 - a further controller, by ``?control=TOKEN`` (a ``shared_control`` session);
-- a **spectator**, by ``?watch=TOKEN``: read-only.
+- a **spectator**, by ``?watch=TOKEN``: read-only; ``&format=`` (``fmp4``,
+  ``jpeg``, ``raw``) chooses its media format (default: the session's).
 
 Per connection two tasks cooperate with the session's pump:
 
@@ -63,7 +64,8 @@ from server.auth import is_authorized, key_subprotocol
 from server.drain import Drainer
 from server.events import SessionPong
 from server.limits import TooDeepError, too_deep
-from server.live_session import LiveSession, ResumeRefused
+from server.live_session import JoinRefused, LiveSession, ResumeRefused
+from server.media import FORMATS
 from server.metrics import Metrics, SessionClock
 from server.output import SessionOutput, error_event
 from server.resume_buffer import BufferedChunk
@@ -181,6 +183,7 @@ class RealtimeConnection:
         # Viewer
         self.role = "controller"
         self.controller_id: str | None = None
+        self.format: str | None = None  # the media format it gets; set when it attaches
         self.transport_index = 0  # chunks sent on this connection
         self._needs_init = True  # an fmp4 connection's first chunk carries the init segment
 
@@ -202,6 +205,9 @@ class RealtimeConnection:
         if not self._ended.is_set():
             self._put(Close(close_code, reason))
             self._ended.set()
+
+    def drop_slow(self, why: str) -> None:
+        self._too_slow(why)
 
     # ------------------------------------------------------------------
 
@@ -232,17 +238,26 @@ class RealtimeConnection:
     async def _connect(self) -> None:
         """Attach this connection to a session: by a token in the query, or by its first message."""
         query = self.ws.query_params
-        watch, control = query.get("watch"), query.get("control")
+        watch, control, fmt = query.get("watch"), query.get("control"), query.get("format")
         if watch is not None and control is not None:
             message = "give at most one of the query parameters watch and control"
+            return await self._fatal("invalid_request", message, CLOSE_POLICY)
+        if fmt is not None and watch is None:
+            message = "format: only a spectator (?watch=) chooses its format; a controller gets the session's"
+            return await self._fatal("invalid_request", message, CLOSE_POLICY)
+        if fmt is not None and fmt not in FORMATS:
+            message = f"format: unknown {fmt[:40]!r}; known: {', '.join(FORMATS)}"
             return await self._fatal("invalid_request", message, CLOSE_POLICY)
         if watch is not None:
             session = self.sessions.find("watch", watch)
             if session is None:
                 message = "watch: no live session has this watch token (wrong, or the session ended)"
                 return await self._fatal("unknown_watch_token", message, CLOSE_POLICY)
-            self.role = "spectator"
-            return await self._attached(session, session.join)
+            self.role, self.format = "spectator", fmt
+            try:
+                return await self._attached(session, session.join)
+            except JoinRefused as refused:
+                return await self._fatal(refused.code, refused.message, CLOSE_POLICY)
         if control is not None:
             session = self.sessions.find("control", control)
             if session is None:

@@ -10,10 +10,12 @@ import time
 
 import av
 import httpx
+import numpy as np
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from server.media import Fmp4Encoder, split_jpeg_payload
 from tests.e2e.client import Chunk, Realtime, Received, interaction
 from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.test_realtime import metric, scrape
@@ -358,3 +360,69 @@ def test_viewer_gauges_are_exported(server):
     for role in ("controller", "spectator"):
         assert ("rtvideo_session_viewers", (("role", role),)) in samples
     assert ("rtvideo_sessions_detached", ()) in samples
+
+
+async def test_a_spectator_watches_in_a_format_of_its_own_encoded_once_for_all_who_ask(server):
+    """A raw session watched as fMP4 by two spectators and as JPEG by a third: each
+    other format is encoded once for the session (the later fMP4 spectator gets
+    the very fragments the earlier one got, sequence numbers and all), its media
+    decode alone and show the session's frames."""
+    controller = await dial(server.ws)
+    await controller.send({**RAW, "num_chunks": 12})
+    start = await controller.until("video.start")
+    await read_paced(controller, until=1)
+    watch = f"{server.ws}?watch={start['watch_token']}"
+    early = await dial(f"{watch}&format=fmp4")
+    seen = await early.until("video.start")
+    assert (seen["format"], seen["config"]["format"], seen["role"]) == ("fmp4", "fmp4", "spectator")
+    assert seen["config"]["width"] == start["config"]["width"] and start["format"] == "raw"
+    jpeg = await dial(f"{watch}&format=jpeg")
+    assert (await jpeg.until("video.start"))["format"] == "jpeg"
+    while not early.received.chunks:  # the second fMP4 spectator joins a chunk or more later
+        await early.next()
+    await read_paced(controller, until=early.received.chunks[-1].metadata["generation_chunk_index"] + 1)
+    late = await dial(f"{watch}&format=fmp4")
+    await late.until("video.start")
+    done = await read_paced(controller)
+    assert done["chunks"] == 12
+    watched = {"early": await early.rest(), "late": await late.rest(), "jpeg": await jpeg.rest()}
+    for got in watched.values():
+        assert got.of("session.done")[0]["reason"] == "completed" and got.close_code == 1000
+        indexes = [c.metadata["generation_chunk_index"] for c in got.chunks]
+        assert indexes == list(range(indexes[0], 12)) and indexes[0] >= 2
+    raw = {c.metadata["generation_chunk_index"]: c.payload for c in controller.received.chunks}
+    early_chunks = {c.metadata["generation_chunk_index"]: c for c in watched["early"].chunks}
+    late_chunks = watched["late"].chunks
+    assert late_chunks[0].metadata["generation_chunk_index"] > min(early_chunks)
+    for chunk in late_chunks[1:]:  # past the late one's init segment: the same bytes
+        assert chunk.payload == early_chunks[chunk.metadata["generation_chunk_index"]].payload
+    # The spectator's media are the fMP4 of the session's own frames, from its first chunk on.
+    config = start["config"]
+    reference = Fmp4Encoder(config["width"], config["height"], config["fps"])
+    for index, chunk in sorted(early_chunks.items()):
+        frames = np.frombuffer(raw[index], np.uint8).reshape(-1, config["height"], config["width"], 3)
+        assert chunk.payload == reference.encode(frames, chunk.metadata["first_frame_index"]), index
+    with av.open(io.BytesIO(b"".join(c.payload for c in watched["early"].chunks))) as container:
+        assert len(list(container.decode(video=0))) == sum(c.metadata["num_frames"] for c in early_chunks.values())
+    for chunk in watched["jpeg"].chunks:
+        assert len(split_jpeg_payload(chunk.payload)) == chunk.metadata["num_frames"]
+
+
+async def test_a_format_is_chosen_only_by_a_spectator_and_only_among_those_served(server):
+    owner = await dial(server.ws)
+    await owner.send({**RAW, "num_chunks": None})
+    start = await owner.until("video.start")
+    for query, words in (
+        (f"watch={start['watch_token']}&format=gif", "format: unknown 'gif'; known: fmp4, jpeg, raw"),
+        (f"control={start['watch_token']}&format=raw", "format: only a spectator"),
+        ("format=raw", "format: only a spectator"),
+    ):
+        got = await fatal(f"{server.ws}?{query}")
+        [error] = got.of("error")
+        assert (error["code"], got.close_code) == ("invalid_request", 1008) and words in error["message"], error
+    same = await dial(f"{server.ws}?watch={start['watch_token']}&format=raw")  # its own format: served as it is
+    assert (await same.until("video.start"))["format"] == "raw"
+    await same.ws.close()
+    await read_paced(owner, until=2)
+    await owner.send({"type": "session.stop"})
+    assert (await owner.rest()).of("session.done")[0]["reason"] == "stopped"
