@@ -145,6 +145,28 @@ async def test_a_dropped_session_resumes_without_a_gap_or_a_repeat(server):
     assert done["frames"] == 4 * 24 and done["replay"]["interactions"][0]["prompt"] == "a storm"
 
 
+async def test_a_resumed_fmp4_session_starts_its_connection_with_a_fresh_init_segment(server):
+    """After a drop, the resumed connection's payloads alone are a valid MP4: the
+    first missed chunk comes behind the session's init segment, the rest as the
+    session encoded them, and no chunk is missing or repeated."""
+    first = await dial(server.ws)
+    await first.send({**RAW, "format": "fmp4", "num_chunks": 10})
+    start = await first.until("video.start")
+    await read_paced(first, until=2)
+    drop(first)
+    got = list(first.received.chunks)
+    second = await resume(server.ws, start, got[-1].metadata["generation_chunk_index"])
+    await read_paced(second)
+    rest = await second.rest()
+    indexes = [c.metadata["generation_chunk_index"] for c in got + rest.chunks]
+    assert indexes == list(range(10))
+    for part in (got, rest.chunks):
+        with av.open(io.BytesIO(b"".join(c.payload for c in part))) as container:
+            assert len(list(container.decode(video=0))) == sum(c.metadata["num_frames"] for c in part)
+    assert rest.chunks[0].payload[:8] == got[0].payload[:8]  # both begin with the init segment's ftyp box
+    assert rest.chunks[0].payload[4:8] == b"ftyp" and rest.chunks[1].payload[4:8] == b"moof"
+
+
 async def test_an_abandoned_session_ends_after_the_grace_and_is_freed(server):
     before = scrape(server)
     client = await dial(server.ws)
