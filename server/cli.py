@@ -206,6 +206,11 @@ def _eval_demo(args: argparse.Namespace) -> int:
     return importlib.import_module("workers.demo.evaluate").main(args.rest)
 
 
+def _refine_demo_decoder(args: argparse.Namespace) -> int:
+    # By name, like train-demo: the refiner trains (torch) in this process.
+    return importlib.import_module("workers.demo.refine").main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtvideo", description="Realtime video generation server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -243,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
         "eval-demo", help="judge a demo model's chunks against their prompts (JSON last line)", add_help=False
     )
     eval_demo.set_defaults(func=_eval_demo, passthrough=True)
+    refine = commands.add_parser(
+        "refine-demo-decoder",
+        help="train a demo model's causal decoder refiner and write it into the model directory",
+        add_help=False,
+    )
+    refine.set_defaults(func=_refine_demo_decoder, passthrough=True)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints a JSON summary as its last line")
     benches = bench.add_subparsers(dest="bench", required=True)

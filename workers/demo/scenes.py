@@ -171,7 +171,7 @@ def draw_clip(
     return Clip(first, start, tuple(attributes))
 
 
-TRAINING, CODEC_FIT, EVALUATION = 0, 1, 2  # disjoint clip streams of one seed
+TRAINING, CODEC_FIT, EVALUATION, DECODER_FIT = 0, 1, 2, 3  # disjoint clip streams of one seed
 
 
 def clip_for(seed: int, index: int, height: int, width: int, chunks: int, stream: int = TRAINING, **options) -> Clip:
