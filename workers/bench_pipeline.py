@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import msgspec
 import torch
@@ -35,12 +36,18 @@ import torch
 from engine.messages import StartSession
 from workers.chunk_driver import ChunkDriver
 from workers.pipelines.causal_wan import CausalWanPipeline
-from workers.pipelines.presets import WAN_1_3B_TRANSFORMER, Components, build_tiny
+from workers.pipelines.presets import WAN_1_3B_TRANSFORMER, Components, build_tiny, load_directory
 from workers.runner import StageCall
 from workers.warmup import warm_up
 
 
 def _components(preset: str, device: str | None) -> Components:
+    """The preset's components; a model directory's (``demo`` is the shipped one's)
+    for any other name that is a directory."""
+    if preset == "demo" or Path(preset).is_dir():
+        from workers.demo import WEIGHTS
+
+        return load_directory(WEIGHTS if preset == "demo" else preset, torch.float32)
     tiny = build_tiny()
     if preset == "tiny":
         return tiny
@@ -56,7 +63,7 @@ def _components(preset: str, device: str | None) -> Components:
             config = UMT5Config(vocab_size=384, d_model=4096, d_kv=64, d_ff=256, num_layers=1, num_heads=8)
             text = UMT5EncoderModel(config)
         return Components(transformer, vae, text, tiny.tokenizer, text_length=512, default_size=(832, 480))
-    raise SystemExit(f"unknown preset {preset!r}: tiny or wan2.1-1.3b")
+    raise SystemExit(f"unknown preset {preset!r}: tiny, demo, wan2.1-1.3b or a model directory")
 
 
 def run(
@@ -239,7 +246,7 @@ def _write_profile(profiler: torch.profiler.profile, device: torch.device, path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rtvideo bench pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny", help="tiny | wan2.1-1.3b")
+    parser.add_argument("--preset", default="tiny", help="tiny | demo | wan2.1-1.3b | a model directory")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--height", type=int, default=None)
     parser.add_argument("--chunks", type=int, default=8)
