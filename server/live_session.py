@@ -91,8 +91,8 @@ class Viewer(Protocol):
         """Close it as a slow client (``slow_client: why``)."""
 
 
-class JoinRefused(Exception):
-    """A spectator's or controller's join cannot be served (the message says why)."""
+class Refused(Exception):
+    """A connection the session cannot take: its error ``code`` and ``message``."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -100,11 +100,12 @@ class JoinRefused(Exception):
         self.message = message
 
 
-class ResumeRefused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class JoinRefused(Refused):
+    """A spectator's or controller's join cannot be served."""
+
+
+class ResumeRefused(Refused):
+    """A ``session.resume`` cannot be served."""
 
 
 class LiveSession:
