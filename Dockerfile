@@ -4,7 +4,7 @@
 # The model directory is a volume (mount it and set RTVIDEO_MODEL=/models/...);
 # /v1/videos jobs live in the volume /data (RTVIDEO_DATA_DIR): mount one there for
 # finished jobs and their videos to outlast the container;
-# nothing but the 5 MB demo model (the default) is baked in, and nothing is downloaded at start. Give `docker stop` more
+# nothing but the 6 MB demo model (the default) is baked in, and nothing is downloaded at start. Give `docker stop` more
 # time than RTVIDEO_SHUTDOWN_GRACE_S (e.g. --stop-timeout 45): SIGTERM drains.
 ARG VARIANT=cpu
 
