@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+PP_TRANSPORTS = ("auto", "torch")  # EngineConfig.pp_transport
+
 
 @dataclass(frozen=True)
 class PipelineSpec:
@@ -50,6 +52,11 @@ class EngineConfig:
     pp_timeout_s: float = 30.0
     """How long a pipeline rank waits on another's message before it gives up
     (the group is then restarted): no rank ever hangs in a receive."""
+    pp_transport: str = "auto"
+    """What the pipeline ranks' activations travel on: ``auto``, the ranks' own
+    TCP sockets on a CPU and NCCL point-to-point on GPUs; ``torch``,
+    ``torch.distributed`` point-to-point either way (gloo on a CPU: measured
+    slower, docs/ENGINE.md). The plans always travel on the sockets."""
     stream_batch: bool = False
     """Split over ranks: let a session's next chunk enter the pipeline while its
     chunk before is still being denoised (more throughput for few sessions; the
@@ -115,6 +122,7 @@ class EngineConfig:
         _check(self.max_batch_rows >= 1, "max_batch_rows", "must be >= 1")
         _check(self.pp >= 1, "pp", "must be >= 1")
         _check(self.pp_timeout_s > 0, "pp_timeout_s", "must be > 0")
+        _check(self.pp_transport in PP_TRANSPORTS, "pp_transport", f"must be one of {', '.join(PP_TRANSPORTS)}")
         _check(not self.stream_batch or self.pp >= 2, "stream_batch", "needs pp >= 2 (pipeline ranks to fill)")
         in_flight = self.max_chunks_in_flight
         _check(in_flight is None or in_flight >= 1, "max_chunks_in_flight", "must be >= 1")

@@ -50,6 +50,10 @@ class ServerSettings:
     pp_timeout_s: float = 30.0
     """With --pp: how long one rank waits for another's activations before the
     group is declared broken and restarted (no rank ever hangs)."""
+    pp_transport: str = "auto"
+    """With --pp: what the ranks' activations travel on: auto (the ranks' own TCP
+    sockets on a CPU, NCCL on GPUs) or torch (torch.distributed point-to-point:
+    gloo on a CPU, slower there)."""
     worker_listen: str | None = None
     """HOST:PORT where the server waits for a worker group started by a launcher
     instead of starting its worker itself: `torchrun --nproc-per-node N
@@ -173,5 +177,7 @@ class ServerSettings:
             raise ValueError("data_dir must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.pp_transport not in ("auto", "torch"):
+            raise ValueError(f"pp_transport must be auto or torch, got {self.pp_transport!r}")
         if self.stream_batch and self.pp < 2:
             raise ValueError(f"stream_batch needs pp >= 2 (pipeline ranks to fill), got pp={self.pp}")

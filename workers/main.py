@@ -284,6 +284,9 @@ def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> 
     from workers.parallel.group import rank_device, rank_threads
     from workers.parallel.partition import measure_costs, split_blocks
 
+    if rank_device(0).type == "cpu":  # the ranks share the cores: measure as they will run, alone
+        torch.set_num_threads(rank_threads(config.pp))
+        group.wait_loaded()
     costs = measure_costs(pipeline, decode_inline=decode_inline)
     splits = split_blocks(costs, config.pp)
     log.info(
@@ -296,6 +299,4 @@ def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> 
     )
     pipeline.own_blocks(splits[0], most_per_rank=max(len(split) for split in splits))
     pipeline.chunks_in_flight = config.lookahead
-    if rank_device(0).type == "cpu":
-        torch.set_num_threads(rank_threads(config.pp))
     group.start(splits)

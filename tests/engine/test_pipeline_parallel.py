@@ -1,6 +1,7 @@
 """Temporal pipeline parallelism through real worker processes: the tiny model's
-blocks split over two ranks joined by gloo (``EngineConfig.pp = 2``), against
-the same sessions on one rank."""
+blocks split over two ranks (``EngineConfig.pp = 2``: one gloo process group,
+the activations on the ranks' own sockets, or over gloo), against the same
+sessions on one rank."""
 
 from __future__ import annotations
 
@@ -201,6 +202,24 @@ def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
         assert rank["busy_s"] > 0 and 0 <= rank["bubble"] < 1
     assert result["micro_steps"] >= 2 * 2 * 3  # 2 chunks of 2 steps and a commit, 2 ranks each
     assert 0 < result["mean_rows"] <= 1
+
+
+def test_the_ring_over_gloo_makes_what_it_makes_over_the_ranks_sockets():
+    """The two transports of the ring (``pp_transport``): the ranks' own sockets
+    (the default on a CPU) and ``torch.distributed`` point-to-point over gloo
+    (the path NCCL takes on GPUs) carry the same activations, so a session's
+    frames are bit for bit the same over either."""
+    import asyncio as aio
+
+    from server import bench_pp
+
+    options = bench_pp.PpBenchOptions(chunks=2, size=32, steps=2)
+    frames = {}
+    for transport in ("auto", "torch"):
+        result = aio.run(bench_pp.run_config(options, bench_pp.Config("pp2", 2, None, 1, transport=transport)))
+        assert result["frames"] == 9 + 12 and [rank["rank"] for rank in result["ranks"]] == [0, 1]
+        frames[transport] = result["_payloads"]
+    assert len(frames["auto"]) == 2 and frames["auto"] == frames["torch"]
 
 
 @SHARED

@@ -91,3 +91,16 @@ def test_stream_batch_options_reach_the_engine_config_and_need_ranks():
     assert engine_config(settings_from(parse("--pp", "2"), {})).lookahead("soft") == 1
     with pytest.raises(SystemExit, match="stream_batch needs pp >= 2"):
         settings_from(parse("--stream-batch", "true"), {})
+
+
+def test_the_ranks_transport_reaches_the_engine_config_and_anything_else_is_refused_by_name():
+    from engine.config import EngineConfig, PipelineSpec
+    from server.app import engine_config
+
+    assert engine_config(settings_from(parse("--pp", "2"), {})).pp_transport == "auto"
+    config = engine_config(settings_from(parse("--pp", "2"), {"RTVIDEO_PP_TRANSPORT": "torch"}))
+    assert config.pp_transport == "torch"
+    with pytest.raises(SystemExit, match="pp_transport must be auto or torch, got 'zmq'"):
+        settings_from(parse("--pp-transport", "zmq"), {})
+    with pytest.raises(ValueError, match="pp_transport must be one of auto, torch"):
+        EngineConfig(pipeline=PipelineSpec("tiny", {}), pp_transport="gloo")

@@ -3,10 +3,14 @@
 Worker processes. Rank 0 (the worker the API process spawned) makes a
 ``RankGroup`` as soon as its own pipeline is built: ``spawn`` starts ranks
 1..N-1 (``run_follower``), which build theirs (load the weights) while rank 0
-warms up and measures the blocks' costs; ``start`` then hands each its block
+warms up; rank 0 measures the blocks' costs (on a CPU once every rank has
+loaded, ``wait_loaded``: a rank still loading shares the cores and made the
+costs, and so the split, vary from start to start); ``start`` then hands each its block
 range through a ``torch.distributed`` TCP store, joins them in one process
-group (gloo on a CPU, NCCL on GPUs), and opens a plan channel to each
-(ZeroMQ PUSH; the plans are msgpack of ``engine.plan.MicroStep``).
+group (gloo on a CPU, NCCL on GPUs), and connects the ranks' sockets
+(``workers.parallel.sockets``): the plans (msgpack of
+``engine.plan.MicroStep``) travel on them, and so does the ring on a CPU
+(``ring_link``: on GPUs, NCCL point-to-point).
 
 One group lives and dies as one: a thread of rank 0 waits on the followers'
 process sentinels and, the moment one dies, calls ``on_death`` (the worker
@@ -19,8 +23,8 @@ timeout (``EngineConfig.pp_timeout_s``).
 A group started by a launcher (``workers.launch``: ``torchrun``, one process
 per rank, on one machine or several) is the same group without the spawning:
 the ranks meet in the launcher's rendezvous store (``LaunchSite``), where
-rank 0 leaves the configuration, each follower's blocks and the address of
-its plan channel; there are no sentinels to watch, so a rank that dies is
+rank 0 leaves the configuration, each follower's blocks and every rank the
+address of its sockets; there are no sentinels to watch, so a rank that dies is
 found by the link (a peer's closed connection, or the timeout), and the
 launcher tears down and restarts the group.
 """
@@ -41,14 +45,13 @@ from multiprocessing.connection import Connection, wait
 import msgspec
 import torch
 import torch.distributed as dist
-import zmq
 
 from engine.config import EngineConfig
 from engine.plan import MicroStep
 from workers.parallel.link import RingLink
+from workers.parallel.sockets import RankSockets, advertised_host
 
 log = logging.getLogger(__name__)
-_STOP = b"stop"
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,16 @@ def rank_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
+def ring_link(config: EngineConfig, rank: int, sockets: RankSockets) -> RankSockets | RingLink:
+    """What the ring's messages travel on: the ranks' sockets on a CPU, NCCL
+    point-to-point on GPUs (``pp_transport`` ``auto``), or ``torch.distributed``
+    point-to-point either way (``torch``: gloo on a CPU)."""
+    device = rank_device(rank)
+    if config.pp_transport == "auto" and device.type == "cpu":
+        return sockets
+    return RingLink(rank, config.pp, config.pp_timeout_s, device)
+
+
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1."""
 
@@ -87,51 +100,41 @@ class RankGroup:
         self.blocks = range(0)  # rank 0's, once ``start`` was given the split
         self.on_death = on_death
         self._store: dist.TCPStore | None = None
-        self.link: RingLink | None = None
+        self.sockets = RankSockets(0, config.pp, config.pp_timeout_s)
+        self.link: RankSockets | RingLink | None = None
         self.figures: dict[int, tuple[float, float]] = {}  # rank -> (busy_s, wall_s), cumulative
-        self._context = zmq.Context()
-        self._plans: list[zmq.Socket] = []
         self._processes: list[multiprocessing.Process] = []
         self._closing = threading.Event()
         self._keep_alive: Connection | None = None
 
     def spawn(self) -> None:
         """Start ranks 1..N-1; each builds its pipeline, then waits for its blocks.
-        Launched: they run already; open their plan channels and say where."""
+        Launched: they run already; listen where they will reach rank 0."""
         if self.site is not None:
             self._store = self.site.store
-            for rank in range(1, self.world):
-                socket = self._context.socket(zmq.PUSH)
-                socket.setsockopt(zmq.LINGER, 0)
-                port = socket.bind_to_random_port("tcp://*")
-                self._plans.append(socket)
-                self._store.set(f"plan/{rank}", f"tcp://{self.site.advertise_host}:{port}")
+            self.sockets.listen(self._store, self.site.advertise_host, bind_host="0.0.0.0")
             return
         timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
         store = self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=timeout, wait_for_workers=False)
+        self.sockets.listen(store, "127.0.0.1")
         reader, self._keep_alive = multiprocessing.Pipe(duplex=False)
         spawn = multiprocessing.get_context("spawn")
         for rank in range(1, self.world):
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 0)
-            port = socket.bind_to_random_port("tcp://127.0.0.1")
-            self._plans.append(socket)
             process = spawn.Process(
                 target=run_follower,
-                args=(
-                    self.config,
-                    rank,
-                    self.world,
-                    store.port,
-                    f"tcp://127.0.0.1:{port}",
-                    reader,
-                ),
+                args=(self.config, rank, self.world, store.port, reader),
                 name=f"rtvideo-rank-{rank}",
                 daemon=True,
             )
             process.start()
             self._processes.append(process)
         reader.close()
+
+    def wait_loaded(self) -> None:
+        """Wait until every follower has built its pipeline (on a CPU the ranks'
+        costs are measured after it: a rank still loading shares the cores and
+        made the measured costs, and so the split, vary from start to start)."""
+        self._wait_for("loaded", "loaded its model")
 
     def start(self, splits: list[range]) -> None:
         """Give each follower its blocks, wait until each kept them, join the
@@ -141,26 +144,30 @@ class RankGroup:
         timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
         for rank in range(1, self.world):
             store.set(f"blocks/{rank}", f"{splits[rank].start},{splits[rank].stop}")
+        self._wait_for("built", "kept its blocks")
+        backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
+        self.sockets.connect(store, self.config.startup_timeout_s)
+        self.link = ring_link(self.config, 0, self.sockets)
+        if self._processes:
+            threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _wait_for(self, key: str, what: str) -> None:
+        """Until every follower has set ``key/<rank>`` in the store; ``RuntimeError``
+        naming the rank when one exits first, or past the start-up timeout."""
         deadline = time.monotonic() + self.config.startup_timeout_s
-        keys = [f"built/{rank}" for rank in range(1, self.world)]
-        while not store.check(keys):
+        keys = [f"{key}/{rank}" for rank in range(1, self.world)]
+        while not self._store.check(keys):
             for rank, process in enumerate(self._processes, start=1):
                 if not process.is_alive():
                     raise RuntimeError(f"pipeline rank {rank} exited with code {process.exitcode} while starting")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"pipeline ranks not built within {self.config.startup_timeout_s:g} s")
+                raise RuntimeError(f"pipeline ranks not {what} within {self.config.startup_timeout_s:g} s")
             time.sleep(0.02)
-        backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
-        self.link = RingLink(0, self.world, self.config.pp_timeout_s, rank_device(0))
-        if self._processes:
-            threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
     def send_plan(self, step: MicroStep) -> None:
         """Every follower gets every micro-step's plan, in order."""
-        raw = msgspec.msgpack.encode(step)
-        for socket in self._plans:
-            socket.send(raw)
+        self.sockets.send_plan(step.number, msgspec.msgpack.encode(step))
 
     def note_figures(self, figures: list) -> None:
         for rank, busy_s, wall_s in figures:
@@ -186,13 +193,10 @@ class RankGroup:
     def close(self) -> None:
         """Stop the followers (they finish the plan in hand), then leave the group."""
         self._closing.set()
-        for socket in self._plans:
-            try:
-                socket.send(_STOP, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        if self.link is not None:
+            self.sockets.send_stop()
         for process in self._processes:
-            if self.link is not None:  # joined: it stops at the plan channel's stop; else it waits for blocks
+            if self.link is not None:  # joined: it stops at the plans' stop; else it waits for blocks
                 process.join(self.config.shutdown_timeout_s)
             if process.is_alive():
                 process.kill()
@@ -204,9 +208,7 @@ class RankGroup:
                 pass
         if dist.is_initialized():
             dist.destroy_process_group()
-        for socket in self._plans:
-            socket.close()
-        self._context.term()
+        self.sockets.close()
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: (rank, process) for rank, process in enumerate(self._processes, start=1)}
@@ -223,7 +225,6 @@ def run_follower(
     rank: int,
     world: int,
     store_port: int,
-    plan_endpoint: str,
     parent_alive: Connection,
 ) -> None:
     """Entry point of pipeline rank ``rank`` (spawned by ``RankGroup``)."""
@@ -233,14 +234,14 @@ def run_follower(
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
     timeout = datetime.timedelta(seconds=config.startup_timeout_s)
     store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
-    follow(config, rank, world, store, plan_endpoint)
+    follow(config, rank, world, store, launched=False)
 
 
-def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, plan_endpoint: str | None = None) -> None:
+def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launched: bool = True) -> None:
     """Be pipeline rank ``rank``: build the pipeline, keep the blocks rank 0 gives
-    through ``store``, join the process group, then run each micro-step's plan
-    from ``plan_endpoint`` (None: the address rank 0 left in the store, a
-    launched group) until rank 0 says stop. Exits the process."""
+    through ``store``, join the process group and the ranks' sockets (reachable
+    at ``advertised_host`` when ``launched`` on any machine, else on loopback),
+    then run each micro-step's plan until rank 0 says stop. Exits the process."""
     from workers.parallel.follower import Follower
     from workers.pipelines import build_pipeline
 
@@ -254,8 +255,9 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, plan_
         options["device"] = str(device)
     spec = type(config.pipeline)(config.pipeline.name, options)
     pipeline = build_pipeline(spec, config.max_batch_rows)
+    store.set(f"loaded/{rank}", "1")
     timeout = datetime.timedelta(seconds=config.startup_timeout_s)
-    store.wait([f"blocks/{rank}"], timeout)  # rank 0 measures the blocks meanwhile
+    store.wait([f"blocks/{rank}"], timeout)  # rank 0 measures the blocks (on a CPU once all have loaded)
     blocks = tuple(int(part) for part in store.get(f"blocks/{rank}").decode().split(","))
     pipeline.own_blocks(range(*blocks))
     pipeline.chunks_in_flight = config.lookahead
@@ -264,28 +266,25 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, plan_
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
     )
-    link = RingLink(rank, world, config.pp_timeout_s, device)
-    context = zmq.Context()
-    plans = context.socket(zmq.PULL)
-    if plan_endpoint is None:
-        store.wait([f"plan/{rank}"], timeout)
-        plan_endpoint = store.get(f"plan/{rank}").decode()
-    plans.connect(plan_endpoint)
+    sockets = RankSockets(rank, world, config.pp_timeout_s)
+    if launched:
+        sockets.listen(store, advertised_host(os.environ.get("MASTER_ADDR")), bind_host="0.0.0.0")
+    else:
+        sockets.listen(store, "127.0.0.1")
+    sockets.connect(store, config.startup_timeout_s)
+    link = ring_link(config, rank, sockets)
     follower = Follower(pipeline, link, range(*blocks))
     decoder = msgspec.msgpack.Decoder(MicroStep)
     log.info("rank %d of %d: blocks %d..%d", rank, world, blocks[0], blocks[1] - 1)
     try:
-        while True:
-            raw = plans.recv()
-            if raw == _STOP:
-                break
+        while (raw := sockets.recv_plan()) is not None:
             follower.run(decoder.decode(raw))
         link.wait_sent()
     except Exception:
         log.exception("pipeline rank %d failed", rank)
         os._exit(2)
     finally:
-        plans.close(linger=0)
+        sockets.close()
     dist.destroy_process_group()
     os._exit(0)
 

@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 
 MESSAGE_BYTES = 128 * 1024  # the header (a few hundred bytes per row), and the tensors when they fit
-_ALIGN = 16  # tensors inside the buffer start at multiples of this (any dtype may view them)
+ALIGN = 16  # tensors inside the buffer start at multiples of this (any dtype may view them)
 _TAG_MASK = (1 << 30) - 1
-_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)}
+DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)}
 
 
-def _aligned(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
+def aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
 
 
 class LinkTimeout(RuntimeError):
@@ -79,8 +79,8 @@ class RingLink:
         parts = [t.contiguous() for t in message.tensors]
         metas = [[list(t.shape), str(t.dtype)] for t in parts]
         header = msgspec.msgpack.encode({**message.header, "tensors": metas, "inline": True})
-        start = _aligned(4 + len(header))
-        inline = start + sum(_aligned(t.numel() * t.element_size()) for t in parts) <= MESSAGE_BYTES
+        start = aligned(4 + len(header))
+        inline = start + sum(aligned(t.numel() * t.element_size()) for t in parts) <= MESSAGE_BYTES
         if not inline:
             header = msgspec.msgpack.encode({**message.header, "tensors": metas, "inline": False})
         if len(header) + 4 > MESSAGE_BYTES:
@@ -94,7 +94,7 @@ class RingLink:
             for t in parts:
                 size = t.numel() * t.element_size()
                 buffer[offset : offset + size] = t.reshape(-1).view(torch.uint8)
-                offset += _aligned(size)
+                offset += aligned(size)
         else:
             tensors += parts
         ops = [dist.P2POp(dist.isend, t, peer, tag=tag & _TAG_MASK) for t in tensors]
@@ -110,14 +110,14 @@ class RingLink:
         header = msgspec.msgpack.decode(buffer[4 : 4 + size].cpu().numpy().tobytes())
         metas = header.pop("tensors")
         if header.pop("inline"):
-            tensors, offset = [], _aligned(4 + size)
+            tensors, offset = [], aligned(4 + size)
             for shape, dtype in metas:
-                kind = _DTYPES[dtype]
+                kind = DTYPES[dtype]
                 count = math.prod(shape) * kind.itemsize
                 tensors.append(buffer[offset : offset + count].view(kind).reshape(shape))
-                offset += _aligned(count)
+                offset += aligned(count)
             return Message(header, tensors)
-        tensors = [torch.empty(shape, dtype=_DTYPES[dtype], device=self.device) for shape, dtype in metas]
+        tensors = [torch.empty(shape, dtype=DTYPES[dtype], device=self.device) for shape, dtype in metas]
         if tensors:
             ops = [dist.P2POp(dist.irecv, t, peer, tag=tag & _TAG_MASK) for t in tensors]
             self._wait(dist.batch_isend_irecv(ops), "tensors", peer)

@@ -1,0 +1,158 @@
+"""The pipeline ranks' own sockets (``workers.parallel.sockets``): real TCP
+connections on loopback between ranks that meet in a real ``torch.distributed``
+store, each rank on a thread of its own (as each would be in its process).
+
+Tensors of every dtype the ranks send arrive equal; frames asked for in
+another order than they were sent are matched by kind and tag; two ranks that
+send each other messages far larger than the kernel's buffers before either
+receives do not deadlock (the connection's thread writes what the kernel did
+not take); a silent peer raises ``LinkTimeout``, a closed one ``PeerClosed``,
+both naming the rank; a stop ends the plans."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from workers.parallel.link import LinkTimeout, Message
+from workers.parallel.sockets import PeerClosed, RankSockets, receives_from, sends_to
+
+
+def test_who_writes_to_whom():
+    assert [sends_to(rank, 2) for rank in range(2)] == [[1], [0]]
+    assert [sends_to(rank, 3) for rank in range(3)] == [[1, 2], [2], [0]]  # plans 0 -> every follower; the ring
+    assert [receives_from(rank, 3) for rank in range(3)] == [[2], [0], [0, 1]]
+
+
+def joined(world: int, timeout_s: float = 5.0) -> list[RankSockets]:
+    """``world`` ranks, every one listening, then every one connecting, each on its thread."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    ranks = [RankSockets(rank, world, timeout_s) for rank in range(world)]
+    for rank in ranks:
+        rank.listen(store, "127.0.0.1")
+    errors: list[BaseException] = []
+
+    def connect(rank: RankSockets) -> None:
+        try:
+            rank.connect(store, 10.0)
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=connect, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert not errors, errors
+    return ranks
+
+
+@pytest.fixture
+def pair():
+    ranks = joined(2)
+    yield ranks
+    for rank in ranks:
+        rank.close()
+
+
+def sample_tensors() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        torch.randn(2, 48, 128, generator=generator),
+        torch.randn(3, 5, generator=generator).to(torch.bfloat16),
+        torch.randn(4, generator=generator).to(torch.float16),
+        torch.arange(7, dtype=torch.int64),
+        torch.tensor([1, 2, 3], dtype=torch.uint8),
+        torch.empty(0, 4),
+        torch.tensor(2.5),
+        torch.randn(8, 8, generator=generator).t(),  # not contiguous
+    ]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_tensors_of_every_dtype_arrive_equal_with_their_header(pair):
+    zero, one = pair
+    header = {"items": [{"kind": "forward", "rows": [["s", 0, 1]]}], "failed": {"t": "rank 1: boom"}}
+    zero.send(1, 7, Message(header, sample_tensors()))
+    got = one.recv(0, 7)
+    assert got.header == header
+    assert same(got.tensors, sample_tensors())
+    one.send(0, 8, Message({"items": []}, []))  # the last rank's answer: no tensors at all
+    assert zero.recv(1, 8).tensors == []
+    zero.wait_sent()
+    assert zero.transfers == 1 and zero.bytes_sent > 2 * 48 * 128 * 4
+
+
+def test_frames_are_matched_by_kind_and_tag_whatever_order_they_are_asked_in(pair):
+    zero, one = pair
+    zero.send(1, 1, Message({"n": 1}, [torch.ones(3)]))
+    zero.send(1, 2, Message({"n": 2}, [torch.zeros(3)]))
+    zero.send_plan(2, b"plan two")
+    assert one.recv_plan() == b"plan two"  # behind two ring frames, which are kept
+    assert one.recv(0, 2).header == {"n": 2}
+    assert torch.equal(one.recv(0, 1).tensors[0], torch.ones(3))
+    zero.send_stop()
+    assert one.recv_plan() is None
+
+
+def test_large_messages_both_ways_at_once_do_not_deadlock(pair):
+    zero, one = pair
+    big = [torch.arange(8 << 20, dtype=torch.float32)]  # 32 MiB each way, far past the kernel's buffers
+    began = time.monotonic()
+    zero.send(1, 1, Message({"from": 0}, big))  # neither has received yet: both sends must return
+    one.send(0, 1, Message({"from": 1}, big))
+    got_at_one, got_at_zero = one.recv(0, 1), zero.recv(1, 1)
+    zero.wait_sent()
+    one.wait_sent()
+    assert got_at_one.header == {"from": 0} and got_at_zero.header == {"from": 1}
+    assert same(got_at_one.tensors, big) and same(got_at_zero.tensors, big)
+    assert time.monotonic() - began < 10
+
+
+def test_a_silent_peer_times_out_naming_it():
+    zero, one = joined(2, timeout_s=0.3)
+    try:
+        began = time.monotonic()
+        with pytest.raises(LinkTimeout, match="from rank 0"):
+            one.recv(0, 99)
+        assert time.monotonic() - began < 3
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_a_closed_peer_raises_at_once_naming_it(pair):
+    zero, one = pair
+    zero.close()  # as the kernel closes a killed rank's sockets
+    began = time.monotonic()
+    with pytest.raises(PeerClosed, match="rank 0 closed its connection"):
+        one.recv(0, 1)
+    with pytest.raises(PeerClosed, match="rank 0"):
+        one.recv_plan()
+    assert time.monotonic() - began < 1  # not the 5 s timeout
+
+
+def test_three_ranks_carry_plans_to_every_follower_and_the_ring_round():
+    ranks = joined(3)
+    try:
+        zero, one, two = ranks
+        zero.send_plan(1, b"p1")
+        assert one.recv_plan() == b"p1" and two.recv_plan() == b"p1"
+        zero.send(1, 2, Message({"hop": 0}, [torch.full((2,), 1.0)]))
+        one.send(2, 3, Message({"hop": 1}, [one.recv(0, 2).tensors[0] + 1]))
+        two.send(0, 4, Message({"hop": 2}, [two.recv(1, 3).tensors[0] + 1]))
+        back = zero.recv(2, 4)
+        assert back.header == {"hop": 2} and torch.equal(back.tensors[0], torch.full((2,), 3.0))
+    finally:
+        for rank in ranks:
+            rank.close()

@@ -1,0 +1,374 @@
+"""Direct TCP connections between pipeline ranks: the plans, and on CPUs the ring.
+
+Worker processes. ``RankSockets`` connects every rank to the ranks it sends
+to (rank 0 to every follower, for the plans; each rank to the next one, for
+the ring; the last rank to rank 0) and carries three kinds of frame on
+them: a micro-step's plan (rank 0 to each follower), a ring message (the
+same ``Message`` as ``RingLink``'s: a header naming rows, failures and
+tensor shapes, then the tensors' bytes) and a stop.
+
+Why not ``torch.distributed``'s point-to-point operations on a CPU: over
+gloo, receiving a message that has already been sent costs 0.5-2.5 ms on
+the 2-core development machine (a rendezvous through gloo's own threads,
+which wait for a core the computing ranks hold), and a ZeroMQ send wakes an
+I/O thread the same way; a micro-step of the demo model is about 10 ms, so
+those waits were a quarter of it. Here the computing thread writes a frame
+into the kernel's socket buffer itself (one copy, no other thread woken)
+and the receiver, blocked in ``poll`` on an otherwise idle core, reads it.
+``EngineConfig.pp_transport`` chooses: ``auto`` (these sockets on a CPU,
+NCCL point-to-point on GPUs, whose tensors stay on the device), ``torch``
+(``RingLink`` over gloo or NCCL: the plans still travel here).
+
+``send`` is non-blocking in the same sense as ``RingLink.send``: the frame
+goes into the kernel's buffer (the second buffer of the double buffering),
+and what does not fit is written by a thread of the connection while the
+caller computes; ``wait_sent`` waits for it. So two ranks sending each
+other large messages never deadlock. Frames of one connection arrive in
+order; ``recv`` matches by (peer, kind, tag) and keeps frames that arrive
+before they are asked for, so the order a rank asks in does not have to be
+the order they were sent in. Every wait has the timeout (``LinkTimeout``);
+a peer whose connection closes raises ``PeerClosed`` at once, naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from workers.parallel.link import DTYPES, LinkTimeout, Message, aligned
+
+_PREFIX = struct.Struct("<4sB3xqIQ")  # magic, kind, tag, header bytes, payload bytes
+_MAGIC = b"RTV1"
+_HELLO = struct.Struct("<4sI")  # magic, the sending rank: the first bytes of a connection
+PLAN, RING, STOP = 1, 2, 3
+
+
+class PeerClosed(RuntimeError):
+    """A peer rank's connection closed (the rank exited or died)."""
+
+
+@dataclass
+class _Frame:
+    kind: int
+    tag: int
+    header: bytes
+    payload: bytearray
+
+
+def sends_to(rank: int, world: int) -> list[int]:
+    """The ranks ``rank`` writes to: the next rank of the ring (the last rank:
+    rank 0), and, for rank 0, every follower (the plans)."""
+    targets = {(rank + 1) % world}
+    if rank == 0:
+        targets.update(range(1, world))
+    targets.discard(rank)
+    return sorted(targets)
+
+
+def receives_from(rank: int, world: int) -> list[int]:
+    return [peer for peer in range(world) if rank in sends_to(peer, world)]
+
+
+def advertised_host(store_host: str | None) -> str:
+    """The address other ranks reach this one at: ``RTVIDEO_ADVERTISE_HOST``,
+    else the local address of the route toward ``store_host`` (None: loopback)."""
+    configured = os.environ.get("RTVIDEO_ADVERTISE_HOST")
+    if configured:
+        return configured
+    if store_host in (None, "", "127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((store_host, 9))  # no packet is sent: this only picks the route
+        return probe.getsockname()[0]
+
+
+class _Outgoing:
+    """One connection this rank writes to: frames go out in order, written by
+    the caller while the kernel takes them, by the connection's thread after."""
+
+    def __init__(self, sock: socket.socket, peer: int, timeout_s: float) -> None:
+        self.sock, self.peer, self.timeout_s = sock, peer, timeout_s
+        self._queue: deque[memoryview] = deque()
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._write, name=f"rank-send-{peer}", daemon=True)
+        self._thread.start()
+
+    def post(self, data: memoryview) -> None:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if not self._queue:
+                try:
+                    data = data[self.sock.send(data, socket.MSG_DONTWAIT) :]
+                except BlockingIOError:
+                    pass
+                except OSError as error:
+                    raise self._closed_error(error) from error
+                if not data:
+                    return
+            self._queue.append(data)
+            self._cond.notify_all()
+
+    def drain(self, deadline: float) -> None:
+        with self._cond:
+            while self._queue and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LinkTimeout(f"send to rank {self.peer} not done within {self.timeout_s:g} s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.sock.close()
+
+    def _write(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLOUT)
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                data = self._queue[0]
+            try:
+                if not poller.poll(self.timeout_s * 1000):
+                    raise LinkTimeout(f"send to rank {self.peer} not done within {self.timeout_s:g} s")
+                sent = self.sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except (OSError, LinkTimeout) as error:
+                with self._cond:
+                    self._error = error if isinstance(error, LinkTimeout) else self._closed_error(error)
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                if sent == len(data):
+                    self._queue.popleft()
+                else:
+                    self._queue[0] = data[sent:]
+                self._cond.notify_all()
+
+    def _closed_error(self, error: OSError) -> PeerClosed:
+        return PeerClosed(f"rank {self.peer} closed its connection ({error.strerror or error})")
+
+
+class _Incoming:
+    """One connection this rank reads: frames in the order they were sent, those
+    not asked for yet kept aside."""
+
+    def __init__(self, sock: socket.socket, peer: int, rank: int) -> None:
+        self.sock, self.peer, self.rank = sock, peer, rank
+        self.kept: deque[_Frame] = deque()
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+
+    def take(self, kinds: tuple[int, ...], tag: int | None, deadline: float | None, what: str) -> _Frame:
+        for frame in self.kept:
+            if frame.kind in kinds and (tag is None or frame.tag == tag):
+                self.kept.remove(frame)
+                return frame
+        while True:
+            frame = self._read(deadline, what)
+            if frame.kind in kinds and (tag is None or frame.tag == tag):
+                return frame
+            if len(self.kept) >= 256:
+                raise RuntimeError(f"rank {self.rank}: 256 frames from rank {self.peer} nobody asked for")
+            self.kept.append(frame)
+
+    def _read(self, deadline: float | None, what: str) -> _Frame:
+        prefix = bytearray(_PREFIX.size)
+        self._fill(memoryview(prefix), deadline, what)
+        magic, kind, tag, header_size, payload_size = _PREFIX.unpack(prefix)
+        if magic != _MAGIC:
+            raise RuntimeError(f"rank {self.rank}: a frame from rank {self.peer} does not begin with {_MAGIC!r}")
+        header = bytearray(header_size)
+        self._fill(memoryview(header), deadline, what)
+        payload = bytearray(payload_size)
+        self._fill(memoryview(payload), deadline, what)
+        return _Frame(kind, tag, bytes(header), payload)
+
+    def _fill(self, view: memoryview, deadline: float | None, what: str) -> None:
+        got = 0
+        while got < len(view):
+            timeout_ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+            if not self._poller.poll(timeout_ms):
+                raise LinkTimeout(f"rank {self.rank}: {what} from rank {self.peer} not done in time")
+            try:
+                count = self.sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError as error:
+                raise PeerClosed(f"rank {self.peer} closed its connection ({error.strerror or error})") from error
+            if count == 0:
+                raise PeerClosed(f"rank {self.peer} closed its connection")
+            got += count
+
+
+class RankSockets:
+    """This rank's connections to the others (see the module's docstring). Has
+    ``RingLink``'s interface (``send``, ``recv``, ``wait_sent``, the counters),
+    so the ring runs on it as it does on ``torch.distributed``."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.device = torch.device("cpu")
+        self._out: dict[int, _Outgoing] = {}
+        self._in: dict[int, _Incoming] = {}
+        self._listener: socket.socket | None = None
+        self.bytes_sent = 0
+        self.transfers = 0
+
+    @property
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.world
+
+    @property
+    def previous_rank(self) -> int:
+        return (self.rank - 1) % self.world
+
+    # -- joining -----------------------------------------------------------------
+
+    def listen(self, store, host: str, bind_host: str | None = None) -> None:
+        """Listen, and leave ``host:port`` in ``store`` for the ranks that write to this one."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((bind_host or host, 0))
+        listener.listen(self.world)
+        self._listener = listener
+        store.set(f"sockets/{self.rank}", f"{host}:{listener.getsockname()[1]}")
+
+    def connect(self, store, timeout_s: float) -> None:
+        """Connect to every rank this one writes to and accept every rank that
+        writes to it (after ``listen`` on every rank; the order does not matter)."""
+        deadline = time.monotonic() + timeout_s
+        for peer in sends_to(self.rank, self.world):
+            store.wait([f"sockets/{peer}"], datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            host, port = store.get(f"sockets/{peer}").decode().rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_HELLO.pack(_MAGIC, self.rank))
+            self._out[peer] = _Outgoing(sock, peer, self.timeout_s)
+        expected = set(receives_from(self.rank, self.world))
+        while expected - set(self._in):
+            self._listener.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError as error:
+                missing = sorted(expected - set(self._in))
+                raise LinkTimeout(
+                    f"rank {self.rank}: ranks {missing} did not connect within {timeout_s:g} s"
+                ) from error
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            hello = bytearray(_HELLO.size)
+            view, got = memoryview(hello), 0
+            while got < len(hello):
+                count = sock.recv_into(view[got:])
+                if count == 0:
+                    break
+                got += count
+            magic, peer = _HELLO.unpack(hello) if got == len(hello) else (b"", -1)
+            if magic != _MAGIC or peer not in expected:
+                sock.close()
+                continue
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._in[peer] = _Incoming(sock, peer, self.rank)
+        self._listener.close()
+        self._listener = None
+
+    # -- plans (rank 0 to every follower) -----------------------------------------
+
+    def send_plan(self, number: int, raw: bytes) -> None:
+        for peer in range(1, self.world):
+            self._post(peer, PLAN, number, raw, [])
+
+    def send_stop(self) -> None:
+        for peer in range(1, self.world):
+            try:
+                self._post(peer, STOP, 0, b"", [])
+            except (PeerClosed, LinkTimeout):
+                pass
+
+    def recv_plan(self) -> bytes | None:
+        """The next plan from rank 0 (waits as long as it takes); None at a stop."""
+        frame = self._in[0].take((PLAN, STOP), None, None, "plan")
+        return None if frame.kind == STOP else frame.header
+
+    # -- the ring (RingLink's interface) ------------------------------------------
+
+    def send(self, peer: int, tag: int, message: Message) -> None:
+        """Post ``message`` to ``peer``; returns once the kernel holds it or the
+        connection's thread has what it did not take."""
+        parts = [t.detach().contiguous().cpu() for t in message.tensors]
+        metas = [[list(t.shape), str(t.dtype)] for t in parts]
+        header = msgspec.msgpack.encode({**message.header, "tensors": metas})
+        self._post(peer, RING, tag, header, parts)
+        self.transfers += 1
+
+    def recv(self, peer: int, tag: int) -> Message:
+        """The ring message ``peer`` sent with ``tag``; ``LinkTimeout`` past the
+        timeout, ``PeerClosed`` when the peer's connection closes."""
+        frame = self._in[peer].take((RING,), tag, time.monotonic() + self.timeout_s, "ring message")
+        header = msgspec.msgpack.decode(frame.header)
+        tensors, offset = [], 0
+        for shape, dtype in header.pop("tensors"):
+            kind = DTYPES[dtype]
+            count = math.prod(shape) * kind.itemsize
+            if count:
+                flat = torch.frombuffer(frame.payload, dtype=torch.uint8, count=count, offset=offset)
+                tensors.append(flat.view(kind).reshape(shape))
+            else:
+                tensors.append(torch.empty(shape, dtype=kind))
+            offset += aligned(count)
+        return Message(header, tensors)
+
+    def wait_sent(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for outgoing in self._out.values():
+            outgoing.drain(deadline)
+
+    def close(self) -> None:
+        for outgoing in self._out.values():
+            outgoing.close()
+        for incoming in self._in.values():
+            incoming.sock.close()
+        if self._listener is not None:
+            self._listener.close()
+
+    def _post(self, peer: int, kind: int, tag: int, header: bytes, parts: list[torch.Tensor]) -> None:
+        """One frame, written once into one buffer: prefix, header, then each
+        tensor's bytes at a multiple of ``ALIGN`` from the payload's start."""
+        sizes = [t.numel() * t.element_size() for t in parts]
+        payload = sum(aligned(size) for size in sizes)
+        start = _PREFIX.size + len(header)
+        frame = bytearray(start + payload)
+        _PREFIX.pack_into(frame, 0, _MAGIC, kind, tag, len(header), payload)
+        frame[_PREFIX.size : start] = header
+        if payload:
+            flat = torch.frombuffer(frame, dtype=torch.uint8)
+            offset = start
+            for t, size in zip(parts, sizes, strict=True):
+                if size:
+                    flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
+                offset += aligned(size)
+        self._out[peer].post(memoryview(frame))
+        self.bytes_sent += len(frame)
