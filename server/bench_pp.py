@@ -11,7 +11,13 @@ micro-step. Configurations:
 
 - ``pp1-1t``: one rank, one CPU thread (the baseline the issue's targets use);
 - ``pp1-2t``: one rank, two threads (the honest baseline on two cores);
-- ``pp2``: two ranks, one thread each;
+- ``pp2``: two ranks, one thread each, the ring on the ranks' own sockets;
+- ``pp2-gloo``: the same over ``torch.distributed`` point-to-point (gloo;
+  ``pp_transport`` ``torch``), side by side with ``pp2``;
+- ``pp2-batch2``: two ranks with up to two rows per micro-step
+  (``max_batch_rows`` 2: with four sessions and two ranks, the two sessions
+  whose passes are not in the ring enter together), against ``pp1-batch4``,
+  the same four sessions batched on one rank;
 - ``pp2-stream``: two ranks with stream batch (one session's next chunk enters
   while the chunk before it is still in the ring), against which the
   output's difference from the exact one (``pp1-1t``, the same session and
@@ -59,6 +65,7 @@ class Config:
     max_batch_rows: int = 1
     serial: bool = False  # sessions one after another instead of together
     stream_batch: bool = False
+    transport: str = "auto"  # EngineConfig.pp_transport
 
 
 CONFIGS = (
@@ -69,6 +76,8 @@ CONFIGS = (
     Config("pp1-1t", 1, 1, 4),
     Config("pp1-2t", 1, 2, 4),
     Config("pp2", 2, None, 4),
+    Config("pp2-gloo", 2, None, 4, transport="torch"),
+    Config("pp2-batch2", 2, None, 4, max_batch_rows=2),
     Config("pp1-batch4", 1, 1, 4, max_batch_rows=4),
     Config("pp1-serial", 1, 1, 4, serial=True),
 )
@@ -85,6 +94,7 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
         pp=config.pp,
         cpu_threads=config.threads,
         stream_batch=config.stream_batch,
+        pp_transport=config.transport,
         max_batch_rows=config.max_batch_rows,
         max_sessions=max(4, config.sessions),
         startup_timeout_s=600,
@@ -215,6 +225,9 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int
         "pp2_vs_pp1_1t_4_sessions": ratio(("pp2", 4), ("pp1-1t", 4)),
         "pp2_vs_pp1_2t_4_sessions": ratio(("pp2", 4), ("pp1-2t", 4)),
         "pp2_vs_pp1_1t_1_session": ratio(("pp2", 1), ("pp1-1t", 1)),
+        "pp2_vs_pp2_gloo_4_sessions": ratio(("pp2", 4), ("pp2-gloo", 4)),
+        "pp2_batch2_vs_pp1_1t_4_sessions": ratio(("pp2-batch2", 4), ("pp1-1t", 4)),
+        "pp2_batch2_vs_pp1_batch4": ratio(("pp2-batch2", 4), ("pp1-batch4", 4)),
         "batch4_vs_serial": ratio(("pp1-batch4", 4), ("pp1-serial", 4)),
         "pp2_stream_vs_pp1_1t_1_session": ratio(("pp2-stream", 1), ("pp1-1t", 1)),
         "pp2_stream_vs_pp2_1_session": ratio(("pp2-stream", 1), ("pp2", 1)),

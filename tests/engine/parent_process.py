@@ -9,6 +9,7 @@ just dies, and the worker must notice by itself.
 from __future__ import annotations
 
 import asyncio
+import signal
 
 from engine.client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
@@ -29,6 +30,9 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # Handle SIGINT even when started with it ignored (a shell's background job
+    # inherits SIG_IGN), as the real server does: uvicorn installs its own handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         asyncio.run(main())
     except KeyboardInterrupt:

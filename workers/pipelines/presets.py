@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from transformers import AutoTokenizer, ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+from transformers.utils import logging as hf_logging
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer")
 
@@ -119,6 +120,10 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
     for name in ("transformer", "vae", "text_encoder"):
         if not (root / name / "config.json").is_file():
             raise ValueError(f"model directory {str(root)!r}: {name}/config.json is missing")
+    # No "Loading weights" bar: a worker's log is not a terminal, and the bar's
+    # tqdm lock is a multiprocessing semaphore that a worker (which ends with
+    # os._exit) would leave for the resource tracker to report as leaked.
+    hf_logging.disable_progress_bar()
     try:
         transformer = WanTransformer3DModel.from_pretrained(
             root, subfolder="transformer", torch_dtype=dtype, local_files_only=True
