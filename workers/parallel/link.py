@@ -64,14 +64,6 @@ class RingLink:
         self.bytes_sent = 0
         self.transfers = 0  # point-to-point sends posted (one per message when its tensors fit its buffer)
 
-    @property
-    def next_rank(self) -> int:
-        return (self.rank + 1) % self.world
-
-    @property
-    def previous_rank(self) -> int:
-        return (self.rank - 1) % self.world
-
     def send(self, peer: int, tag: int, message: Message) -> None:
         """Post ``message`` to ``peer``; returns at once. The previous sends are
         waited for first (their buffers may then be reused)."""

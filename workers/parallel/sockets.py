@@ -174,8 +174,8 @@ class _Incoming:
     """One connection this rank reads: frames in the order they were sent, those
     not asked for yet kept aside."""
 
-    def __init__(self, sock: socket.socket, peer: int, rank: int) -> None:
-        self.sock, self.peer, self.rank = sock, peer, rank
+    def __init__(self, sock: socket.socket, peer: int, rank: int, timeout_s: float) -> None:
+        self.sock, self.peer, self.rank, self.timeout_s = sock, peer, rank, timeout_s
         self.kept: deque[_Frame] = deque()
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
@@ -210,7 +210,9 @@ class _Incoming:
         while got < len(view):
             timeout_ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
             if not self._poller.poll(timeout_ms):
-                raise LinkTimeout(f"rank {self.rank}: {what} from rank {self.peer} not done in time")
+                raise LinkTimeout(
+                    f"rank {self.rank}: {what} from rank {self.peer} not done within {self.timeout_s:g} s"
+                )
             try:
                 count = self.sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -235,14 +237,6 @@ class RankSockets:
         self._listener: socket.socket | None = None
         self.bytes_sent = 0
         self.transfers = 0
-
-    @property
-    def next_rank(self) -> int:
-        return (self.rank + 1) % self.world
-
-    @property
-    def previous_rank(self) -> int:
-        return (self.rank - 1) % self.world
 
     # -- joining -----------------------------------------------------------------
 
@@ -291,7 +285,7 @@ class RankSockets:
                 continue
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._in[peer] = _Incoming(sock, peer, self.rank)
+            self._in[peer] = _Incoming(sock, peer, self.rank, self.timeout_s)
         self._listener.close()
         self._listener = None
 
