@@ -13,8 +13,12 @@ back (``MicroStep.returning``).
 Which sessions enter (``select``): those with a pass to plan
 (``EngineSession.next_pass``, given the session's chunks in the ring), not
 held back by pacing, up to ``rows`` (the SLO controller's choice, at most
-``max_rows``), one row per session, round-robin from the session after the
-last one served; with grouping, sessions in the middle of a chunk go first.
+``max_rows``) and never more than the working sessions (with a pass to plan
+or in the ring) over the ranks, rounded up, so that they spread over the
+ring's stages instead of entering together and leaving every rank idle in
+all but one micro-step of ``ranks``; one row per session, round-robin from
+the session after the last one served; with grouping, sessions in the
+middle of a chunk go first.
 A rank thus never holds two rows of one session (each rank's rows entered in
 one micro-step), and a chunk has one pass in the ring at a time.
 
@@ -54,21 +58,24 @@ class StreamBatchScheduler:
 
     def select(self, sessions: Iterable[EngineSession], held: set[str] = frozenset()) -> list[EngineSession]:
         """The sessions whose next row enters rank 0 in the next micro-step."""
-        pool = list(sessions)
+        pool = [s for s in sessions if s.session_id not in held]
         ids = [s.session_id for s in pool]
         start = ids.index(self._last_served) + 1 if self._last_served in ids else 0
         ordered = [
             s
             for s in pool[start:] + pool[:start]
-            if s.session_id not in held
-            and s.next_pass(self.busy_chunks(s.session_id), self.finishing_chunks(s.session_id)) is not None
+            if s.next_pass(self.busy_chunks(s.session_id), self.finishing_chunks(s.session_id)) is not None
         ]
         if not ordered:
             return []
         if self.grouping:
             begun = [s for s in ordered if s.in_mid_chunk()]
             ordered = begun + [s for s in ordered if s not in begun]
-        chosen = ordered[: self.rows]
+        # Spread the sessions over the ring's stages: with more rows allowed than
+        # sessions / ranks, every session would enter in one micro-step and come
+        # back together, and each rank would work one micro-step in ``ranks``.
+        working = sum(1 for s in pool if s in ordered or self.in_flight(s.session_id))
+        chosen = ordered[: min(self.rows, -(-working // self.ranks))]
         self._last_served = chosen[-1].session_id
         return chosen
 
