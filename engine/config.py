@@ -56,7 +56,7 @@ class EngineConfig:
     """What the pipeline ranks' activations travel on: ``auto``, the ranks' own
     TCP sockets on a CPU and NCCL point-to-point on GPUs; ``torch``,
     ``torch.distributed`` point-to-point either way (gloo on a CPU: measured
-    slower, docs/ENGINE.md). The plans always travel on the sockets."""
+    1.2x slower where the transformer blocks dominate, docs/ENGINE.md). The plans always travel on the sockets."""
     stream_batch: bool = False
     """Split over ranks: let a session's next chunk enter the pipeline while its
     chunk before is still being denoised (more throughput for few sessions; the
