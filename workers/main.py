@@ -252,7 +252,7 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
     """Start ranks 1..``config.pp``-1 (they build their pipelines meanwhile); a
     rank that dies later ends this worker (``EngineDead``, then exit 3), so the
     API process restarts the group as one. A launched group (``site``) is
-    started already: only its plan channels open here."""
+    started already: only its sockets listen here."""
     from workers.parallel.group import RankGroup
 
     if not getattr(pipeline, "supports_micro_step_execution", False) or not hasattr(pipeline, "own_blocks"):

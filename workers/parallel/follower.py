@@ -2,7 +2,7 @@
 
 A follower process holds its block range of the transformer and, per
 session, only those blocks' KV cache. It runs no policy: it takes each
-micro-step's plan from rank 0 (in order, over the plan channel) and does
+micro-step's plan from rank 0 (in order, over the ranks' sockets) and does
 its part of it:
 
     release, open (allocate its blocks' cache), follow boundaries (a reset)

@@ -47,7 +47,7 @@ def _raise(error: BaseException) -> None:
 class RingRunner(ModelRunner):
     def __init__(self, pipeline, group, **kwargs: Any) -> None:
         super().__init__(pipeline, **kwargs)
-        self.group = group  # workers.parallel.group.RankGroup: the link, the plan channel, the ranks' figures
+        self.group = group  # workers.parallel.group.RankGroup: the link, the plans' sockets, the ranks' figures
         self.busy_s = 0.0  # rank 0's time computing (not waiting for the ring)
         self.wall_s = 0.0  # rank 0's time inside micro-steps
 
