@@ -204,22 +204,21 @@ def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
     assert 0 < result["mean_rows"] <= 1
 
 
-def test_the_ring_over_gloo_makes_what_it_makes_over_the_ranks_sockets():
+@SHARED
+async def test_the_ring_over_gloo_makes_what_it_makes_over_the_ranks_sockets(two_ranks):
     """The two transports of the ring (``pp_transport``): the ranks' own sockets
-    (the default on a CPU) and ``torch.distributed`` point-to-point over gloo
-    (the path NCCL takes on GPUs) carry the same activations, so a session's
-    frames are bit for bit the same over either."""
-    import asyncio as aio
-
-    from server import bench_pp
-
-    options = bench_pp.PpBenchOptions(chunks=2, size=32, steps=2)
-    frames = {}
-    for transport in ("auto", "torch"):
-        result = aio.run(bench_pp.run_config(options, bench_pp.Config("pp2", 2, None, 1, transport=transport)))
-        assert result["frames"] == 9 + 12 and [rank["rank"] for rank in result["ranks"]] == [0, 1]
-        frames[transport] = result["_payloads"]
-    assert len(frames["auto"]) == 2 and frames["auto"] == frames["torch"]
+    (the default on a CPU, ``two_ranks``) and ``torch.distributed`` point-to-point
+    over gloo (the path NCCL takes on GPUs) carry the same activations, so a
+    session's frames are bit for bit the same over either."""
+    gloo = await start_engine(2, max_batch_rows=2, pp_transport="torch")
+    try:
+        start = start_of("g", 4, 3)
+        over_gloo = (await run_sessions(gloo, [start]))["g"]
+        over_sockets = (await run_sessions(two_ranks, [start]))["g"]
+    finally:
+        await gloo.shutdown()
+    assert isinstance(over_gloo.end, SessionDone) and len(over_gloo.chunks) == 3
+    assert payloads(over_gloo) == payloads(over_sockets)
 
 
 @SHARED
