@@ -12,6 +12,7 @@ both naming the rank; a stop ends the plans."""
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 
@@ -29,7 +30,7 @@ def test_who_writes_to_whom():
     assert [receives_from(rank, 3) for rank in range(3)] == [[2], [0], [0, 1]]
 
 
-def joined(world: int, timeout_s: float = 5.0) -> list[RankSockets]:
+def joined(world: int, timeout_s: float = 5.0, stranger: bool = False) -> list[RankSockets]:
     """``world`` ranks, every one listening, then every one connecting, each on its thread."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     ranks = [RankSockets(rank, world, timeout_s) for rank in range(world)]
@@ -43,6 +44,10 @@ def joined(world: int, timeout_s: float = 5.0) -> list[RankSockets]:
         except BaseException as error:  # surfaced below
             errors.append(error)
 
+    if stranger:  # a connection that is no rank's, before the ranks': refused, the group still joins
+        host, port = store.get("sockets/0").decode().rsplit(":", 1)
+        strangers = [socket.create_connection((host, int(port))) for _ in range(2)]
+        strangers[0].sendall(b"GET / HTTP/1.0\r\n\r\n")
     threads = [threading.Thread(target=connect, args=(rank,)) for rank in ranks]
     for thread in threads:
         thread.start()
@@ -140,6 +145,19 @@ def test_a_closed_peer_raises_at_once_naming_it(pair):
     with pytest.raises(PeerClosed, match="rank 0"):
         one.recv_plan()
     assert time.monotonic() - began < 1  # not the 5 s timeout
+
+
+def test_a_connection_that_is_no_ranks_does_not_stop_the_group_joining(monkeypatch):
+    monkeypatch.setattr("workers.parallel.sockets.HELLO_TIMEOUT_S", 0.5)  # the silent one's wait
+    zero, one = joined(2, stranger=True)
+    try:
+        zero.send(1, 1, Message({"ok": True}, []))
+        assert one.recv(0, 1).header == {"ok": True}
+        one.send(0, 2, Message({"back": True}, []))
+        assert zero.recv(1, 2).header == {"back": True}
+    finally:
+        zero.close()
+        one.close()
 
 
 def test_three_ranks_carry_plans_to_every_follower_and_the_ring_round():

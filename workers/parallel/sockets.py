@@ -51,6 +51,7 @@ from workers.parallel.link import DTYPES, LinkTimeout, Message, aligned
 _PREFIX = struct.Struct("<4sB3xqIQ")  # magic, kind, tag, header bytes, payload bytes
 _MAGIC = b"RTV1"
 _HELLO = struct.Struct("<4sI")  # magic, the sending rank: the first bytes of a connection
+HELLO_TIMEOUT_S = 5.0  # how long an accepted connection may take to say which rank it is
 PLAN, RING, STOP = 1, 2, 3
 
 
@@ -271,16 +272,19 @@ class RankSockets:
                 raise LinkTimeout(
                     f"rank {self.rank}: ranks {missing} did not connect within {timeout_s:g} s"
                 ) from error
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            sock.settimeout(min(HELLO_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
             hello = bytearray(_HELLO.size)
             view, got = memoryview(hello), 0
-            while got < len(hello):
-                count = sock.recv_into(view[got:])
-                if count == 0:
-                    break
-                got += count
+            try:
+                while got < len(hello):
+                    count = sock.recv_into(view[got:])
+                    if count == 0:
+                        break
+                    got += count
+            except OSError:  # a connection that is not a rank's (silent, or reset): not ours
+                got = 0
             magic, peer = _HELLO.unpack(hello) if got == len(hello) else (b"", -1)
-            if magic != _MAGIC or peer not in expected:
+            if magic != _MAGIC or peer not in expected or peer in self._in:
                 sock.close()
                 continue
             sock.settimeout(None)
