@@ -4,6 +4,7 @@ the alerts and the Grafana dashboard names only families the server exports."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -44,6 +45,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def until_ready(
+    http: httpx.AsyncClient, base: str, process: subprocess.Popen, log: Path, timeout_s: float = 60
+) -> None:
+    """Wait for Prometheus's readiness endpoint: while its storage starts it
+    answers 503 "Service Unavailable" (plain text) to every API call."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"prometheus exited: {log.read_text()[-2000:]}"
+        try:
+            if (await http.get(f"{base}/-/ready")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"prometheus was not ready within {timeout_s} s")
 
 
 async def one_session(server) -> None:
@@ -91,30 +109,33 @@ async def test_a_real_prometheus_scrapes_the_realtime_families(server, tmp_path)
     config["scrape_configs"][0]["static_configs"][0]["targets"] = [server.http.removeprefix("http://")]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    process = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    api = f"http://127.0.0.1:{port}/api/v1"
+    log = tmp_path / "prometheus.log"
+    with log.open("w") as sink:  # the child holds its own copy of the descriptor
+        process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
+    base = f"http://127.0.0.1:{port}"
+    api = f"{base}/api/v1"
     try:
         await one_session(server)
-        deadline = time.monotonic() + 60
-        missing = FAMILIES
-        while time.monotonic() < deadline and missing:
-            try:
-                result = httpx.get(f"{api}/query", params={"query": '{__name__=~"rtvideo_.+"}'}, timeout=5).json()
-                names = {series["metric"]["__name__"] for series in result["data"]["result"]}
-                missing = [f for f in FAMILIES if f not in names]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        async with httpx.AsyncClient(timeout=5) as http:
+            await until_ready(http, base, process, log)
+            deadline = time.monotonic() + 60
+            missing = FAMILIES
+            while time.monotonic() < deadline and missing:
+                answer = await http.get(f"{api}/query", params={"query": '{__name__=~"rtvideo_.+"}'})
+                if answer.status_code == 200:
+                    names = {series["metric"]["__name__"] for series in answer.json()["data"]["result"]}
+                    missing = [f for f in FAMILIES if f not in names]
+                if missing:
+                    await asyncio.sleep(0.25)
         assert not missing, f"Prometheus never saw {missing}"
         query = httpx.get(f"{api}/query", params={"query": "sum(rtvideo_time_to_first_chunk_seconds_count)"}).json()
         assert float(query["data"]["result"][0]["value"][1]) >= 1
