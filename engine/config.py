@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PP_TRANSPORTS = ("auto", "torch")  # EngineConfig.pp_transport
+PP_DECODES = ("auto", "first", "spread")  # EngineConfig.pp_decode
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,12 @@ class EngineConfig:
     TCP sockets on a CPU and NCCL point-to-point on GPUs; ``torch``,
     ``torch.distributed`` point-to-point either way (gloo on a CPU: measured
     1.2x slower where the transformer blocks dominate, docs/ENGINE.md). The plans always travel on the sockets."""
+    pp_decode: str = "auto"
+    """Which pipeline rank decodes a session's chunks: ``spread``, each session
+    on one rank, the sessions shared out (``workers.parallel.rank_decode``);
+    ``first``, rank 0 decodes every session, on a lane per rank; ``auto``,
+    ``spread`` on a CPU (the ranks are processes sharing the cores; measured
+    in docs/ENGINE.md) and ``first`` on GPUs."""
     stream_batch: bool = False
     """Split over ranks: let a session's next chunk enter the pipeline while its
     chunk before is still being denoised (more throughput for few sessions; the
@@ -123,6 +130,7 @@ class EngineConfig:
         _check(self.pp >= 1, "pp", "must be >= 1")
         _check(self.pp_timeout_s > 0, "pp_timeout_s", "must be > 0")
         _check(self.pp_transport in PP_TRANSPORTS, "pp_transport", f"must be one of {', '.join(PP_TRANSPORTS)}")
+        _check(self.pp_decode in PP_DECODES, "pp_decode", f"must be one of {', '.join(PP_DECODES)}")
         _check(not self.stream_batch or self.pp >= 2, "stream_batch", "needs pp >= 2 (pipeline ranks to fill)")
         in_flight = self.max_chunks_in_flight
         _check(in_flight is None or in_flight >= 1, "max_chunks_in_flight", "must be >= 1")

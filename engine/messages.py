@@ -402,11 +402,13 @@ class ProbeReply(_Wire, tag="probe_reply"):
 
 class RankFigures(msgspec.Struct, frozen=True, kw_only=True):
     """One pipeline rank's time since it started, cumulative: computing (busy) and
-    inside micro-steps (wall: busy plus waiting on the ranks before it, the bubble)."""
+    inside micro-steps (wall: busy plus waiting on the ranks before it, the bubble),
+    and the chunks it decoded (``pp_decode``: where the sessions' decodes went)."""
 
     rank: int
     busy_s: float
     wall_s: float
+    decoded_chunks: int = 0
 
 
 class EngineStats(_Wire, tag="engine_stats"):

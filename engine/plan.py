@@ -200,8 +200,9 @@ class Executor(Protocol):
         """The runner's and the pipeline's held sessions, as of the latest micro-step."""
         ...
 
-    def rank_figures(self) -> tuple[tuple[int, float, float], ...]:
-        """Split over ranks: (rank, busy_s, wall_s) of each rank, cumulative; () with one rank."""
+    def rank_figures(self) -> tuple[tuple[int, float, float, int], ...]:
+        """Split over ranks: (rank, busy_s, wall_s, decoded chunks) of each rank,
+        cumulative; () with one rank."""
         ...
 
     def close(self) -> None:

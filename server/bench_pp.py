@@ -11,9 +11,13 @@ micro-step. Configurations:
 
 - ``pp1-1t``: one rank, one CPU thread (the baseline the issue's targets use);
 - ``pp1-2t``: one rank, two threads (the honest baseline on two cores);
-- ``pp2``: two ranks, one thread each, the ring on the ranks' own sockets;
+- ``pp2``: two ranks, one thread each, the ring on the ranks' own sockets,
+  each session decoded on one of the ranks (``pp_decode`` ``auto``: spread
+  on a CPU);
 - ``pp2-gloo``: the same over ``torch.distributed`` point-to-point (gloo;
   ``pp_transport`` ``torch``), side by side with ``pp2``;
+- ``pp2-decode-first``: the same with rank 0 decoding every session on a
+  lane per rank (``pp_decode`` ``first``), side by side with ``pp2``;
 - ``pp2-batch2``: two ranks with up to two rows per micro-step
   (``max_batch_rows`` 2: with four sessions and two ranks, the two sessions
   whose passes are not in the ring enter together), against ``pp1-batch4``,
@@ -26,9 +30,9 @@ micro-step. Configurations:
   (``max_batch_rows`` 4) against the same four run one after another, one
   thread each.
 
-With ranks, rank 0 decodes on a stage of its own with a lane per rank (its
-own thread mostly waits on the ring), so on the tiny preset, whose VAE decode
-is most of the work, the decode's lanes are where the second core pays.
+With ranks, chunks decode on a stage of their own beside the ring: on the
+tiny preset, whose VAE decode is most of the work, that is where the second
+core pays.
 
 The CPU thread count of a worker is its ``EngineConfig.cpu_threads``;
 pipeline ranks take the cores shared out (one each on two
@@ -66,6 +70,7 @@ class Config:
     serial: bool = False  # sessions one after another instead of together
     stream_batch: bool = False
     transport: str = "auto"  # EngineConfig.pp_transport
+    decode: str = "auto"  # EngineConfig.pp_decode
 
 
 CONFIGS = (
@@ -77,6 +82,7 @@ CONFIGS = (
     Config("pp1-2t", 1, 2, 4),
     Config("pp2", 2, None, 4),
     Config("pp2-gloo", 2, None, 4, transport="torch"),
+    Config("pp2-decode-first", 2, None, 4, decode="first"),
     Config("pp2-batch2", 2, None, 4, max_batch_rows=2),
     Config("pp1-batch4", 1, 1, 4, max_batch_rows=4),
     Config("pp1-serial", 1, 1, 4, serial=True),
@@ -95,6 +101,7 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
         cpu_threads=config.threads,
         stream_batch=config.stream_batch,
         pp_transport=config.transport,
+        pp_decode=config.decode,
         max_batch_rows=config.max_batch_rows,
         max_sessions=max(4, config.sessions),
         startup_timeout_s=600,
@@ -226,6 +233,7 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int
         "pp2_vs_pp1_2t_4_sessions": ratio(("pp2", 4), ("pp1-2t", 4)),
         "pp2_vs_pp1_1t_1_session": ratio(("pp2", 1), ("pp1-1t", 1)),
         "pp2_vs_pp2_gloo_4_sessions": ratio(("pp2", 4), ("pp2-gloo", 4)),
+        "pp2_vs_pp2_decode_first_4_sessions": ratio(("pp2", 4), ("pp2-decode-first", 4)),
         "pp2_batch2_vs_pp1_1t_4_sessions": ratio(("pp2-batch2", 4), ("pp1-1t", 4)),
         "pp2_batch2_vs_pp1_batch4": ratio(("pp2-batch2", 4), ("pp1-batch4", 4)),
         "batch4_vs_serial": ratio(("pp1-batch4", 4), ("pp1-serial", 4)),

@@ -160,8 +160,9 @@ class EngineStatsCollector:
     """The engine's scheduling figures (``EngineStats``, the latest the worker
     sent), read at scrape time: micro-steps and the rows they carried, the rows
     limit and the smoothed micro-step time (the SLO controller's, with --pp),
-    its decisions, and each pipeline rank's busy and wall seconds; a rank's
-    bubble fraction is ``1 - rate(busy) / rate(wall)``."""
+    its decisions, and each pipeline rank's busy and wall seconds (a rank's
+    bubble fraction is ``1 - rate(busy) / rate(wall)``) and the chunks it
+    decoded."""
 
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
@@ -179,6 +180,9 @@ class EngineStatsCollector:
         wall = CounterMetricFamily(
             "rtvideo_rank_wall_seconds", "Seconds a pipeline rank spent in micro-steps (busy + bubble)", labels=["rank"]
         )
+        decoded = CounterMetricFamily(
+            "rtvideo_rank_decoded_chunks", "Chunks a pipeline rank decoded (with --pp)", labels=["rank"]
+        )
         if stats is not None:
             steps.add_metric([], stats.micro_steps)
             rows.add_metric([], stats.rows)
@@ -189,7 +193,8 @@ class EngineStatsCollector:
             for figure in stats.ranks:
                 busy.add_metric([str(figure.rank)], figure.busy_s)
                 wall.add_metric([str(figure.rank)], figure.wall_s)
-        yield from (steps, rows, limit, seconds, decisions, busy, wall)
+                decoded.add_metric([str(figure.rank)], figure.decoded_chunks)
+        yield from (steps, rows, limit, seconds, decisions, busy, wall, decoded)
 
 
 class SessionClock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from engine.config import PP_TRANSPORTS
+from engine.config import PP_DECODES, PP_TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class ServerSettings:
     """With --pp: what the ranks' activations travel on: auto (the ranks' own TCP
     sockets on a CPU, NCCL on GPUs) or torch (torch.distributed point-to-point:
     gloo on a CPU, measured 1.2x slower where the transformer blocks dominate)."""
+    pp_decode: str = "auto"
+    """With --pp: which rank decodes a session's chunks: spread (each session on
+    one rank, the sessions shared out over the ranks), first (rank 0 decodes
+    them all) or auto (spread on a CPU, first on GPUs)."""
     worker_listen: str | None = None
     """HOST:PORT where the server waits for a worker group started by a launcher
     instead of starting its worker itself: `torchrun --nproc-per-node N
@@ -181,5 +185,7 @@ class ServerSettings:
             raise ValueError("api_key must not be empty")
         if self.pp_transport not in PP_TRANSPORTS:
             raise ValueError(f"pp_transport must be {' or '.join(PP_TRANSPORTS)}, got {self.pp_transport!r}")
+        if self.pp_decode not in PP_DECODES:
+            raise ValueError(f"pp_decode must be one of {', '.join(PP_DECODES)}, got {self.pp_decode!r}")
         if self.stream_batch and self.pp < 2:
             raise ValueError(f"stream_batch needs pp >= 2 (pipeline ranks to fill), got pp={self.pp}")

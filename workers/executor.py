@@ -49,7 +49,11 @@ class LocalExecutor:
         threaded: bool = True,
         overlap_decode: bool = True,
         decode_lanes: int = 1,
+        decode_stage: Callable[[ModelRunner, Callable[[DecodeResult], None]], DecodeStage] | None = None,
     ) -> None:
+        """``decode_stage``: builds the decode stage from the runner and the
+        callback for its results (default: ``DecodeStage`` with ``decode_lanes``
+        lanes); anything with its ``submit`` / ``forget`` / ``close``."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.depth = depth if threaded else 1
@@ -64,10 +68,14 @@ class LocalExecutor:
         self._returned = 0
         self._running_since: float | None = None
         self._held = runner.held_sessions()
+        self._decoded_chunks = 0  # chunks the decode stage returned
         self._decoder: DecodeStage | None = None
         if threaded and overlap_decode:
             runner.defer_decode = True
-            self._decoder = DecodeStage(runner, self._decoded, lanes=decode_lanes)
+            if decode_stage is None:
+                self._decoder = DecodeStage(runner, self._decoded, lanes=decode_lanes)
+            else:
+                self._decoder = decode_stage(runner, self._decoded)
         self._thread: OrderedThread[MicroStep] | None = OrderedThread("executor", self._run) if threaded else None
 
     # -- engine.plan.Executor -------------------------------------------------
@@ -101,9 +109,14 @@ class LocalExecutor:
         with self._lock:
             return self._held
 
-    def rank_figures(self) -> tuple[tuple[int, float, float], ...]:
+    def rank_figures(self) -> tuple[tuple[int, float, float, int], ...]:
         figures = getattr(self._runner, "rank_figures", None)
-        return () if figures is None else figures()
+        if figures is None:
+            return ()
+        decoded = getattr(self._decoder, "decodes", None)  # per rank, where the decodes are spread
+        if decoded is None:  # rank 0 decodes every chunk
+            decoded = [self._decoded_chunks]
+        return tuple((rank, busy, wall, decoded[rank] if rank < len(decoded) else 0) for rank, busy, wall in figures())
 
     def close(self) -> None:
         if self._thread is not None:
@@ -143,6 +156,7 @@ class LocalExecutor:
     def _decoded(self, result: DecodeResult) -> None:
         with self._lock:
             self._done.append(result)
+            self._decoded_chunks += result.chunk is not None
         self._on_result()
 
     def _execute(self, step: MicroStep) -> StepResult:

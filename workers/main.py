@@ -16,6 +16,7 @@ the liveness pipe. Only SIGKILL ends a worker behind its parent's back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -115,9 +116,18 @@ def run_worker(
         sender.send(message)
 
     overlap = _overlap_decode(config, pipeline)
-    # With pipeline ranks, rank 0's decode stage gets a lane per rank: its own thread mostly waits on the ring.
+    # With pipeline ranks, rank 0's decode stage gets a lane per rank (its own thread mostly waits on the ring),
+    # or the sessions' decodes are shared out over the ranks.
     lanes = config.pp if group is not None else 1
-    executor = LocalExecutor(runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes)
+    stage = None
+    if group is not None and _decode_spread(config, pipeline):
+        from workers.parallel.rank_decode import RankDecodeStage
+
+        stage = functools.partial(RankDecodeStage, group=group)
+        log.info("sessions decode on the rank given each (pp_decode %s)", config.pp_decode)
+    executor = LocalExecutor(
+        runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes, decode_stage=stage
+    )
     loop = EngineLoop(config, control, executor, send, grouping=grouping, max_rows=pipeline.max_batch_rows)
     launched = parent_alive is None
 
@@ -238,6 +248,12 @@ def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> 
     return msgspec.structs.replace(limits, max_pixels=derived, max_pixels_derived=derived is not None)
 
 
+def _decode_spread(config: EngineConfig, pipeline) -> bool:
+    from workers.parallel.group import decode_spread
+
+    return decode_spread(config, pipeline)
+
+
 def _overlap_decode(config: EngineConfig, pipeline) -> bool:
     """Whether chunks decode on a stage of their own (a thread; a CUDA stream on a
     GPU) while the next chunk denoises: as configured, else where the pipeline
@@ -268,7 +284,9 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
             return  # the loop failed first and is ending the worker, naming this death
         log.error("%s: ending this worker, so the group restarts as one", reason)
         sender.send(EngineDead(reason=reason))
-        sender.close(timeout=2.0)  # waits until the message has left the process
+        if site is not None:  # launched: the API process learns of the exit by its last word
+            sender.send(WorkerExiting(code=3, reason=reason))
+        sender.close(timeout=2.0)  # waits until the messages have left the process
         os._exit(3)
 
     group = RankGroup(config, on_death, site)

@@ -151,6 +151,32 @@ class ModelRunner:
         error = None if failure is None else f"decode failed: {type(failure).__name__}: {failure}"
         return DecodeResult(session_id, chunk_index, chunk, ms, error)
 
+    def hand_off_decode(self, session_id: str, chunk_index: int) -> Any:
+        """For a decode another rank runs (``workers.parallel.rank_decode``): the
+        chunk's input (``pipeline.decode_input``), or, when it will not run there,
+        its ``DecodeResult`` (cancelled: the session is stopping; an error). The
+        decode stays pending until ``decoded_elsewhere``; a ``DecodeResult``
+        returned here is not pending any more."""
+        check = self._stop_check((session_id,))
+        result = None
+        try:
+            if check is not None and check():
+                result = DecodeResult(session_id, chunk_index, None, 0.0, cancelled=True)
+            else:
+                return self.pipeline.decode_input(self.states[session_id], chunk_index)
+        except Exception as error:
+            self._report(session_id, "decode", 0.0, error)
+            result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {type(error).__name__}: {error}")
+        self.decoded_elsewhere(session_id)
+        return result
+
+    def decoded_elsewhere(self, session_id: str) -> None:
+        """A decode handed off has come back (or will not run): no longer pending."""
+        with self._decodes_lock:
+            self._decodes_pending[session_id] -= 1
+            if not self._decodes_pending[session_id]:
+                del self._decodes_pending[session_id]
+
     # -- internals -------------------------------------------------------------
 
     def _open(self, start: StartSession, prompt: Any) -> None:

@@ -4,6 +4,8 @@ figures on /metrics."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from tests.e2e.client import Realtime, assert_applied_as_promised, interaction, open_realtime
@@ -29,4 +31,7 @@ async def test_a_realtime_session_under_two_ranks_applies_an_interaction_and_rep
     metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
     for rank in ("0", "1"):
         assert f'rtvideo_rank_busy_seconds_total{{rank="{rank}"}}' in metrics
+    # each session, alone when it ran, decoded on the follower (a follower comes first on a tie)
+    decoded = dict(re.findall(r'rtvideo_rank_decoded_chunks_total\{rank="(\d)"\} ([\d.]+)', metrics))
+    assert float(decoded["0"]) == 0 and float(decoded["1"]) >= 4
     assert "rtvideo_micro_steps_total" in metrics and "rtvideo_rows_per_micro_step" in metrics

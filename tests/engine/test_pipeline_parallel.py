@@ -1,7 +1,7 @@
 """Temporal pipeline parallelism through real worker processes: the tiny model's
 blocks split over two ranks (``EngineConfig.pp = 2``: one gloo process group,
-the activations on the ranks' own sockets, or over gloo), against the same
-sessions on one rank."""
+the activations on the ranks' own sockets, or over gloo; the sessions'
+decodes shared out over the ranks), against the same sessions on one rank."""
 
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
     got = await run_sessions(two, starts, stagger=1)
     interacted = await interact_once(two, start_of("s", 5, None))
     probe = await two.probe()
+    decoded = {figure.rank: figure.decoded_chunks for figure in two.stats.ranks}
     applied = interacted.of(InteractionApplied)
     assert len(applied) == 1
     at = applied[0].generation_chunk_index
@@ -136,6 +137,10 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
         assert payloads(got[sid]) == payloads(expected[sid]), f"session {sid} differs"
     assert payloads(interacted) == payloads(replay["s"])
     assert probe.runner_sessions == probe.pipeline_sessions == ()
+    # On a CPU each session decodes on one rank, the sessions shared out (pp_decode auto: spread):
+    # a and c on rank 1 (a follower first on a tie), b on rank 0, with frames as one rank's. (The
+    # figures are those of the latest EngineStats, sent while s ran: a, b and c were done by then.)
+    assert decoded[1] >= 4 + 3 and decoded[0] >= 3
 
 
 async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():

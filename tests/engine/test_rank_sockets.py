@@ -21,13 +21,24 @@ import torch
 import torch.distributed as dist
 
 from workers.parallel.link import LinkTimeout, Message
-from workers.parallel.sockets import PeerClosed, RankSockets, receives_from, sends_to
+from workers.parallel.sockets import (
+    CANCEL,
+    DECODE,
+    DECODED,
+    RING,
+    PeerClosed,
+    RankSockets,
+    decode_peers,
+    receives_from,
+    sends_to,
+)
 
 
 def test_who_writes_to_whom():
     assert [sends_to(rank, 2) for rank in range(2)] == [[1], [0]]
     assert [sends_to(rank, 3) for rank in range(3)] == [[1, 2], [2], [0]]  # plans 0 -> every follower; the ring
     assert [receives_from(rank, 3) for rank in range(3)] == [[2], [0], [0, 1]]
+    assert [decode_peers(rank, 3) for rank in range(3)] == [[1, 2], [0], [0]]  # both ways, on connections apart
 
 
 def joined(world: int, timeout_s: float = 5.0, stranger: bool = False) -> list[RankSockets]:
@@ -174,3 +185,56 @@ def test_three_ranks_carry_plans_to_every_follower_and_the_ring_round():
     finally:
         for rank in ranks:
             rank.close()
+
+
+def test_two_threads_wait_on_one_connection_for_frames_of_their_own_kinds(pair):
+    """Threads waiting on one connection for frames of different kinds (here a
+    plan reader and a ring reader): whichever reads hands the other what is
+    its, in the order sent, and a zero timeout takes only what has arrived."""
+    first, second = pair
+    got: dict[str, list] = {"plans": [], "ring": []}
+    ready = threading.Barrier(3)
+
+    def plans() -> None:
+        ready.wait()
+        for _ in range(20):
+            got["plans"].append(second.recv_plan())
+
+    def ring() -> None:
+        ready.wait()
+        for tag in range(20):
+            got["ring"].append(int(second.recv(0, tag).tensors[0].item()))
+
+    threads = [threading.Thread(target=plans), threading.Thread(target=ring)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    for n in range(20):
+        first.send_plan(n, f"plan {n}".encode())
+        first.send(1, n, Message({}, [torch.tensor(n)]))
+    for thread in threads:
+        thread.join(10)
+    assert got["plans"] == [f"plan {n}".encode() for n in range(20)]
+    assert got["ring"] == list(range(20))
+    with pytest.raises(LinkTimeout):
+        second.take(0, (DECODE,), None, 0.0, "decode request")
+
+
+def test_the_decode_stage_has_connections_of_its_own_both_ways(pair):
+    """Decode frames do not queue behind the ring: a request taken while a ring
+    message larger than the kernel's buffers is still on its way, and a
+    result back the other way, while the plan channel holds a frame unread."""
+    first, second = pair
+    big = torch.zeros(64 * 2**20, dtype=torch.uint8)  # 64 MiB: written by the connection's thread
+    first.send(1, 0, Message({}, [big]))
+    first.send_plan(0, b"unread")
+    first.post(1, DECODE, 3, Message({"session": "s"}, [torch.arange(4)]))
+    kind, request = second.take(0, (DECODE, CANCEL), None, 5.0, "decode request")
+    assert kind == DECODE and request.header == {"session": "s"} and request.tensors[0].tolist() == [0, 1, 2, 3]
+    second.post(0, DECODED, 3, Message({"session": "s", "frames": [1, 2, 2]}, [torch.ones(12, dtype=torch.uint8)]))
+    _, result = first.take(1, (DECODED,), None, 5.0, "decoded chunk")
+    assert result.header["frames"] == [1, 2, 2] and result.tensors[0].sum().item() == 12
+    assert second.recv(0, 0).tensors[0].numel() == big.numel()
+    assert second.recv_plan() == b"unread"
+    with pytest.raises(ValueError, match="different connections"):
+        second.take(0, (RING, DECODE), None, 0.0, "mixed")

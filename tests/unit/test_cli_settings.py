@@ -104,3 +104,17 @@ def test_the_ranks_transport_reaches_the_engine_config_and_anything_else_is_refu
         settings_from(parse("--pp-transport", "zmq"), {})
     with pytest.raises(ValueError, match="pp_transport must be one of auto, torch"):
         EngineConfig(pipeline=PipelineSpec("tiny", {}), pp_transport="gloo")
+
+
+def test_where_the_ranks_decode_reaches_the_engine_config_and_anything_else_is_refused_by_name():
+    from engine.config import EngineConfig, PipelineSpec
+    from server.app import engine_config
+
+    assert engine_config(settings_from(parse("--pp", "2"), {})).pp_decode == "auto"
+    assert engine_config(settings_from(parse("--pp", "2", "--pp-decode", "first"), {})).pp_decode == "first"
+    config = engine_config(settings_from(parse("--pp", "2"), {"RTVIDEO_PP_DECODE": "spread"}))
+    assert config.pp_decode == "spread"
+    with pytest.raises(SystemExit, match="pp_decode must be one of auto, first, spread, got 'last'"):
+        settings_from(parse("--pp-decode", "last"), {})
+    with pytest.raises(ValueError, match="pp_decode must be one of auto, first, spread"):
+        EngineConfig(pipeline=PipelineSpec("tiny", {}), pp_decode="all")

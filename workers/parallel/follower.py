@@ -39,6 +39,7 @@ class Follower:
         self.failed: dict[str, str] = {}  # sessions that failed on this rank, until released
         self.busy_s = 0.0
         self.wall_s = 0.0
+        self.decoder = None  # workers.parallel.rank_decode.DecodeServer, where this rank decodes sessions
 
     @property
     def last(self) -> bool:
@@ -151,6 +152,8 @@ class Follower:
 
     def _release(self, sid: str) -> None:
         self.failed.pop(sid, None)
+        if self.decoder is not None:
+            self.decoder.forget(sid)
         session = self.states.pop(sid, None)
         if session is not None:
             try:

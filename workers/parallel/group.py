@@ -75,6 +75,17 @@ def rank_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
+def decode_spread(config: EngineConfig, pipeline) -> bool:
+    """Whether sessions' decodes are spread over the ranks (``pp_decode``:
+    ``spread``; ``auto``: on a CPU), where the pipeline can
+    (``workers.parallel.rank_decode``); else rank 0 decodes them all."""
+    from workers.parallel.rank_decode import can_spread
+
+    wanted = config.pp_decode == "spread" or (config.pp_decode == "auto" and rank_device(0).type == "cpu")
+    deferred = config.overlap_decode is not False  # else rank 0 decodes inside its micro-steps
+    return config.pp > 1 and wanted and deferred and can_spread(pipeline)
+
+
 def ring_link(config: EngineConfig, rank: int, sockets: RankSockets) -> RankSockets | RingLink:
     """What the ring's messages travel on: the ranks' sockets on a CPU, NCCL
     point-to-point on GPUs (``pp_transport`` ``auto``), or ``torch.distributed``
@@ -88,9 +99,7 @@ def ring_link(config: EngineConfig, rank: int, sockets: RankSockets) -> RankSock
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1."""
 
-    def __init__(
-        self, config: EngineConfig, on_death: Callable[[str], None], site: LaunchSite | None = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, on_death: Callable[[str], None], site: LaunchSite | None = None) -> None:
         """``site``: the group was started by a launcher (its ranks are not spawned
         here); None: ``spawn`` starts them on this machine."""
         self.config = config
@@ -164,6 +173,11 @@ class RankGroup:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"pipeline ranks not {what} within {self.config.startup_timeout_s:g} s")
             time.sleep(0.02)
+
+    @property
+    def closing(self) -> bool:
+        """``close`` has begun: followers going away is expected."""
+        return self._closing.is_set()
 
     def send_plan(self, step: MicroStep) -> None:
         """Every follower gets every micro-step's plan, in order."""
@@ -274,12 +288,18 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     sockets.connect(store, config.startup_timeout_s)
     link = ring_link(config, rank, sockets)
     follower = Follower(pipeline, link, range(*blocks))
+    if decode_spread(config, pipeline):
+        from workers.parallel.rank_decode import DecodeServer
+
+        follower.decoder = DecodeServer(pipeline, follower.states, sockets)
     decoder = msgspec.msgpack.Decoder(MicroStep)
     log.info("rank %d of %d: blocks %d..%d", rank, world, blocks[0], blocks[1] - 1)
     try:
         while (raw := sockets.recv_plan()) is not None:
             follower.run(decoder.decode(raw))
         link.wait_sent()
+        if follower.decoder is not None:
+            follower.decoder.close()
     except Exception:
         log.exception("pipeline rank %d failed", rank)
         os._exit(2)

@@ -5,7 +5,11 @@ to (rank 0 to every follower, for the plans; each rank to the next one, for
 the ring; the last rank to rank 0) and carries three kinds of frame on
 them: a micro-step's plan (rank 0 to each follower), a ring message (the
 same ``Message`` as ``RingLink``'s: a header naming rows, failures and
-tensor shapes, then the tensors' bytes) and a stop.
+tensor shapes, then the tensors' bytes) and a stop. A second set of
+connections, rank 0 and each follower both ways, carries the decode stage's
+requests, results and cancellations (``workers.parallel.rank_decode``), so
+that traffic never stands in the ring's way: the thread that waits for a
+ring message or a plan is the one that reads its connection.
 
 Why not ``torch.distributed``'s point-to-point operations on a CPU: over
 gloo, receiving a message that has already been sent costs 0.5-2.5 ms on
@@ -26,7 +30,9 @@ caller computes; ``wait_sent`` waits for it. So two ranks sending each
 other large messages never deadlock. Frames of one connection arrive in
 order; ``recv`` matches by (peer, kind, tag) and keeps frames that arrive
 before they are asked for, so the order a rank asks in does not have to be
-the order they were sent in. Every wait has the timeout (``LinkTimeout``);
+the order they were sent in. Several threads may wait on one connection for
+frames of different kinds: one of them reads at a time and hands the others
+what it read for them. Every wait has the timeout (``LinkTimeout``);
 a peer whose connection closes raises ``PeerClosed`` at once, naming it.
 """
 
@@ -50,9 +56,11 @@ from workers.parallel.link import DTYPES, LinkTimeout, Message, aligned
 
 _PREFIX = struct.Struct("<4sB3xqIQ")  # magic, kind, tag, header bytes, payload bytes
 _MAGIC = b"RTV1"
-_HELLO = struct.Struct("<4sI")  # magic, the sending rank: the first bytes of a connection
+_HELLO = struct.Struct("<4sII")  # magic, the sending rank, the channel: the first bytes of a connection
 HELLO_TIMEOUT_S = 5.0  # how long an accepted connection may take to say which rank it is
-PLAN, RING, STOP = 1, 2, 3
+PLAN, RING, STOP, DECODE, DECODED, CANCEL = 1, 2, 3, 4, 5, 6
+PIPELINE, DECODES = 0, 1  # the channels: plans and the ring; the decode stage's frames
+CHANNEL = {PLAN: PIPELINE, RING: PIPELINE, STOP: PIPELINE, DECODE: DECODES, DECODED: DECODES, CANCEL: DECODES}
 
 
 class PeerClosed(RuntimeError):
@@ -79,6 +87,18 @@ def sends_to(rank: int, world: int) -> list[int]:
 
 def receives_from(rank: int, world: int) -> list[int]:
     return [peer for peer in range(world) if rank in sends_to(peer, world)]
+
+
+def decode_peers(rank: int, world: int) -> list[int]:
+    """The ranks ``rank`` exchanges decode frames with, both ways: rank 0 with
+    every follower."""
+    return list(range(1, world)) if rank == 0 else [0]
+
+
+def _links(rank: int, world: int, writing: bool) -> list[tuple[int, int]]:
+    """(peer, channel) of every connection ``rank`` writes (or reads)."""
+    ring = sends_to(rank, world) if writing else receives_from(rank, world)
+    return [(peer, PIPELINE) for peer in ring] + [(peer, DECODES) for peer in decode_peers(rank, world)]
 
 
 def advertised_host(store_host: str | None) -> str:
@@ -173,44 +193,95 @@ class _Outgoing:
 
 class _Incoming:
     """One connection this rank reads: frames in the order they were sent, those
-    not asked for yet kept aside."""
+    not asked for yet kept aside. Threads that wait on it take turns to read:
+    the reader keeps what is not its own and wakes the others to look."""
 
     def __init__(self, sock: socket.socket, peer: int, rank: int, timeout_s: float) -> None:
         self.sock, self.peer, self.rank, self.timeout_s = sock, peer, rank, timeout_s
         self.kept: deque[_Frame] = deque()
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
+        self._cond = threading.Condition()
+        self._reading = False  # a thread is reading the socket
+        self._error: BaseException | None = None  # the connection failed: every taker raises it
 
     def take(self, kinds: tuple[int, ...], tag: int | None, deadline: float | None, what: str) -> _Frame:
+        """The first frame of one of ``kinds`` (and ``tag``, unless None); waits
+        until ``deadline`` (None: as long as it takes), then ``LinkTimeout``."""
+        while True:
+            with self._cond:
+                while True:
+                    frame = self._kept(kinds, tag)
+                    if frame is not None:
+                        return frame
+                    if self._error is not None:
+                        raise self._error
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise self._timeout(what)
+                    self._cond.wait(left)
+            try:
+                frame = self._read(deadline, what)
+            except LinkTimeout:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+                raise
+            except BaseException as error:  # the connection is broken for every taker
+                with self._cond:
+                    self._reading = False
+                    self._error = error
+                    self._cond.notify_all()
+                raise
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+                if frame.kind in kinds and (tag is None or frame.tag == tag):
+                    return frame
+                if len(self.kept) >= 256:
+                    self._error = RuntimeError(f"rank {self.rank}: 256 frames from rank {self.peer} nobody asked for")
+                    raise self._error
+                self.kept.append(frame)
+
+    def _kept(self, kinds: tuple[int, ...], tag: int | None) -> _Frame | None:
         for frame in self.kept:
             if frame.kind in kinds and (tag is None or frame.tag == tag):
                 self.kept.remove(frame)
                 return frame
-        while True:
-            frame = self._read(deadline, what)
-            if frame.kind in kinds and (tag is None or frame.tag == tag):
-                return frame
-            if len(self.kept) >= 256:
-                raise RuntimeError(f"rank {self.rank}: 256 frames from rank {self.peer} nobody asked for")
-            self.kept.append(frame)
+        return None
+
+    def _timeout(self, what: str) -> LinkTimeout:
+        return LinkTimeout(f"rank {self.rank}: {what} from rank {self.peer} not done within {self.timeout_s:g} s")
 
     def _read(self, deadline: float | None, what: str) -> _Frame:
         prefix = bytearray(_PREFIX.size)
-        self._fill(memoryview(prefix), deadline, what)
+        if not self._fill(memoryview(prefix), deadline, what, started=False):
+            raise self._timeout(what)
         magic, kind, tag, header_size, payload_size = _PREFIX.unpack(prefix)
         if magic != _MAGIC:
             raise RuntimeError(f"rank {self.rank}: a frame from rank {self.peer} does not begin with {_MAGIC!r}")
         header = bytearray(header_size)
-        self._fill(memoryview(header), deadline, what)
+        self._fill(memoryview(header), None, what)
         payload = bytearray(payload_size)
-        self._fill(memoryview(payload), deadline, what)
+        self._fill(memoryview(payload), None, what)
         return _Frame(kind, tag, bytes(header), payload)
 
-    def _fill(self, view: memoryview, deadline: float | None, what: str) -> None:
+    def _fill(self, view: memoryview, deadline: float | None, what: str, started: bool = True) -> bool:
+        """Read ``view`` full. Before a frame's first byte (``started`` False) it
+        gives up at ``deadline`` (False); once a frame has begun, the rest must
+        come within the connection's timeout, whatever the caller's deadline: a
+        frame is never left half read."""
         got = 0
+        if started:
+            deadline = time.monotonic() + self.timeout_s
         while got < len(view):
             timeout_ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
             if not self._poller.poll(timeout_ms):
+                if got == 0 and not started:
+                    return False
                 raise LinkTimeout(
                     f"rank {self.rank}: {what} from rank {self.peer} not done within {self.timeout_s:g} s"
                 )
@@ -223,6 +294,9 @@ class _Incoming:
             if count == 0:
                 raise PeerClosed(f"rank {self.peer} closed its connection")
             got += count
+            if not started:
+                started, deadline = True, time.monotonic() + self.timeout_s
+        return True
 
 
 class RankSockets:
@@ -233,8 +307,8 @@ class RankSockets:
     def __init__(self, rank: int, world: int, timeout_s: float) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.device = torch.device("cpu")
-        self._out: dict[int, _Outgoing] = {}
-        self._in: dict[int, _Incoming] = {}
+        self._out: dict[tuple[int, int], _Outgoing] = {}  # (peer, channel) -> connection
+        self._in: dict[tuple[int, int], _Incoming] = {}
         self._listener: socket.socket | None = None
         self.bytes_sent = 0
         self.transfers = 0
@@ -254,21 +328,21 @@ class RankSockets:
         """Connect to every rank this one writes to and accept every rank that
         writes to it (after ``listen`` on every rank; the order does not matter)."""
         deadline = time.monotonic() + timeout_s
-        for peer in sends_to(self.rank, self.world):
+        for peer, channel in _links(self.rank, self.world, writing=True):
             store.wait([f"sockets/{peer}"], datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
             host, port = store.get(f"sockets/{peer}").decode().rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_HELLO.pack(_MAGIC, self.rank))
-            self._out[peer] = _Outgoing(sock, peer, self.timeout_s)
-        expected = set(receives_from(self.rank, self.world))
+            sock.sendall(_HELLO.pack(_MAGIC, self.rank, channel))
+            self._out[peer, channel] = _Outgoing(sock, peer, self.timeout_s)
+        expected = set(_links(self.rank, self.world, writing=False))
         while expected - set(self._in):
             self._listener.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 sock, _ = self._listener.accept()
             except TimeoutError as error:
-                missing = sorted(expected - set(self._in))
+                missing = sorted({peer for peer, _ in expected - set(self._in)})
                 raise LinkTimeout(
                     f"rank {self.rank}: ranks {missing} did not connect within {timeout_s:g} s"
                 ) from error
@@ -283,13 +357,13 @@ class RankSockets:
                     got += count
             except OSError:  # a connection that is not a rank's (silent, or reset): not ours
                 got = 0
-            magic, peer = _HELLO.unpack(hello) if got == len(hello) else (b"", -1)
-            if magic != _MAGIC or peer not in expected or peer in self._in:
+            magic, peer, channel = _HELLO.unpack(hello) if got == len(hello) else (b"", -1, -1)
+            if magic != _MAGIC or (peer, channel) not in expected or (peer, channel) in self._in:
                 sock.close()
                 continue
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._in[peer] = _Incoming(sock, peer, self.rank, self.timeout_s)
+            self._in[peer, channel] = _Incoming(sock, peer, self.rank, self.timeout_s)
         self._listener.close()
         self._listener = None
 
@@ -308,7 +382,7 @@ class RankSockets:
 
     def recv_plan(self) -> bytes | None:
         """The next plan from rank 0 (waits as long as it takes); None at a stop."""
-        frame = self._in[0].take((PLAN, STOP), None, None, "plan")
+        frame = self._in[0, PIPELINE].take((PLAN, STOP), None, None, "plan")
         return None if frame.kind == STOP else frame.header
 
     # -- the ring (RingLink's interface) ------------------------------------------
@@ -316,16 +390,34 @@ class RankSockets:
     def send(self, peer: int, tag: int, message: Message) -> None:
         """Post ``message`` to ``peer``; returns once the kernel holds it or the
         connection's thread has what it did not take."""
-        parts = [t.detach().contiguous().cpu() for t in message.tensors]
-        metas = [[list(t.shape), str(t.dtype)] for t in parts]
-        header = msgspec.msgpack.encode({**message.header, "tensors": metas})
-        self._post(peer, RING, tag, header, parts)
+        self.post(peer, RING, tag, message)
         self.transfers += 1
 
     def recv(self, peer: int, tag: int) -> Message:
         """The ring message ``peer`` sent with ``tag``; ``LinkTimeout`` past the
         timeout, ``PeerClosed`` when the peer's connection closes."""
-        frame = self._in[peer].take((RING,), tag, time.monotonic() + self.timeout_s, "ring message")
+        _, message = self.take(peer, (RING,), tag, self.timeout_s, "ring message")
+        return message
+
+    # -- any kind of frame ----------------------------------------------------------
+
+    def post(self, peer: int, kind: int, tag: int, message: Message) -> None:
+        """One frame of ``kind`` to ``peer``: the message's header (msgpack, with
+        its tensors' shapes and types) and tensors."""
+        parts = [t.detach().contiguous().cpu() for t in message.tensors]
+        metas = [[list(t.shape), str(t.dtype)] for t in parts]
+        header = msgspec.msgpack.encode({**message.header, "tensors": metas})
+        self._post(peer, kind, tag, header, parts)
+
+    def take(
+        self, peer: int, kinds: tuple[int, ...], tag: int | None, timeout_s: float | None, what: str
+    ) -> tuple[int, Message]:
+        """The next frame from ``peer`` of one of ``kinds`` (and ``tag``, unless
+        None), as (kind, message); waits up to ``timeout_s`` (None: as long as it
+        takes), then ``LinkTimeout``; ``PeerClosed`` when the connection closes.
+        The tensors are views of the received bytes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        frame = self._in[peer, _channel(kinds)].take(kinds, tag, deadline, what)
         header = msgspec.msgpack.decode(frame.header)
         tensors, offset = [], 0
         for shape, dtype in header.pop("tensors"):
@@ -337,7 +429,7 @@ class RankSockets:
             else:
                 tensors.append(torch.empty(shape, dtype=kind))
             offset += aligned(count)
-        return Message(header, tensors)
+        return frame.kind, Message(header, tensors)
 
     def wait_sent(self) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -368,5 +460,12 @@ class RankSockets:
                 if size:
                     flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
                 offset += aligned(size)
-        self._out[peer].post(memoryview(frame))
+        self._out[peer, CHANNEL[kind]].post(memoryview(frame))
         self.bytes_sent += len(frame)
+
+
+def _channel(kinds: tuple[int, ...]) -> int:
+    channels = {CHANNEL[kind] for kind in kinds}
+    if len(channels) != 1:
+        raise ValueError(f"frames of kinds {kinds} travel on different connections")
+    return channels.pop()

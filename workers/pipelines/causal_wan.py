@@ -423,12 +423,34 @@ class CausalWanPipeline:
         """The chunk's frames, latent frame by latent frame through the session's
         streaming decoder (its causal feature cache carries over from the last chunk)."""
         chunk = session.chunk_to_decode(chunk_index)
-        with self._decode_stream(chunk):
-            pixels = self.decoder.decode(chunk.clean.float(), session.vae_cache, first=not session.decoded_any)
-            frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
-            array = frames.cpu().numpy()  # waits for this stream's kernels
-        session.decoded_any = True
+        with self._decode_stream(chunk.committed_on_device):
+            output = self._decode_clean(session, chunk.clean)
         del session.chunks[chunk_index]
+        return output
+
+    def decode_input(self, session: CausalWanSession, chunk_index: int) -> torch.Tensor:
+        """What another rank needs to decode a committed chunk (its clean latent, on
+        the host); the chunk's record is dropped here, as ``decode`` drops it."""
+        chunk = session.chunk_to_decode(chunk_index)
+        if chunk.committed_on_device is not None:
+            chunk.committed_on_device.synchronize()
+        clean = chunk.clean.detach().cpu()
+        del session.chunks[chunk_index]
+        return clean
+
+    @torch.no_grad()
+    def decode_latent(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
+        """``decode`` on the rank a session's decodes were given to: the chunk's
+        clean latent came from the first rank (``decode_input``); this rank's
+        copy of the session holds its decoder's cache."""
+        with self._decode_stream(None):
+            return self._decode_clean(session, clean.to(self.device))
+
+    def _decode_clean(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
+        pixels = self.decoder.decode(clean.float(), session.vae_cache, first=not session.decoded_any)
+        frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        array = frames.cpu().numpy()  # waits for this stream's kernels
+        session.decoded_any = True
         count, height, width = array.shape[:3]
         return ChunkOutput(num_frames=count, width=width, height=height, payload=np.ascontiguousarray(array).tobytes())
 
@@ -526,17 +548,18 @@ class CausalWanPipeline:
         transient = max(0, peak - g.state_bytes * self.max_batch_rows)
         return max(0, free + unused - transient - 2**30)
 
-    def _decode_stream(self, chunk: CausalWanChunk) -> contextlib.AbstractContextManager:
+    def _decode_stream(self, committed: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
         """On a GPU, a CUDA stream of the calling thread's own, waiting for the
-        chunk's commit: the decode stage's kernels then overlap the next chunk's
-        forward on the default stream. Elsewhere, nothing."""
+        chunk's commit (``committed``, where it was recorded): the decode stage's
+        kernels then overlap the next chunk's forward on the default stream.
+        Elsewhere, nothing."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         stream = self._decode_streams.get(threading.get_ident())
         if stream is None:
             stream = self._decode_streams[threading.get_ident()] = torch.cuda.Stream(self.device)
-        if chunk.committed_on_device is not None:
-            stream.wait_event(chunk.committed_on_device)
+        if committed is not None:
+            stream.wait_event(committed)
         return torch.cuda.stream(stream)
 
     @property
