@@ -27,9 +27,9 @@ is there), through ``pipeline.decode_latent``. The engine releases a session
 only once its decodes came back, so a release never takes a session from
 under a decode.
 
-A follower's connection closing (the rank died) fails the decodes it had and
-ends the group through ``RankGroup.on_death``, as a dead rank seen anywhere
-does.
+A follower's connection closing (the rank died) ends the group through
+``RankGroup.on_death``, as a dead rank seen anywhere does: every session
+fails as the worker's death, and the group restarts as one.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -65,13 +66,13 @@ class RankDecodeStage:
         self._group = group
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
-        self._local = DecodeStage(runner, on_done, lanes=1)
+        self._local = DecodeStage(runner, self._decoded_here, lanes=1)
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
-        self._out: dict[int, dict[str, int]] = {rank: {} for rank in range(1, group.world)}  # decodes out, per rank
+        self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
         self._cancelled: set[str] = set()  # sessions a CANCEL went out for
         self._closing = threading.Event()
-        self.decodes = [0] * group.world  # chunks decoded per rank (rank 0: handed to its lane)
+        self.decodes = [0] * group.world  # chunks decoded, per rank
         self._receivers = [
             threading.Thread(target=self._receive, args=(rank,), name=f"decoded-from-{rank}", daemon=True)
             for rank in range(1, group.world)
@@ -84,7 +85,6 @@ class RankDecodeStage:
         if rank is None:
             rank = self._rank_of[session_id] = self._place()
         if rank == 0:
-            self.decodes[0] += 1
             self._local.submit(session_id, chunk_index)
             return
         value = self._runner.hand_off_decode(session_id, chunk_index)
@@ -92,8 +92,7 @@ class RankDecodeStage:
             self._on_done(value)
             return
         with self._lock:
-            out = self._out[rank]
-            out[session_id] = out.get(session_id, 0) + 1
+            self._out[rank].setdefault(session_id, deque()).append(chunk_index)
         try:
             message = Message({"session": session_id, "chunk": chunk_index}, [value])
             self._sockets.post(rank, DECODE, chunk_index, message)
@@ -123,11 +122,16 @@ class RankDecodeStage:
         order = [*range(1, self._group.world), 0]
         return min(order, key=lambda rank: load[rank])
 
+    def _decoded_here(self, result: DecodeResult) -> None:
+        self.decodes[0] += result.chunk is not None
+        self._on_done(result)
+
     def _came_back(self, rank: int, session_id: str) -> None:
+        """The oldest chunk of ``session_id`` out on ``rank`` is back (or lost)."""
         self._runner.decoded_elsewhere(session_id)
         with self._lock:
             out = self._out[rank]
-            out[session_id] -= 1
+            out[session_id].popleft()
             if not out[session_id]:
                 del out[session_id]
 
@@ -169,15 +173,9 @@ class RankDecodeStage:
                 pass
 
     def _lost(self, rank: int, error: BaseException) -> None:
-        with self._lock:
-            out = dict(self._out[rank])
-        reason = f"pipeline rank {rank} lost while decoding: {type(error).__name__}: {error}"
-        log.error("%s", reason)
-        for sid, count in out.items():
-            for _ in range(count):
-                self._came_back(rank, sid)
-                self._on_done(DecodeResult(sid, -1, None, 0.0, reason))
-        self._group.on_death(reason)
+        """The rank is gone: the group ends (its sessions fail as the worker's
+        death, ``worker_died``, not as decode errors of their own)."""
+        self._group.on_death(f"pipeline rank {rank} lost: {type(error).__name__}: {error}")
 
 
 class DecodeServer:
