@@ -48,7 +48,8 @@ class ServerSettings:
     pipeline parallelism): the worker starts this many processes on this machine,
     one GPU each (on a CPU they share the cores), splits the blocks by measured
     cost, and different sessions' chunks fill the ranks at once. Frames are the
-    same as with 1; it pays with at least as many sessions as ranks."""
+    same as with 1; it pays with at least as many sessions as ranks, and most
+    with --max-batch-rows 2 or more when the sessions outnumber the ranks."""
     pp_timeout_s: float = 30.0
     """With --pp: how long one rank waits for another's activations before the
     group is declared broken and restarted (no rank ever hangs)."""
