@@ -225,12 +225,7 @@ class _Incoming:
                     self._cond.wait(left)
             try:
                 frame = self._read(deadline, what)
-            except LinkTimeout:
-                with self._cond:
-                    self._reading = False
-                    self._cond.notify_all()
-                raise
-            except BaseException as error:  # the connection is broken for every taker
+            except BaseException as error:  # closed, or stalled mid-frame: broken for every taker
                 with self._cond:
                     self._reading = False
                     self._error = error
@@ -239,6 +234,8 @@ class _Incoming:
             with self._cond:
                 self._reading = False
                 self._cond.notify_all()
+                if frame is None:  # nothing began to arrive by the deadline: the connection is intact
+                    raise self._timeout(what)
                 if frame.kind in kinds and (tag is None or frame.tag == tag):
                     return frame
                 if len(self.kept) >= 256:
@@ -256,10 +253,11 @@ class _Incoming:
     def _timeout(self, what: str) -> LinkTimeout:
         return LinkTimeout(f"rank {self.rank}: {what} from rank {self.peer} not done within {self.timeout_s:g} s")
 
-    def _read(self, deadline: float | None, what: str) -> _Frame:
+    def _read(self, deadline: float | None, what: str) -> _Frame | None:
+        """The next frame; None when none began to arrive by ``deadline``."""
         prefix = bytearray(_PREFIX.size)
         if not self._fill(memoryview(prefix), deadline, what, started=False):
-            raise self._timeout(what)
+            return None
         magic, kind, tag, header_size, payload_size = _PREFIX.unpack(prefix)
         if magic != _MAGIC:
             raise RuntimeError(f"rank {self.rank}: a frame from rank {self.peer} does not begin with {_MAGIC!r}")
