@@ -45,6 +45,7 @@ from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.calibrate import Calibration, calibrate
 from workers.executor import LocalExecutor
+from workers.parallel.group import decode_spread
 from workers.parallel.ring import RingRunner
 from workers.pipelines import build_pipeline, known_prompts
 from workers.runner import ModelRunner
@@ -120,7 +121,7 @@ def run_worker(
     # or the sessions' decodes are shared out over the ranks.
     lanes = config.pp if group is not None else 1
     stage = None
-    if group is not None and _decode_spread(config, pipeline):
+    if group is not None and decode_spread(config, pipeline):
         from workers.parallel.rank_decode import RankDecodeStage
 
         stage = functools.partial(RankDecodeStage, group=group)
@@ -246,12 +247,6 @@ def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> 
         return msgspec.structs.replace(limits, max_pixels=config.max_pixels, max_pixels_derived=False)
     derived = calibration.realtime_pixels
     return msgspec.structs.replace(limits, max_pixels=derived, max_pixels_derived=derived is not None)
-
-
-def _decode_spread(config: EngineConfig, pipeline) -> bool:
-    from workers.parallel.group import decode_spread
-
-    return decode_spread(config, pipeline)
 
 
 def _overlap_decode(config: EngineConfig, pipeline) -> bool:

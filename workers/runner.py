@@ -139,10 +139,7 @@ class ModelRunner:
         except Exception as error:
             failure = error
         finally:
-            with self._decodes_lock:
-                self._decodes_pending[session_id] -= 1
-                if not self._decodes_pending[session_id]:
-                    del self._decodes_pending[session_id]
+            self.decode_returned(session_id)
         self._sync("decode")
         ms = (perf_counter() - started) * 1000.0
         if cancelled:
@@ -155,7 +152,7 @@ class ModelRunner:
         """For a decode another rank runs (``workers.parallel.rank_decode``): the
         chunk's input (``pipeline.decode_input``), or, when it will not run there,
         its ``DecodeResult`` (cancelled: the session is stopping; an error). The
-        decode stays pending until ``decoded_elsewhere``; a ``DecodeResult``
+        decode stays pending until ``decode_returned``; a ``DecodeResult``
         returned here is not pending any more."""
         check = self._stop_check((session_id,))
         result = None
@@ -167,11 +164,12 @@ class ModelRunner:
         except Exception as error:
             self._report(session_id, "decode", 0.0, error)
             result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {type(error).__name__}: {error}")
-        self.decoded_elsewhere(session_id)
+        self.decode_returned(session_id)
         return result
 
-    def decoded_elsewhere(self, session_id: str) -> None:
-        """A decode handed off has come back (or will not run): no longer pending."""
+    def decode_returned(self, session_id: str) -> None:
+        """A deferred decode has come back, here or from another rank, or will not
+        run: no longer pending."""
         with self._decodes_lock:
             self._decodes_pending[session_id] -= 1
             if not self._decodes_pending[session_id]:

@@ -128,7 +128,7 @@ class RankDecodeStage:
 
     def _came_back(self, rank: int, session_id: str) -> None:
         """The oldest chunk of ``session_id`` out on ``rank`` is back (or lost)."""
-        self._runner.decoded_elsewhere(session_id)
+        self._runner.decode_returned(session_id)
         with self._lock:
             out = self._out[rank]
             out[session_id].popleft()
