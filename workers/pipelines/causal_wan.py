@@ -13,7 +13,8 @@ otherwise (``resolve_dtype``). Implements ``ChunkPipeline``:
 - after the last step, ``commit`` runs the clean forward (x0 at t = 0) that
   writes the chunk into the session's KV cache (``SessionKVCache``: sinks +
   rolling window, cache-relative RoPE), and ``decode`` turns it into frames
-  with the session's streaming VAE decoder;
+  with the session's streaming VAE decoder (``causal_wan_decode``: also on
+  another rank, or split over two);
 - prompt changes at a boundary, per session (``StartSession.prompt_change``):
   ``soft`` swaps the conditioning and keeps the cache; ``recache`` rebuilds
   the cache by re-committing the cached chunks' clean latents under the new
@@ -30,20 +31,17 @@ noise draws, latent, clean latent) in a ``CausalWanChunk`` record of it
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from engine.messages import ModelLimits, SessionGeometry, StartSession
-from engine.plan import ChunkOutput
 from workers.host_memory import host_session_budget
 from workers.pipelines.base import BatchRow, Hidden, StepBatch, block_range, check_hidden, refuse_negative_prompt
+from workers.pipelines.causal_wan_decode import CausalWanDecoding
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.conditioning import PromptBlend
 from workers.pipelines.kv_cache import SessionKVCache
@@ -91,7 +89,7 @@ def _seed_for(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-class CausalWanPipeline:
+class CausalWanPipeline(CausalWanDecoding):
     name: ClassVar[str] = "causal_wan"
     supports_chunk_step_grouping: ClassVar[bool] = True
     supports_micro_step_execution: ClassVar[bool] = True
@@ -134,7 +132,6 @@ class CausalWanPipeline:
         self.num_blocks = len(self.transformer.blocks)
         self.owned = range(self.num_blocks)  # the blocks this process runs (``own_blocks``)
         self.kv_layers = self.num_blocks  # layers of KV a session costs the fullest device (``state_bytes``)
-        self._decode_streams: dict[int, torch.cuda.Stream] = {}  # per decoding thread (CUDA only)
         self.decoder = StreamingDecoder(self.vae)
         self.latent_frames = latent_frames_per_chunk
         # The attention span is the weights' (the preset's, or the model directory's rtvideo.json); options override.
@@ -418,42 +415,6 @@ class CausalWanPipeline:
         if prompt_changed and session.start.prompt_change == "reset":
             session.kv.reset()
 
-    @torch.no_grad()
-    def decode(self, session: CausalWanSession, chunk_index: int) -> ChunkOutput:
-        """The chunk's frames, latent frame by latent frame through the session's
-        streaming decoder (its causal feature cache carries over from the last chunk)."""
-        chunk = session.chunk_to_decode(chunk_index)
-        with self._decode_stream(chunk.committed_on_device):
-            output = self._decode_clean(session, chunk.clean)
-        del session.chunks[chunk_index]
-        return output
-
-    def decode_input(self, session: CausalWanSession, chunk_index: int) -> torch.Tensor:
-        """What another rank needs to decode a committed chunk (its clean latent, on
-        the host); the chunk's record is dropped here, as ``decode`` drops it."""
-        chunk = session.chunk_to_decode(chunk_index)
-        if chunk.committed_on_device is not None:
-            chunk.committed_on_device.synchronize()
-        clean = chunk.clean.detach().cpu()
-        del session.chunks[chunk_index]
-        return clean
-
-    @torch.no_grad()
-    def decode_latent(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
-        """``decode`` on the rank a session's decodes were given to: the chunk's
-        clean latent came from the first rank (``decode_input``); this rank's
-        copy of the session holds its decoder's cache."""
-        with self._decode_stream(None):
-            return self._decode_clean(session, clean.to(self.device))
-
-    def _decode_clean(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
-        pixels = self.decoder.decode(clean.float(), session.vae_cache, first=not session.decoded_any)
-        frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
-        array = frames.cpu().numpy()  # waits for this stream's kernels
-        session.decoded_any = True
-        count, height, width = array.shape[:3]
-        return ChunkOutput(num_frames=count, width=width, height=height, payload=np.ascontiguousarray(array).tobytes())
-
     # -- pipeline ranks ---------------------------------------------------------------
 
     @property
@@ -547,27 +508,6 @@ class CausalWanPipeline:
         peak = torch.cuda.max_memory_allocated(self.device) - allocated
         transient = max(0, peak - g.state_bytes * self.max_batch_rows)
         return max(0, free + unused - transient - 2**30)
-
-    def _decode_stream(self, committed: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
-        """On a GPU, a CUDA stream of the calling thread's own, waiting for the
-        chunk's commit (``committed``, where it was recorded): the decode stage's
-        kernels then overlap the next chunk's forward on the default stream.
-        Elsewhere, nothing."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        stream = self._decode_streams.get(threading.get_ident())
-        if stream is None:
-            stream = self._decode_streams[threading.get_ident()] = torch.cuda.Stream(self.device)
-        if committed is not None:
-            stream.wait_event(committed)
-        return torch.cuda.stream(stream)
-
-    @property
-    def decode_overlap_pays(self) -> bool:
-        """On a GPU (the decode runs on a stream of its own); on a CPU the decode
-        thread and the forward share the cores and the interpreter: measured on 2
-        cores, 0.5x the frames per second at 64x64 and no gain at 256x256."""
-        return self.device.type == "cuda"
 
     def synchronize(self) -> None:
         """Wait until the device has finished its queued work (timing: benchmarks)."""

@@ -11,6 +11,17 @@ each of the decoder's up-sampling stages, so a stop waits for a fraction of a
 frame's decode, not a chunk's; the cache is then part-way through the chunk
 and must not be decoded from again.
 
+The decoder also runs in two parts (``decode_front`` and ``decode_back``),
+for a decode split over two pipeline ranks: Wan's decoder is a chain of
+stages (the input convolution and middle block, each up-sampling block, the
+output head), each latent frame goes through them in order, and each stage's
+causal convolutions keep their own slots of the feature cache. The front
+runs the first ``split`` stages of each latent frame and hands the activation
+on with the cache slot it stopped at; the back runs the rest. A session's
+two parts each fill only their own slots, so two processes can each hold
+one, and frame f's back runs while frame f+1's front does: the result is bit
+for bit the whole decoder's (``tests/model/test_decode_stage.py``).
+
 ``StreamingDecoder`` also makes two CPU hot spots of the tiny preset's decode
 fast, computing the same functions (``use_fast_cpu_kernels``):
 
@@ -25,9 +36,13 @@ fast, computing the same functions (``use_fast_cpu_kernels``):
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanRMS_norm
+from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanDecoder3d, WanRMS_norm
 
 from workers.pipelines.base import abandon_point
 
@@ -71,8 +86,30 @@ def use_fast_cpu_kernels(vae: torch.nn.Module) -> int:
     return swapped
 
 
+def _cached_conv(conv: WanCausalConv3d, x: torch.Tensor, cache: list, slot: list[int]) -> torch.Tensor:
+    """A causal convolution of ``WanDecoder3d.forward``'s own (its input and
+    output ones), with that method's feature-cache rule: the slot keeps the
+    input's last ``CACHE_T`` frames, padded with the previous last frame."""
+    index = slot[0]
+    kept = x[:, :, -CACHE_T:].clone()
+    if kept.shape[2] < 2 and cache[index] is not None:
+        kept = torch.cat([cache[index][:, :, -1:].to(kept.device), kept], dim=2)
+    x = conv(x, cache[index])
+    cache[index] = kept
+    slot[0] += 1
+    return x
+
+
 def _abandon_point_hook(module: torch.nn.Module, args: tuple) -> None:
     abandon_point()
+
+
+class FrontPart(NamedTuple):
+    """One latent frame after the decoder's first stages (``decode_front``)."""
+
+    activation: torch.Tensor
+    slot: int  # the feature-cache slot the back's first convolution uses
+    first: bool  # the stream's very first latent frame
 
 
 class StreamingDecoder:
@@ -134,6 +171,88 @@ class StreamingDecoder:
                 vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=first and i == 0)
             )
         return torch.clamp(torch.cat(outputs, dim=2), -1.0, 1.0)
+
+    # -- the decoder in two parts -------------------------------------------------
+
+    @property
+    def stages(self) -> int:
+        """How many stages the decoder runs a latent frame through (a split is
+        1..stages-1 of them in front); 0 when this decoder cannot be split
+        (it is not Wan's ``WanDecoder3d``, e.g. the demo model's codec)."""
+        decoder = getattr(self.vae, "decoder", None)
+        if type(decoder) is not WanDecoder3d or getattr(decoder, "is_residual", False):
+            return 0
+        return len(decoder.up_blocks) + 2
+
+    @torch.no_grad()
+    def decode_front(self, latents: torch.Tensor, cache: list, first: bool, split: int) -> Iterator[FrontPart]:
+        """The first ``split`` stages of each latent frame of ``latents`` (as
+        ``decode`` takes them), a frame at a time; ``cache``'s front slots carry
+        over. A decode may be abandoned before each frame (and in its stages)."""
+        self._check_split(split)
+        vae = self.vae
+        z = latents.to(vae.dtype) * self.std.to(latents.device, vae.dtype) + self.mean.to(latents.device, vae.dtype)
+        x = vae.post_quant_conv(z)
+        for i in range(x.shape[2]):
+            abandon_point()
+            slot = [0]
+            frame_first = first and i == 0
+            hidden = x[:, :, i : i + 1]
+            for stage in range(split):
+                hidden = self._stage(stage, hidden, cache, slot, frame_first)
+            yield FrontPart(hidden, slot[0], frame_first)
+
+    @torch.no_grad()
+    def decode_back(self, part: FrontPart, cache: list, split: int) -> torch.Tensor:
+        """The remaining stages of one latent frame: its pixels in [-1, 1],
+        ``[batch, 3, frames, height, width]``; ``cache``'s back slots carry over."""
+        self._check_split(split)
+        slot = [part.slot]
+        hidden = part.activation
+        for stage in range(split, self.stages):
+            hidden = self._stage(stage, hidden, cache, slot, part.first)
+        return torch.clamp(hidden, -1.0, 1.0)
+
+    @torch.no_grad()
+    def stage_seconds(self, latent_frames: int, latent_height: int, latent_width: int) -> list[float]:
+        """Each stage's seconds for a chunk of ``latent_frames`` at this latent
+        size, after the stream's first frame (a throwaway cache; the best of two)."""
+        parameter = next(self.vae.parameters())
+        shape = (1, self.vae.config.z_dim, latent_frames, latent_height, latent_width)
+        latents = torch.zeros(shape, device=parameter.device)
+        cache = self.new_cache()
+        self.decode(latents[:, :, :1], cache, first=True)
+        best = [float("inf")] * self.stages
+        for _ in range(2):
+            seconds = [0.0] * self.stages
+            x = self.vae.post_quant_conv(latents.to(self.vae.dtype))
+            for i in range(latent_frames):
+                slot, hidden = [0], x[:, :, i : i + 1]
+                for stage in range(self.stages):
+                    began = time.perf_counter()
+                    hidden = self._stage(stage, hidden, cache, slot, False)
+                    if hidden.device.type == "cuda":
+                        torch.cuda.synchronize(hidden.device)
+                    seconds[stage] += time.perf_counter() - began
+            best = [min(a, b) for a, b in zip(best, seconds, strict=True)]
+        return best
+
+    def _check_split(self, split: int) -> None:
+        if not 1 <= split < self.stages:
+            raise ValueError(f"a decoder split must be 1..{self.stages - 1} stages in front, got {split}")
+
+    def _stage(self, stage: int, x: torch.Tensor, cache: list, slot: list[int], first: bool) -> torch.Tensor:
+        """Stage ``stage`` of ``WanDecoder3d.forward`` on one latent frame: 0 the
+        input convolution and the middle block, then each up-sampling block, the
+        last the output head (norm, activation, convolution)."""
+        decoder = self.vae.decoder
+        if stage == 0:
+            x = _cached_conv(decoder.conv_in, x, cache, slot)
+            return decoder.mid_block(x, feat_cache=cache, feat_idx=slot)
+        if stage <= len(decoder.up_blocks):
+            return decoder.up_blocks[stage - 1](x, feat_cache=cache, feat_idx=slot, first_chunk=first)
+        x = decoder.nonlinearity(decoder.norm_out(x))
+        return _cached_conv(decoder.conv_out, x, cache, slot)
 
     def reference_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """A one-shot decode through diffusers' own path (for tests)."""
