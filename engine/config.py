@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PP_TRANSPORTS = ("auto", "torch")  # EngineConfig.pp_transport
-PP_DECODES = ("auto", "first", "spread")  # EngineConfig.pp_decode
+PP_DECODES = ("auto", "first", "spread", "split")  # EngineConfig.pp_decode
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,15 @@ class EngineConfig:
     ``torch.distributed`` point-to-point either way (gloo on a CPU: measured
     1.2x slower where the transformer blocks dominate, docs/ENGINE.md). The plans always travel on the sockets."""
     pp_decode: str = "auto"
-    """Which pipeline rank decodes a session's chunks: ``spread``, each session
-    on one rank, the sessions shared out (``workers.parallel.rank_decode``);
-    ``first``, rank 0 decodes every session, on a lane per rank; ``auto``,
-    ``spread`` on a CPU (the ranks are processes sharing the cores; measured
-    in docs/ENGINE.md) and ``first`` on GPUs."""
+    """Which pipeline ranks decode a session's chunks
+    (``workers.parallel.rank_decode``): ``split``, every session's VAE decoder
+    split over two ranks, its first stages on rank 0 and the rest on a
+    follower (the sessions shared out over the followers), a latent frame at
+    a time; ``spread``, each session on one rank, the sessions shared out;
+    ``first``, rank 0 decodes every session, on a lane per rank; ``auto``, on
+    a CPU (the ranks are processes sharing the cores) ``split`` where the
+    decoder can be split and else ``spread``, and ``first`` on GPUs (measured
+    in docs/ENGINE.md)."""
     stream_batch: bool = False
     """Split over ranks: let a session's next chunk enter the pipeline while its
     chunk before is still being denoised (more throughput for few sessions; the

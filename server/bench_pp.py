@@ -12,10 +12,12 @@ micro-step. Configurations:
 - ``pp1-1t``: one rank, one CPU thread (the baseline the issue's targets use);
 - ``pp1-2t``: one rank, two threads (the honest baseline on two cores);
 - ``pp2``: two ranks, one thread each, the ring on the ranks' own sockets,
-  each session decoded on one of the ranks (``pp_decode`` ``auto``: spread
-  on a CPU);
+  each session's VAE decoder split over the two ranks (``pp_decode``
+  ``auto``: split on a CPU, where the decoder can be split; else spread);
 - ``pp2-gloo``: the same over ``torch.distributed`` point-to-point (gloo;
   ``pp_transport`` ``torch``), side by side with ``pp2``;
+- ``pp2-decode-spread``: the same with each session decoded whole on one
+  of the ranks (``pp_decode`` ``spread``), side by side with ``pp2``;
 - ``pp2-decode-first``: the same with rank 0 decoding every session on a
   lane per rank (``pp_decode`` ``first``), side by side with ``pp2``;
 - ``pp2-batch2``: two ranks with up to two rows per micro-step
@@ -77,11 +79,13 @@ CONFIGS = (
     Config("pp1-1t", 1, 1, 1),
     Config("pp1-2t", 1, 2, 1),
     Config("pp2", 2, None, 1),
+    Config("pp2-decode-spread", 2, None, 1, decode="spread"),
     Config("pp2-stream", 2, None, 1, stream_batch=True),
     Config("pp1-1t", 1, 1, 4),
     Config("pp1-2t", 1, 2, 4),
     Config("pp2", 2, None, 4),
     Config("pp2-gloo", 2, None, 4, transport="torch"),
+    Config("pp2-decode-spread", 2, None, 4, decode="spread"),
     Config("pp2-decode-first", 2, None, 4, decode="first"),
     Config("pp2-batch2", 2, None, 4, max_batch_rows=2),
     Config("pp1-batch4", 1, 1, 4, max_batch_rows=4),
@@ -217,7 +221,7 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int
         results.append(best)
         if not as_json:
             bubbles = ", ".join(f"rank {r['rank']} bubble {r['bubble']:.0%}" for r in best.get("ranks", []))
-            print(f"{best['config']:>11} x{best['sessions']}: {best['fps']:7.1f} fps  ({bubbles})", flush=True)
+            print(f"{best['config']:>17} x{best['sessions']}: {best['fps']:7.1f} fps  ({bubbles})", flush=True)
     by = {(r["config"], r["sessions"]): r["fps"] for r in results}
 
     def ratio(a: tuple, b: tuple) -> float | None:
@@ -233,6 +237,8 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int
         "pp2_vs_pp1_2t_4_sessions": ratio(("pp2", 4), ("pp1-2t", 4)),
         "pp2_vs_pp1_1t_1_session": ratio(("pp2", 1), ("pp1-1t", 1)),
         "pp2_vs_pp2_gloo_4_sessions": ratio(("pp2", 4), ("pp2-gloo", 4)),
+        "pp2_vs_pp2_decode_spread_1_session": ratio(("pp2", 1), ("pp2-decode-spread", 1)),
+        "pp2_vs_pp2_decode_spread_4_sessions": ratio(("pp2", 4), ("pp2-decode-spread", 4)),
         "pp2_vs_pp2_decode_first_4_sessions": ratio(("pp2", 4), ("pp2-decode-first", 4)),
         "pp2_batch2_vs_pp1_1t_4_sessions": ratio(("pp2-batch2", 4), ("pp1-1t", 4)),
         "pp2_batch2_vs_pp1_batch4": ratio(("pp2-batch2", 4), ("pp1-batch4", 4)),

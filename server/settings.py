@@ -58,9 +58,11 @@ class ServerSettings:
     sockets on a CPU, NCCL on GPUs) or torch (torch.distributed point-to-point:
     gloo on a CPU, measured 1.2x slower where the transformer blocks dominate)."""
     pp_decode: str = "auto"
-    """With --pp: which rank decodes a session's chunks: spread (each session on
-    one rank, the sessions shared out over the ranks), first (rank 0 decodes
-    them all) or auto (spread on a CPU, first on GPUs)."""
+    """With --pp: which ranks decode a session's chunks: split (its VAE decoder
+    split over rank 0 and a follower), spread (each session on one rank, the
+    sessions shared out over the ranks), first (rank 0 decodes them all) or
+    auto (on a CPU split, or spread where the decoder cannot be split; first
+    on GPUs)."""
     worker_listen: str | None = None
     """HOST:PORT where the server waits for a worker group started by a launcher
     instead of starting its worker itself: `torchrun --nproc-per-node N

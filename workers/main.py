@@ -45,7 +45,7 @@ from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.calibrate import Calibration, calibrate
 from workers.executor import LocalExecutor
-from workers.parallel.group import decode_spread
+from workers.parallel.group import decode_placement
 from workers.parallel.ring import RingRunner
 from workers.pipelines import build_pipeline, known_prompts
 from workers.runner import ModelRunner
@@ -82,8 +82,9 @@ def run_worker(
         budget = config.session_memory_bytes
         if budget is None:
             budget = pipeline.session_memory_budget()
+        decoder_split = 0
         if group is not None:
-            _start_ranks(config, pipeline, group, decode_inline=not _overlap_decode(config, pipeline))
+            decoder_split = _start_ranks(config, pipeline, group, decode_inline=not _overlap_decode(config, pipeline))
     except Exception as error:
         log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
@@ -121,11 +122,14 @@ def run_worker(
     # or the sessions' decodes are shared out over the ranks.
     lanes = config.pp if group is not None else 1
     stage = None
-    if group is not None and decode_spread(config, pipeline):
+    if group is not None and decode_placement(config, pipeline) != "first":
         from workers.parallel.rank_decode import RankDecodeStage
 
-        stage = functools.partial(RankDecodeStage, group=group)
-        log.info("sessions decode on the rank given each (pp_decode %s)", config.pp_decode)
+        stage = functools.partial(RankDecodeStage, group=group, split=decoder_split)
+        if decoder_split:
+            log.info("sessions' decoders split over two ranks, %d stages on rank 0", decoder_split)
+        else:
+            log.info("sessions decode on the rank given each (pp_decode %s)", config.pp_decode)
     executor = LocalExecutor(
         runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes, decode_stage=stage
     )
@@ -289,13 +293,14 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
     return group
 
 
-def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> None:
+def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> int:
     """Split the blocks over the ranks by measured cost, keep rank 0's, hand the
-    others theirs and join them."""
+    others theirs and join them; returns where a split decoder changes rank
+    (the decoder stages rank 0 runs; 0 unless ``decode_placement`` is split)."""
     import torch
 
     from workers.parallel.group import rank_device, rank_threads
-    from workers.parallel.partition import measure_costs, split_blocks
+    from workers.parallel.partition import measure_costs, rank_seconds, split_blocks, split_decoder
 
     if rank_device(0).type == "cpu":  # the ranks share the cores: measure as they will run, alone
         torch.set_num_threads(rank_threads(config.pp))
@@ -310,6 +315,18 @@ def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> 
         costs.first_extra * 1000,
         costs.last_extra * 1000,
     )
+    decoder_split = 0
+    if decode_placement(config, pipeline) == "split":
+        per_chunk = [seconds * costs.passes for seconds in rank_seconds(costs, splits)]
+        stages = pipeline.decode_stage_seconds()
+        decoder_split = split_decoder(stages, per_chunk[0], min(per_chunk[1:]))
+        log.info(
+            "decoder split over two ranks: %d of %d stages on rank 0 (measured ms per chunk: stages %s)",
+            decoder_split,
+            len(stages),
+            ", ".join(f"{s * 1000:.1f}" for s in stages),
+        )
     pipeline.own_blocks(splits[0], most_per_rank=max(len(split) for split in splits))
     pipeline.chunks_in_flight = config.lookahead
     group.start(splits)
+    return decoder_split

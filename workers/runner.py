@@ -127,7 +127,7 @@ class ModelRunner:
         self._sync("decode")
         started = perf_counter()
         chunk, failure, cancelled = None, None, False
-        check = self._stop_check((session_id,))
+        check = self.stop_check((session_id,))
         try:
             if check is not None and check():
                 cancelled = True  # not begun: the session is stopping
@@ -154,7 +154,7 @@ class ModelRunner:
         its ``DecodeResult`` (cancelled: the session is stopping; an error). The
         decode stays pending until ``decode_returned``; a ``DecodeResult``
         returned here is not pending any more."""
-        check = self._stop_check((session_id,))
+        check = self.stop_check((session_id,))
         result = None
         try:
             if check is not None and check():
@@ -218,7 +218,7 @@ class ModelRunner:
             self._sync("forward")
             started = perf_counter()
             try:
-                with abandon_when(self._stop_check(row.session_id for row in rows)):
+                with abandon_when(self.stop_check(row.session_id for row in rows)):
                     predictions = self.pipeline.forward(batch, sessions)
             except Abandoned:  # every row's session is stopping
                 result.pipeline_s += perf_counter() - started
@@ -296,7 +296,7 @@ class ModelRunner:
         started = perf_counter()
         failure = None
         try:
-            with abandon_when(self._stop_check((session_id,)) if stoppable else None):
+            with abandon_when(self.stop_check((session_id,)) if stoppable else None):
                 value = function(*args)
         except Abandoned:
             result.row(session_id, chunk_index).cancelled = True
@@ -329,7 +329,7 @@ class ModelRunner:
         if rows > 1 and not getattr(self.pipeline, "batch_invariant", False):
             out.batch_exact = False
 
-    def _stop_check(self, session_ids: Iterable[str]) -> Callable[[], bool] | None:
+    def stop_check(self, session_ids: Iterable[str]) -> Callable[[], bool] | None:
         """A check that is true once every one of ``session_ids`` is stopping
         (None without ``is_stopping``): a call over them may then be abandoned."""
         is_stopping = self.is_stopping

@@ -51,7 +51,6 @@ async def test_the_demo_model_streams_a_known_prompt_and_a_switch(trained_server
     assert all(len(c.payload) == c.metadata["num_frames"] * 32 * 32 * 3 for c in got.chunks)
 
 
-
 async def test_the_shipped_demo_model_draws_red_then_blue_from_the_applied_chunk(demo_server):
     """Over WebSocket, raw frames: "a red circle moving right", then "a blue square
     moving left" once chunk 0 is in. Every chunk before the one the applied event

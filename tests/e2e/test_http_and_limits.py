@@ -242,7 +242,14 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(server):
 
 async def test_jobs_are_bounded_and_a_finished_one_is_kept_for_its_ttl(make_server):
     server = make_server(
-        "--max-sessions", "1", "--max-queued-jobs", "1", "--max-jobs-kept", "3", "--job-ttl-s", "3600",
+        "--max-sessions",
+        "1",
+        "--max-queued-jobs",
+        "1",
+        "--max-jobs-kept",
+        "3",
+        "--job-ttl-s",
+        "3600",
         pipeline={"step_time_s": 0.002},
     )
     done = poll(server, httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1}).json()["id"], "completed")

@@ -65,4 +65,3 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
 
     dirty = [line for line in server.log if any(mark in line for mark in DIRTY)]
     assert dirty == [], "".join(server.log)
-

@@ -1,7 +1,8 @@
 """Temporal pipeline parallelism through real worker processes: the tiny model's
 blocks split over two ranks (``EngineConfig.pp = 2``: one gloo process group,
-the activations on the ranks' own sockets, or over gloo; the sessions'
-decodes shared out over the ranks), against the same sessions on one rank."""
+the activations on the ranks' own sockets, or over gloo; each session's VAE
+decoder split over the two ranks, or the sessions' decodes shared out over
+them), against the same sessions on one rank."""
 
 from __future__ import annotations
 
@@ -137,10 +138,10 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
         assert payloads(got[sid]) == payloads(expected[sid]), f"session {sid} differs"
     assert payloads(interacted) == payloads(replay["s"])
     assert probe.runner_sessions == probe.pipeline_sessions == ()
-    # On a CPU each session decodes on one rank, the sessions shared out (pp_decode auto: spread):
-    # a and c on rank 1 (a follower first on a tie), b on rank 0, with frames as one rank's. (The
-    # figures are those of the latest EngineStats, sent while s ran: a, b and c were done by then.)
-    assert decoded[1] >= 4 + 3 and decoded[0] >= 3
+    # On a CPU each session's decoder is split over the ranks (pp_decode auto: split): its frames
+    # come from rank 1, as one rank's. (The figures are those of the latest EngineStats, sent while
+    # s ran: a, b and c were done by then.)
+    assert decoded[1] >= 4 + 3 + 3 and decoded[0] == 0
 
 
 async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():
@@ -210,20 +211,28 @@ def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
 
 
 @SHARED
-async def test_the_ring_over_gloo_makes_what_it_makes_over_the_ranks_sockets(two_ranks):
+async def test_the_ring_over_gloo_with_whole_decodes_makes_what_sockets_and_split_decodes_make(two_ranks):
     """The two transports of the ring (``pp_transport``): the ranks' own sockets
     (the default on a CPU, ``two_ranks``) and ``torch.distributed`` point-to-point
-    over gloo (the path NCCL takes on GPUs) carry the same activations, so a
-    session's frames are bit for bit the same over either."""
-    gloo = await start_engine(2, max_batch_rows=2, pp_transport="torch")
+    over gloo (the path NCCL takes on GPUs) carry the same activations; and a
+    session's whole decode on one rank (``pp_decode`` ``spread``, here: on the
+    follower, first on a tie) makes what its decoder split over the two makes
+    (the default on a CPU). So a session's frames are bit for bit the same."""
+    gloo = await start_engine(2, max_batch_rows=2, pp_transport="torch", pp_decode="spread")
     try:
         start = start_of("g", 4, 3)
         over_gloo = (await run_sessions(gloo, [start]))["g"]
+        for _ in range(100):  # the worker's figures once it is idle (sent then, ahead of a later probe's reply)
+            await gloo.probe()
+            decoded = {figure.rank: figure.decoded_chunks for figure in gloo.stats.ranks}
+            if decoded[1] == 3:
+                break
         over_sockets = (await run_sessions(two_ranks, [start]))["g"]
     finally:
         await gloo.shutdown()
     assert isinstance(over_gloo.end, SessionDone) and len(over_gloo.chunks) == 3
     assert payloads(over_gloo) == payloads(over_sockets)
+    assert decoded == {0: 0, 1: 3}
 
 
 @SHARED

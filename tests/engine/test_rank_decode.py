@@ -7,7 +7,14 @@ in process, chunk after chunk (its copy of the session carries the decoder's
 causal cache from one chunk to the next); a cancel that came first, or one
 that arrives while a chunk decodes, ends that chunk's decode as cancelled
 and the thread serves the next request; a session it does not hold is an
-error naming it, not a hang."""
+error naming it, not a hang.
+
+A split decode (``pp_decode`` ``split``): rank 0's part of the decoder made
+here, each latent frame's activation sent as a part and the chunk ended by a
+last frame, as rank 0's front lane sends them: the follower's frames are bit
+for bit the whole decoder's; however a chunk ends (a part it cannot decode, a
+cancel, rank 0 abandoning its front), the follower answers it exactly once,
+and serves the next."""
 
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import torch
 from engine.config import PipelineSpec
 from engine.messages import StartSession
 from tests.engine.test_rank_sockets import joined
-from workers.parallel.link import Message
+from workers.parallel.link import LinkTimeout, Message
 from workers.parallel.rank_decode import DecodeServer
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, DECODES
 from workers.pipelines import build_pipeline
@@ -113,3 +120,104 @@ def test_a_session_the_rank_does_not_hold_is_an_error_naming_it(served):
     reply = ask(rank0, "nobody", 0, torch.zeros(1, 16, 1, 4, 4))
     assert "session nobody is not open on rank 1" in reply.header["error"]
     assert reply.header["frames"] is None
+
+
+SPLIT = 3  # decoder stages on rank 0
+
+
+def send_split(rank0, pipeline, here, sid: str, chunk: int, latent: torch.Tensor, end: dict | None = None) -> None:
+    """Rank 0's front lane: the chunk's front stages here, each part posted, then the chunk's last frame."""
+    head = {"session": sid, "chunk": chunk, "split": SPLIT}
+    for part, (header, activation) in enumerate(pipeline.decode_front(here, latent, SPLIT)):
+        rank0.post(1, DECODE, chunk, Message({**head, **header, "part": part}, [activation]))
+    rank0.post(1, DECODE, chunk, Message({**head, "last": True, "front_ms": 1.0, **(end or {})}, []))
+
+
+def answer(rank0, timeout_s: float = 60.0) -> Message:
+    _, reply = rank0.take(1, (DECODED,), None, timeout_s, "decoded chunk")
+    return reply
+
+
+def test_a_split_decode_gives_the_whole_decoders_frames_chunk_after_chunk(pipelines, served):
+    rank0, states, _ = served
+    front, whole = open_on(pipelines[0], "s"), open_on(pipelines[0], "whole")
+    states["s"] = open_on(pipelines[1], "s")
+    generator = torch.Generator().manual_seed(6)
+    try:
+        for chunk in range(3):
+            latent = torch.randn(front.latent_shape, generator=generator)
+            expected = pipelines[0].decode_latent(whole, latent)
+            send_split(rank0, pipelines[0], front, "s", chunk, latent)
+            reply = answer(rank0)
+            assert reply.header["session"] == "s" and reply.header["chunk"] == chunk
+            assert reply.header["error"] is None and not reply.header["cancelled"]
+            assert reply.header["frames"] == [expected.num_frames, expected.width, expected.height]
+            assert reply.tensors[0].numpy().tobytes() == expected.payload, f"chunk {chunk} differs"
+            assert reply.header["ms"] >= 1.0  # the front's time and the back's
+    finally:
+        pipelines[0].release(front)
+        pipelines[0].release(whole)
+        pipelines[1].release(states.pop("s"))
+
+
+def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_next(pipelines, served):
+    rank0, states, _ = served
+    fronts = {sid: open_on(pipelines[0], sid) for sid in ("f", "a", "n")}  # rank 0's copies
+    front = fronts["f"]
+    latent = torch.zeros(front.latent_shape)
+    try:
+        send_split(rank0, pipelines[0], front, "nobody", 0, latent)  # every part fails: one answer
+        reply = answer(rank0)
+        assert "session nobody is not open on rank 1" in reply.header["error"] and reply.header["chunk"] == 0
+
+        states["c"] = open_on(pipelines[1], "c")
+        rank0.post(1, CANCEL, 0, Message({"session": "c"}, []))
+        send_split(rank0, pipelines[0], front, "c", 0, latent)  # cancelled at its first part: one answer
+        reply = answer(rank0)
+        assert reply.header["session"] == "c" and reply.header["cancelled"] and reply.header["frames"] is None
+
+        states["a"] = open_on(pipelines[1], "a")  # rank 0 abandoned its front after one part
+        head = {"session": "a", "chunk": 0, "split": SPLIT}
+        header, activation = next(pipelines[0].decode_front(fronts["a"], latent, SPLIT))
+        rank0.post(1, DECODE, 0, Message({**head, **header, "part": 0}, [activation]))
+        rank0.post(1, DECODE, 0, Message({**head, "last": True, "cancelled": True, "front_ms": 1.0}, []))
+        reply = answer(rank0)
+        assert reply.header["session"] == "a" and reply.header["cancelled"] and reply.header["frames"] is None
+
+        states["n"] = open_on(pipelines[1], "n")  # and the next chunk of another session decodes
+        send_split(rank0, pipelines[0], fronts["n"], "n", 0, latent)
+        reply = answer(rank0)
+        assert reply.header["session"] == "n" and reply.header["frames"] is not None and reply.header["error"] is None
+        with pytest.raises(LinkTimeout):  # nothing more: each chunk was answered once
+            answer(rank0, timeout_s=0.3)
+    finally:
+        for state in states.values():
+            pipelines[1].release(state)
+        for state in fronts.values():
+            pipelines[0].release(state)
+
+
+@pytest.mark.parametrize(
+    ("pp_decode", "pp", "overlap", "stages", "expected"),
+    [
+        ("auto", 2, None, 6, "split"),  # on a CPU, a decoder that splits
+        ("auto", 2, None, 0, "spread"),  # the demo model's codec cannot be split
+        ("split", 2, None, 0, "spread"),
+        ("spread", 2, None, 6, "spread"),
+        ("first", 2, None, 6, "first"),
+        ("split", 1, None, 6, "first"),  # one rank
+        ("split", 2, False, 6, "first"),  # rank 0 decodes inside its micro-steps
+    ],
+)
+def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
+    pipelines, pp_decode, pp, overlap, stages, expected
+):
+    from engine.config import EngineConfig
+    from workers.parallel.group import decode_placement
+
+    class Pipeline:  # what decode_placement reads of a pipeline
+        decode_input = decode_latent = pipelines[0].decode_latent
+        decode_stages = stages
+
+    config = EngineConfig(pipeline=PipelineSpec("tiny", {}), pp=pp, pp_decode=pp_decode, overlap_decode=overlap)
+    assert decode_placement(config, Pipeline()) == expected

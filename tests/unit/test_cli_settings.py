@@ -114,7 +114,8 @@ def test_where_the_ranks_decode_reaches_the_engine_config_and_anything_else_is_r
     assert engine_config(settings_from(parse("--pp", "2", "--pp-decode", "first"), {})).pp_decode == "first"
     config = engine_config(settings_from(parse("--pp", "2"), {"RTVIDEO_PP_DECODE": "spread"}))
     assert config.pp_decode == "spread"
-    with pytest.raises(SystemExit, match="pp_decode must be one of auto, first, spread, got 'last'"):
+    assert engine_config(settings_from(parse("--pp", "2", "--pp-decode", "split"), {})).pp_decode == "split"
+    with pytest.raises(SystemExit, match="pp_decode must be one of auto, first, spread, split, got 'last'"):
         settings_from(parse("--pp-decode", "last"), {})
-    with pytest.raises(ValueError, match="pp_decode must be one of auto, first, spread"):
+    with pytest.raises(ValueError, match="pp_decode must be one of auto, first, spread, split"):
         EngineConfig(pipeline=PipelineSpec("tiny", {}), pp_decode="all")

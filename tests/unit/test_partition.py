@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from workers.parallel.partition import StageCosts, pace, split_blocks
+from workers.parallel.partition import StageCosts, pace, rank_seconds, split_blocks, split_decoder
 
 
 def brute_force(costs: StageCosts, ranks: int) -> float:
@@ -58,3 +58,20 @@ def test_the_split_is_as_fast_as_the_best_contiguous_split(seed, ranks):
 def test_more_ranks_than_blocks_is_refused_naming_both():
     with pytest.raises(ValueError, match="2 transformer blocks: it cannot be split over 3 pipeline ranks"):
         split_blocks(StageCosts((1.0, 1.0)), 3)
+
+
+def test_each_ranks_seconds_count_its_blocks_and_its_edge_work():
+    costs = StageCosts((1.0, 2.0, 3.0), first_extra=0.5, last_extra=0.25)
+    assert rank_seconds(costs, [range(0, 2), range(2, 3)]) == [3.5, 3.25]
+    assert pace(costs, [range(0, 1), range(1, 3)]) == 5.25
+
+
+def test_the_decoder_changes_rank_where_the_busier_rank_is_least_busy():
+    stages = [10.0, 10.0, 15.0, 20.0, 25.0, 5.0]  # the tiny preset's shape: the late stages cost most
+    assert split_decoder(stages, front_rank=0.0, back_rank=0.0) == 3  # 35 | 50 beats 55 | 30 and 20 | 65
+    assert split_decoder(stages, front_rank=16.0, back_rank=10.0) == 3  # 51 | 60 beats 71 | 40
+    assert split_decoder(stages, front_rank=100.0, back_rank=0.0) == 1  # the front rank is full already
+    assert split_decoder(stages, front_rank=0.0, back_rank=100.0) == 5
+    assert split_decoder([1.0, 1.0], 0.0, 0.0) == 1  # a tie: fewer stages in front (rank 0 also plans)
+    with pytest.raises(ValueError, match="a decoder of 1 stages cannot be split"):
+        split_decoder([1.0], 0.0, 0.0)

@@ -129,7 +129,6 @@ class CausalRefiner(nn.Module):
 class LinearVideoCodec(ModelMixin, ConfigMixin):
     """A fixed linear video codec with the streaming-decode interface of ``AutoencoderKLWan``."""
 
-
     @register_to_config
     def __init__(
         self,

@@ -75,15 +75,21 @@ def rank_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def decode_spread(config: EngineConfig, pipeline) -> bool:
-    """Whether sessions' decodes are spread over the ranks (``pp_decode``:
-    ``spread``; ``auto``: on a CPU), where the pipeline can
-    (``workers.parallel.rank_decode``); else rank 0 decodes them all."""
-    from workers.parallel.rank_decode import can_spread
+def decode_placement(config: EngineConfig, pipeline) -> str:
+    """Where sessions' chunks decode (``workers.parallel.rank_decode``):
+    ``split`` (``pp_decode`` ``split``, or ``auto`` on a CPU) where the
+    pipeline's decoder can be split, else ``spread`` (``spread``, or those
+    two) where the pipeline can decode on another rank, else ``first``: rank
+    0 decodes them all (also with one rank, or decodes inside micro-steps)."""
+    from workers.parallel.rank_decode import can_split, can_spread
 
-    wanted = config.pp_decode == "spread" or (config.pp_decode == "auto" and rank_device(0).type == "cpu")
+    wanted = config.pp_decode
+    if wanted == "auto":
+        wanted = "split" if rank_device(0).type == "cpu" else "first"
     deferred = config.overlap_decode is not False  # else rank 0 decodes inside its micro-steps
-    return config.pp > 1 and wanted and deferred and can_spread(pipeline)
+    if config.pp == 1 or not deferred or wanted == "first" or not can_spread(pipeline):
+        return "first"
+    return "split" if wanted == "split" and can_split(pipeline) else "spread"
 
 
 def ring_link(config: EngineConfig, rank: int, sockets: RankSockets) -> RankSockets | RingLink:
@@ -288,7 +294,7 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     sockets.connect(store, config.startup_timeout_s)
     link = ring_link(config, rank, sockets)
     follower = Follower(pipeline, link, range(*blocks))
-    if decode_spread(config, pipeline):
+    if decode_placement(config, pipeline) != "first":
         from workers.parallel.rank_decode import DecodeServer
 
         follower.decoder = DecodeServer(pipeline, follower.states, sockets)

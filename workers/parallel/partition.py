@@ -6,7 +6,9 @@ encoding, boundaries and decoding) and the last rank does (the output head),
 it returns the contiguous block ranges, one per rank, that minimise the
 slowest rank's time per micro-step (the pipeline's pace). Every rank gets at
 least one block. ``measure_costs`` times those parts on the pipeline itself,
-at its default geometry, before the ranks start.
+at its default geometry, before the ranks start. ``split_decoder`` chooses
+where a decode split over two ranks (``pp_decode`` ``split``) changes rank,
+by the same rule.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class StageCosts:
     blocks: tuple[float, ...]
     first_extra: float = 0.0  # rank 0: embed, sampler step, amortised encode / boundary / decode
     last_extra: float = 0.0  # the last rank: the output head
+    passes: int = 1  # passes a chunk takes (its denoise steps and the commit)
 
 
 def split_blocks(costs: StageCosts, ranks: int) -> list[range]:
@@ -60,7 +63,32 @@ def split_blocks(costs: StageCosts, ranks: int) -> list[range]:
 
 def pace(costs: StageCosts, split: Sequence[range]) -> float:
     """The slowest rank's cost per pass under ``split``."""
-    return max(sum(costs.blocks[i] for i in blocks) + _extra(costs, r, len(split)) for r, blocks in enumerate(split))
+    return max(rank_seconds(costs, split))
+
+
+def rank_seconds(costs: StageCosts, split: Sequence[range]) -> list[float]:
+    """Each rank's cost per pass under ``split``."""
+    return [sum(costs.blocks[i] for i in blocks) + _extra(costs, r, len(split)) for r, blocks in enumerate(split)]
+
+
+def split_decoder(stages: Sequence[float], front_rank: float, back_rank: float) -> int:
+    """How many of the decoder's stages (their seconds per chunk, ``stages``)
+    run on the front rank, the rest on the back rank, beside what each does
+    per chunk already (``front_rank``, ``back_rank``): the split, 1 to
+    ``len(stages) - 1``, minimising the busier rank's time (ties: the fewer
+    stages in front, as the front rank also plans). ``ValueError`` for fewer
+    than two stages."""
+    if len(stages) < 2:
+        raise ValueError(f"a decoder of {len(stages)} stages cannot be split")
+    total = sum(stages)
+    best, best_pace = 1, float("inf")
+    front = 0.0
+    for split in range(1, len(stages)):
+        front += stages[split - 1]
+        slowest = max(front_rank + front, back_rank + total - front)
+        if slowest < best_pace:
+            best, best_pace = split, slowest
+    return best
 
 
 def _extra(costs: StageCosts, rank: int, ranks: int) -> float:
@@ -124,4 +152,4 @@ def measure_costs(pipeline, repeats: int = 3, decode_inline: bool = True) -> Sta
         pipeline.release(session)
     passes = steps + 1
     first_extra = embed_s + sampler_s / steps + (boundary_s + (decode_s if decode_inline else 0.0)) / passes
-    return StageCosts(tuple(blocks), first_extra=first_extra, last_extra=head_s)
+    return StageCosts(tuple(blocks), first_extra=first_extra, last_extra=head_s, passes=passes)

@@ -1,9 +1,16 @@
-"""The decode stage spread over the pipeline ranks: each session decodes on one rank.
+"""The decode stage over the pipeline ranks: each session decodes on one rank, or on two.
 
-Worker processes. With ``EngineConfig.pp_decode`` ``spread`` (``auto`` on a
-CPU), a session's committed chunks are decoded by the rank it was given when
-its first chunk committed: the one with the fewest sessions, a follower on a
-tie (rank 0 also embeds, steps the sampler and plans). On a CPU the ranks are
+Worker processes. With ``EngineConfig.pp_decode`` ``spread``, a session's
+committed chunks are decoded by the rank it was given when its first chunk
+committed: the one with the fewest sessions, a follower on a tie (rank 0 also
+embeds, steps the sampler and plans). With ``split`` (``auto`` on a CPU,
+where the VAE decoder can be split), every session's decoder is split over
+two ranks: its first stages on rank 0, on a lane of their own, and the rest
+on the follower the session was given (the one with the fewest), a latent
+frame at a time, so that one session's decode, which is causal from chunk to
+chunk and cannot be shared out, keeps two processes busy; where the decoder
+changes rank is ``workers.parallel.partition.split_decoder``'s choice, from
+measured stage times. On a CPU the ranks are
 processes sharing the cores, and a VAE decode is many small kernels: two
 decode threads in rank 0's process beside its ring thread spent about 40 %
 more CPU per chunk than one decode alone (they share one interpreter), while
@@ -21,11 +28,19 @@ connection. While a session that is stopping has decodes out on a rank, a
 ``CANCEL`` frame tells that rank, which abandons the decode between latent
 frames, as a local lane does.
 
-``DecodeServer`` (a follower) decodes on a thread of its own: each request
-with the rank's copy of the session (``Follower.states``: its decoder's cache
-is there), through ``pipeline.decode_latent``. The engine releases a session
-only once its decodes came back, so a release never takes a session from
-under a decode.
+A split decode: rank 0's front lane takes the chunk's clean latent, runs the
+front stages of each latent frame (``pipeline.decode_front``) and sends each
+activation in a ``DECODE`` frame with ``part``, then one last ``DECODE``
+frame that ends the chunk (``last``: its front time, or that it was
+abandoned, or failed). However a chunk's decode ends, the follower answers it
+with exactly one ``DECODED`` frame.
+
+``DecodeServer`` (a follower) decodes on a thread of its own, with the rank's
+copy of each session (``Follower.states``: its decoder's cache is there): a
+whole chunk through ``pipeline.decode_latent``, or a split chunk's parts
+through ``pipeline.decode_back``, its frames sent once the last part came
+(``pipeline.frames_of``). The engine releases a session only once its
+decodes came back, so a release never takes a session from under a decode.
 
 A follower's connection closing (the rank died) ends the group through
 ``RankGroup.on_death``, as a dead rank seen anywhere does: every session
@@ -45,6 +60,7 @@ import torch
 
 from engine.plan import ChunkOutput, DecodeResult
 from workers.decode_stage import DecodeStage
+from workers.ordered_thread import OrderedThread
 from workers.parallel.link import LinkTimeout, Message
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, RankSockets
 from workers.pipelines.base import Abandoned, abandon_when
@@ -59,10 +75,19 @@ def can_spread(pipeline) -> bool:
     return hasattr(pipeline, "decode_input") and hasattr(pipeline, "decode_latent")
 
 
+def can_split(pipeline) -> bool:
+    """Whether ``pipeline``'s decoder can be split over two ranks."""
+    return can_spread(pipeline) and getattr(pipeline, "decode_stages", 0) >= 2
+
+
 class RankDecodeStage:
-    def __init__(self, runner: ModelRunner, on_done: Callable[[DecodeResult], None], group) -> None:
-        """``group``: the ``RankGroup`` (its sockets, its world, ``on_death``)."""
+    def __init__(self, runner: ModelRunner, on_done: Callable[[DecodeResult], None], group, split: int = 0) -> None:
+        """``group``: the ``RankGroup`` (its sockets, its world, ``on_death``).
+        ``split``: 0, each session decodes on one rank (``spread``); else every
+        session's decoder is split, its first ``split`` stages on rank 0."""
         self._runner = runner
+        self._split = split
+        self._front = OrderedThread("decode-front", self._decode_front) if split else None
         self._group = group
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
@@ -86,6 +111,9 @@ class RankDecodeStage:
             rank = self._rank_of[session_id] = self._place()
         if rank == 0:
             self._local.submit(session_id, chunk_index)
+            return
+        if self._front is not None:
+            self._front.submit((session_id, chunk_index, rank))
             return
         value = self._runner.hand_off_decode(session_id, chunk_index)
         if isinstance(value, DecodeResult):
@@ -111,16 +139,51 @@ class RankDecodeStage:
         """Decode what rank 0 has, stop waiting for the others (the group is ending)."""
         self._closing.set()
         self._local.close()
+        if self._front is not None:
+            self._front.close()
         for thread in self._receivers:
             thread.join(2 * POLL_S + 1.0)
 
     def _place(self) -> int:
-        """The rank with the fewest sessions; a follower before rank 0 on a tie."""
+        """The rank with the fewest sessions; a follower before rank 0 on a tie
+        (split: the follower with the fewest)."""
         load = [0] * self._group.world
         for rank in self._rank_of.values():
             load[rank] += 1
-        order = [*range(1, self._group.world), 0]
+        order = [*range(1, self._group.world)] + ([] if self._split else [0])
         return min(order, key=lambda rank: load[rank])
+
+    def _decode_front(self, item: tuple[str, int, int]) -> bool:
+        """The front lane: a split chunk's front stages here, each latent frame's
+        activation posted to ``rank`` as it is made, then the chunk's last frame."""
+        session_id, chunk_index, rank = item
+        value = self._runner.hand_off_decode(session_id, chunk_index)
+        if isinstance(value, DecodeResult):
+            self._on_done(value)
+            return True
+        with self._lock:
+            self._out[rank].setdefault(session_id, deque()).append(chunk_index)
+        head = {"session": session_id, "chunk": chunk_index, "split": self._split}
+        began = time.perf_counter()
+        end: dict = {"last": True}
+        try:
+            try:
+                with abandon_when(self._runner.stop_check((session_id,))):
+                    parts = self._runner.pipeline.decode_front(self._runner.states[session_id], value, self._split)
+                    for part, (header, activation) in enumerate(parts):
+                        self._sockets.post(
+                            rank, DECODE, chunk_index, Message({**head, **header, "part": part}, [activation])
+                        )
+            except Abandoned:
+                end["cancelled"] = True
+            except Exception as error:  # the pipeline's, or the rank is gone (then the next post raises too)
+                end["error"] = f"decode failed: {type(error).__name__}: {error}"
+            end["front_ms"] = (time.perf_counter() - began) * 1000.0
+            self._sockets.post(rank, DECODE, chunk_index, Message({**head, **end}, []))
+        except Exception as error:  # the rank is gone: its receiver ends the group
+            self._came_back(rank, session_id)
+            self._on_done(DecodeResult(session_id, chunk_index, None, 0.0, f"rank {rank}: decode not sent: {error}"))
+        return True
 
     def _decoded_here(self, result: DecodeResult) -> None:
         self.decodes[0] += result.chunk is not None
@@ -188,13 +251,14 @@ class DecodeServer:
         self._states = states
         self._sockets = sockets
         self._cancelled: set[str] = set()
+        self._split: dict[tuple[str, int], _SplitChunk] = {}  # split chunks whose last part has not come
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="decode", daemon=True)
         self._thread.start()
 
     def forget(self, session_id: str) -> None:
         """The session was released (the follower's thread)."""
-        self._cancelled.discard(session_id)
+        self._cancelled.discard(session_id)  # (its split chunks all ended: the engine waited for them)
 
     def close(self) -> None:
         self._closing.set()
@@ -212,34 +276,78 @@ class DecodeServer:
             if kind == CANCEL:
                 self._cancelled.add(sid)
                 continue
-            reply = self._decode(sid, int(message.header["chunk"]), message.tensors[0])
+            chunk_index = int(message.header["chunk"])
+            if "split" in message.header:
+                reply = self._split_part(sid, chunk_index, message)
+            else:
+                reply = self._decode(sid, chunk_index, message.tensors[0])
             try:
-                self._sockets.post(0, DECODED, reply.header["chunk"], reply)
+                if reply is not None:
+                    self._sockets.post(0, DECODED, chunk_index, reply)
             except Exception:
                 return
 
     def _decode(self, sid: str, chunk_index: int, clean: torch.Tensor) -> Message:
-        header = {"session": sid, "chunk": chunk_index, "frames": None, "error": None, "cancelled": False}
         began = time.perf_counter()
-        tensors: list[torch.Tensor] = []
-        session = self._states.get(sid)
+        chunk, error, cancelled = None, None, False
         try:
-            if session is None:
-                raise RuntimeError(f"session {sid} is not open on rank {self._sockets.rank}")
-            if sid in self._cancelled or self._cancel_arrived(sid):
-                raise Abandoned
+            session = self._session(sid)
             with abandon_when(lambda: self._cancel_arrived(sid)):
                 chunk = self._pipeline.decode_latent(session, clean)
-            header["frames"] = [chunk.num_frames, chunk.width, chunk.height]
-            with warnings.catch_warnings():  # a read-only buffer: only read, into the frame sent
-                warnings.simplefilter("ignore", UserWarning)
-                tensors = [torch.frombuffer(chunk.payload, dtype=torch.uint8)]
         except Abandoned:
-            header["cancelled"] = True
-        except Exception as error:
-            header["error"] = f"rank {self._sockets.rank}: decode failed: {type(error).__name__}: {error}"
-        header["ms"] = (time.perf_counter() - began) * 1000.0
-        return Message(header, tensors)
+            cancelled = True
+        except Exception as failure:
+            error = self._failed(failure)
+        return _reply(sid, chunk_index, chunk, (time.perf_counter() - began) * 1000.0, error, cancelled)
+
+    def _split_part(self, sid: str, chunk_index: int, message: Message) -> Message | None:
+        """One part of a split chunk: a latent frame's back stages, or the chunk's
+        end; the chunk's reply once it is done (its frames, abandoned, failed:
+        once; the parts after a failure or a cancel are only counted off)."""
+        header = message.header
+        key = (sid, chunk_index)
+        chunk = self._split.setdefault(key, _SplitChunk())
+        if header.get("last"):
+            del self._split[key]
+            if chunk.answered:
+                return None
+            ms = chunk.back_ms + float(header.get("front_ms", 0.0))
+            output = None
+            if header.get("error") is None and not header.get("cancelled"):
+                try:
+                    output = self._pipeline.frames_of(chunk.pixels)
+                except Exception as failure:
+                    return _reply(sid, chunk_index, None, ms, self._failed(failure), False)
+            return _reply(sid, chunk_index, output, ms, header.get("error"), bool(header.get("cancelled")))
+        if chunk.answered:
+            return None
+        began = time.perf_counter()
+        error, cancelled = None, False
+        try:
+            session = self._session(sid)
+            with abandon_when(lambda: self._cancel_arrived(sid)):
+                chunk.pixels.append(self._pipeline.decode_back(session, header, message.tensors[0], header["split"]))
+        except Abandoned:
+            cancelled = True
+        except Exception as failure:
+            error = self._failed(failure)
+        chunk.back_ms += (time.perf_counter() - began) * 1000.0
+        if error is None and not cancelled:
+            return None
+        chunk.answered = True
+        return _reply(sid, chunk_index, None, chunk.back_ms, error, cancelled)
+
+    def _session(self, sid: str):
+        """This rank's copy of ``sid``; ``Abandoned`` once a cancel for it came."""
+        session = self._states.get(sid)
+        if session is None:
+            raise RuntimeError(f"session {sid} is not open on rank {self._sockets.rank}")
+        if sid in self._cancelled or self._cancel_arrived(sid):
+            raise Abandoned
+        return session
+
+    def _failed(self, error: BaseException) -> str:
+        return f"rank {self._sockets.rank}: decode failed: {type(error).__name__}: {error}"
 
     def _cancel_arrived(self, sid: str) -> bool:
         """Whether a cancel for ``sid`` came (taking the ones that have arrived)."""
@@ -250,3 +358,24 @@ class DecodeServer:
                 break
             self._cancelled.add(message.header["session"])
         return sid in self._cancelled
+
+
+class _SplitChunk:
+    """What a follower holds of a split chunk until its last part."""
+
+    def __init__(self) -> None:
+        self.pixels: list[torch.Tensor] = []  # each latent frame's, in order
+        self.back_ms = 0.0
+        self.answered = False  # its reply went out already (a part failed, or it was cancelled)
+
+
+def _reply(sid: str, chunk_index: int, chunk: ChunkOutput | None, ms: float, error: str | None, cancelled: bool):
+    """A ``DECODED`` frame: the chunk's frames, or why there are none."""
+    header = {"session": sid, "chunk": chunk_index, "frames": None, "error": error, "cancelled": cancelled, "ms": ms}
+    tensors: list[torch.Tensor] = []
+    if chunk is not None:
+        header["frames"] = [chunk.num_frames, chunk.width, chunk.height]
+        with warnings.catch_warnings():  # a read-only buffer: only read, into the frame sent
+            warnings.simplefilter("ignore", UserWarning)
+            tensors = [torch.frombuffer(chunk.payload, dtype=torch.uint8)]
+    return Message(header, tensors)

@@ -144,7 +144,7 @@ class RingRunner(ModelRunner):
         sessions = [self.states[r.session_id] for r in rows]
         began = time.perf_counter()
         try:
-            with abandon_when(self._stop_check(r.session_id for r in rows)):
+            with abandon_when(self.stop_check(r.session_id for r in rows)):
                 hidden = self.pipeline.forward(batch, sessions, blocks)
         except Abandoned:
             hidden = _CANCELLED
