@@ -124,9 +124,8 @@ class RankDecodeStage:
         try:
             message = Message({"session": session_id, "chunk": chunk_index}, [value])
             self._sockets.post(rank, DECODE, chunk_index, message)
-        except Exception as error:  # the rank is gone: its receiver ends the group
-            self._came_back(rank, session_id)
-            self._on_done(DecodeResult(session_id, chunk_index, None, 0.0, f"rank {rank}: decode not sent: {error}"))
+        except Exception as error:
+            self._not_sent(rank, session_id, chunk_index, error)
 
     def forget(self, session_id: str) -> None:
         """The session was released: its rank may take another."""
@@ -180,10 +179,20 @@ class RankDecodeStage:
                 end["error"] = f"decode failed: {type(error).__name__}: {error}"
             end["front_ms"] = (time.perf_counter() - began) * 1000.0
             self._sockets.post(rank, DECODE, chunk_index, Message({**head, **end}, []))
-        except Exception as error:  # the rank is gone: its receiver ends the group
-            self._came_back(rank, session_id)
-            self._on_done(DecodeResult(session_id, chunk_index, None, 0.0, f"rank {rank}: decode not sent: {error}"))
+        except Exception as error:
+            self._not_sent(rank, session_id, chunk_index, error)
         return True
+
+    def _not_sent(self, rank: int, session_id: str, chunk_index: int, error: BaseException) -> None:
+        """A decode request could not be sent: the connection to ``rank`` is
+        broken, so the rank is gone and the group ends (its sessions fail as the
+        worker's death, not this chunk as a decode error); while the stage
+        closes, the chunk's result says it was not sent."""
+        self._came_back(rank, session_id)
+        if self._closing.is_set() or self._group.closing:
+            self._on_done(DecodeResult(session_id, chunk_index, None, 0.0, f"rank {rank}: decode not sent: {error}"))
+        else:
+            self._lost(rank, error)
 
     def _decoded_here(self, result: DecodeResult) -> None:
         self.decodes[0] += result.chunk is not None
