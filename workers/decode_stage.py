@@ -16,6 +16,7 @@ chunk's forward.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 from engine.plan import DecodeResult
@@ -36,6 +37,8 @@ class DecodeStage:
             OrderedThread(f"decode-{lane}", self._decode) for lane in range(lanes)
         ]
         self._lane_of: dict[str, int] = {}  # session -> its lane (touched by the submitting thread only)
+        self._count_lock = threading.Lock()
+        self.decodes = [0]  # chunks decoded (with frames), per rank: all on this one (as RankDecodeStage.decodes)
 
     def submit(self, session_id: str, chunk_index: int) -> None:
         lane = self._lane_of.get(session_id)
@@ -62,5 +65,7 @@ class DecodeStage:
         except Exception as error:  # the runner returns pipeline errors; this is a bug of ours
             log.exception("decode of session %s chunk %d failed", session_id, chunk_index)
             result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {error!r}")
+        with self._count_lock:
+            self.decodes[0] += result.chunk is not None
         self._on_done(result)
         return True

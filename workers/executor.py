@@ -53,7 +53,8 @@ class LocalExecutor:
     ) -> None:
         """``decode_stage``: builds the decode stage from the runner and the
         callback for its results (default: ``DecodeStage`` with ``decode_lanes``
-        lanes); anything with its ``submit`` / ``forget`` / ``close``."""
+        lanes); anything with its ``submit`` / ``forget`` / ``close`` and
+        ``decodes`` (chunks decoded per rank, for ``rank_figures``)."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.depth = depth if threaded else 1
@@ -68,7 +69,6 @@ class LocalExecutor:
         self._returned = 0
         self._running_since: float | None = None
         self._held = runner.held_sessions()
-        self._decoded_chunks = 0  # chunks the decode stage returned
         self._decoder: DecodeStage | None = None
         if threaded and overlap_decode:
             runner.defer_decode = True
@@ -113,9 +113,7 @@ class LocalExecutor:
         figures = getattr(self._runner, "rank_figures", None)
         if figures is None:
             return ()
-        decoded = getattr(self._decoder, "decodes", None)  # per rank, where the decodes are spread
-        if decoded is None:  # rank 0 decodes every chunk
-            decoded = [self._decoded_chunks]
+        decoded = getattr(self._decoder, "decodes", ())  # chunks decoded, per rank (none: decoded in micro-steps)
         return tuple((rank, busy, wall, decoded[rank] if rank < len(decoded) else 0) for rank, busy, wall in figures())
 
     def close(self) -> None:
@@ -156,7 +154,6 @@ class LocalExecutor:
     def _decoded(self, result: DecodeResult) -> None:
         with self._lock:
             self._done.append(result)
-            self._decoded_chunks += result.chunk is not None
         self._on_result()
 
     def _execute(self, step: MicroStep) -> StepResult:

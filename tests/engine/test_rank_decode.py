@@ -14,7 +14,8 @@ here, each latent frame's activation sent as a part and the chunk ended by a
 last frame, as rank 0's front lane sends them: the follower's frames are bit
 for bit the whole decoder's; however a chunk ends (a part it cannot decode, a
 cancel, rank 0 abandoning its front), the follower answers it exactly once,
-and serves the next."""
+and serves the next, always after the chunk's last frame (rank 0's front is
+done with the session then)."""
 
 from __future__ import annotations
 
@@ -125,12 +126,18 @@ def test_a_session_the_rank_does_not_hold_is_an_error_naming_it(served):
 SPLIT = 3  # decoder stages on rank 0
 
 
-def send_split(rank0, pipeline, here, sid: str, chunk: int, latent: torch.Tensor, end: dict | None = None) -> None:
+def send_split(rank0, pipeline, here, sid: str, chunk: int, latent: torch.Tensor, last: bool = True) -> None:
     """Rank 0's front lane: the chunk's front stages here, each part posted, then the chunk's last frame."""
     head = {"session": sid, "chunk": chunk, "split": SPLIT}
     for part, (header, activation) in enumerate(pipeline.decode_front(here, latent, SPLIT)):
         rank0.post(1, DECODE, chunk, Message({**head, **header, "part": part}, [activation]))
-    rank0.post(1, DECODE, chunk, Message({**head, "last": True, "front_ms": 1.0, **(end or {})}, []))
+    if last:
+        send_last(rank0, sid, chunk)
+
+
+def send_last(rank0, sid: str, chunk: int, **end) -> None:
+    head = {"session": sid, "chunk": chunk, "split": SPLIT}
+    rank0.post(1, DECODE, chunk, Message({**head, "last": True, "front_ms": 1.0, **end}, []))
 
 
 def answer(rank0, timeout_s: float = 60.0) -> Message:
@@ -166,7 +173,10 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
     front = fronts["f"]
     latent = torch.zeros(front.latent_shape)
     try:
-        send_split(rank0, pipelines[0], front, "nobody", 0, latent)  # every part fails: one answer
+        send_split(rank0, pipelines[0], front, "nobody", 0, latent, last=False)  # every part fails
+        with pytest.raises(LinkTimeout):  # no answer before the chunk's last frame: rank 0's front still runs
+            answer(rank0, timeout_s=0.3)
+        send_last(rank0, "nobody", 0)  # then one
         reply = answer(rank0)
         assert "session nobody is not open on rank 1" in reply.header["error"] and reply.header["chunk"] == 0
 
@@ -180,7 +190,7 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
         head = {"session": "a", "chunk": 0, "split": SPLIT}
         header, activation = next(pipelines[0].decode_front(fronts["a"], latent, SPLIT))
         rank0.post(1, DECODE, 0, Message({**head, **header, "part": 0}, [activation]))
-        rank0.post(1, DECODE, 0, Message({**head, "last": True, "cancelled": True, "front_ms": 1.0}, []))
+        send_last(rank0, "a", 0, cancelled=True)
         reply = answer(rank0)
         assert reply.header["session"] == "a" and reply.header["cancelled"] and reply.header["frames"] is None
 

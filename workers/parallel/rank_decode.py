@@ -33,7 +33,9 @@ front stages of each latent frame (``pipeline.decode_front``) and sends each
 activation in a ``DECODE`` frame with ``part``, then one last ``DECODE``
 frame that ends the chunk (``last``: its front time, or that it was
 abandoned, or failed). However a chunk's decode ends, the follower answers it
-with exactly one ``DECODED`` frame.
+with exactly one ``DECODED`` frame, once the last frame came: so rank 0's
+front is done with the session by the time the engine learns the decode is
+back (and may release the session).
 
 ``DecodeServer`` (a follower) decodes on a thread of its own, with the rank's
 copy of each session (``Follower.states``: its decoder's cache is there): a
@@ -311,40 +313,38 @@ class DecodeServer:
 
     def _split_part(self, sid: str, chunk_index: int, message: Message) -> Message | None:
         """One part of a split chunk: a latent frame's back stages, or the chunk's
-        end; the chunk's reply once it is done (its frames, abandoned, failed:
-        once; the parts after a failure or a cancel are only counted off)."""
+        last frame, which gets the chunk's one reply (its frames, or that it was
+        abandoned or failed, here or on rank 0). The reply waits for the last
+        frame even when a part failed or was cancelled: rank 0's front is then
+        done with the session, which the engine may release once it has the
+        reply. Parts after a failure or a cancel are only counted off."""
         header = message.header
         key = (sid, chunk_index)
         chunk = self._split.setdefault(key, _SplitChunk())
         if header.get("last"):
             del self._split[key]
-            if chunk.answered:
-                return None
             ms = chunk.back_ms + float(header.get("front_ms", 0.0))
+            error, cancelled = chunk.error or header.get("error"), chunk.cancelled or bool(header.get("cancelled"))
             output = None
-            if header.get("error") is None and not header.get("cancelled"):
+            if error is None and not cancelled:
                 try:
                     output = self._pipeline.frames_of(chunk.pixels)
                 except Exception as failure:
-                    return _reply(sid, chunk_index, None, ms, self._failed(failure), False)
-            return _reply(sid, chunk_index, output, ms, header.get("error"), bool(header.get("cancelled")))
-        if chunk.answered:
+                    error = self._failed(failure)
+            return _reply(sid, chunk_index, output, ms, error, cancelled)
+        if chunk.error is not None or chunk.cancelled:
             return None
         began = time.perf_counter()
-        error, cancelled = None, False
         try:
             session = self._session(sid)
             with abandon_when(lambda: self._cancel_arrived(sid)):
                 chunk.pixels.append(self._pipeline.decode_back(session, header, message.tensors[0], header["split"]))
         except Abandoned:
-            cancelled = True
+            chunk.cancelled = True
         except Exception as failure:
-            error = self._failed(failure)
+            chunk.error = self._failed(failure)
         chunk.back_ms += (time.perf_counter() - began) * 1000.0
-        if error is None and not cancelled:
-            return None
-        chunk.answered = True
-        return _reply(sid, chunk_index, None, chunk.back_ms, error, cancelled)
+        return None
 
     def _session(self, sid: str):
         """This rank's copy of ``sid``; ``Abandoned`` once a cancel for it came."""
@@ -375,7 +375,8 @@ class _SplitChunk:
     def __init__(self) -> None:
         self.pixels: list[torch.Tensor] = []  # each latent frame's, in order
         self.back_ms = 0.0
-        self.answered = False  # its reply went out already (a part failed, or it was cancelled)
+        self.error: str | None = None  # a part failed here
+        self.cancelled = False  # a part was abandoned here (a cancel came)
 
 
 def _reply(sid: str, chunk_index: int, chunk: ChunkOutput | None, ms: float, error: str | None, cancelled: bool):
