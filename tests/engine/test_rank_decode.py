@@ -123,7 +123,7 @@ def test_a_session_the_rank_does_not_hold_is_an_error_naming_it(served):
     assert reply.header["frames"] is None
 
 
-SPLIT = 3  # decoder stages on rank 0
+SPLIT = 7  # decoder stages on rank 0
 
 
 def send_split(rank0, pipeline, here, sid: str, chunk: int, latent: torch.Tensor, last: bool = True) -> None:
@@ -210,13 +210,13 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
 @pytest.mark.parametrize(
     ("pp_decode", "pp", "overlap", "stages", "expected"),
     [
-        ("auto", 2, None, 6, "split"),  # on a CPU, a decoder that splits
+        ("auto", 2, None, 13, "split"),  # on a CPU, a decoder that splits
         ("auto", 2, None, 0, "spread"),  # the demo model's codec cannot be split
         ("split", 2, None, 0, "spread"),
-        ("spread", 2, None, 6, "spread"),
-        ("first", 2, None, 6, "first"),
-        ("split", 1, None, 6, "first"),  # one rank
-        ("split", 2, False, 6, "first"),  # rank 0 decodes inside its micro-steps
+        ("spread", 2, None, 13, "spread"),
+        ("first", 2, None, 13, "first"),
+        ("split", 1, None, 13, "first"),  # one rank
+        ("split", 2, False, 13, "first"),  # rank 0 decodes inside its micro-steps
     ],
 )
 def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(

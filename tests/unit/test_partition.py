@@ -67,7 +67,7 @@ def test_each_ranks_seconds_count_its_blocks_and_its_edge_work():
 
 
 def test_the_decoder_changes_rank_where_the_busier_rank_is_least_busy():
-    stages = [10.0, 10.0, 15.0, 20.0, 25.0, 5.0]  # the tiny preset's shape: the late stages cost most
+    stages = [10.0, 10.0, 15.0, 20.0, 25.0, 5.0]  # the late stages cost most, as the tiny preset's do
     assert split_decoder(stages, front_rank=0.0, back_rank=0.0) == 3  # 35 | 50 beats 55 | 30 and 20 | 65
     assert split_decoder(stages, front_rank=16.0, back_rank=10.0) == 3  # 51 | 60 beats 71 | 40
     assert split_decoder(stages, front_rank=100.0, back_rank=0.0) == 1  # the front rank is full already

@@ -83,14 +83,11 @@ class CausalWanDecoding:
     ) -> Iterator[tuple[dict, torch.Tensor]]:
         """The first ``split`` decoder stages of a chunk (its clean latent from
         ``decode_input``), per latent frame: what ``decode_back`` needs, a header
-        (``slot``, ``first``) and the activation on the host. Fills this copy of
-        the session's front cache slots."""
-        first = not session.decoded_any
+        (``slot``) and the activation on the host. Fills this copy of the
+        session's front cache slots."""
         with self._decode_stream(None):
-            parts = self.decoder.decode_front(clean.to(self.device).float(), session.vae_cache, first, split)
-            for part in parts:
-                session.decoded_any = True
-                yield {"slot": part.slot, "first": part.first}, part.activation.cpu()
+            for part in self.decoder.decode_front(clean.to(self.device).float(), session.vae_cache, split):
+                yield {"slot": part.slot}, part.activation.cpu()
 
     @torch.no_grad()
     def decode_back(
@@ -98,7 +95,7 @@ class CausalWanDecoding:
     ) -> torch.Tensor:
         """The other decoder stages of one latent frame (``decode_front``'s),
         with this copy of the session's back cache slots: its pixels."""
-        part = FrontPart(activation.to(self.device), int(header["slot"]), bool(header["first"]))
+        part = FrontPart(activation.to(self.device), int(header["slot"]))
         with self._decode_stream(None):
             return self.decoder.decode_back(part, session.vae_cache, split)
 

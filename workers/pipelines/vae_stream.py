@@ -13,8 +13,9 @@ and must not be decoded from again.
 
 The decoder also runs in two parts (``decode_front`` and ``decode_back``),
 for a decode split over two pipeline ranks: Wan's decoder is a chain of
-stages (the input convolution and middle block, each up-sampling block, the
-output head), each latent frame goes through them in order, and each stage's
+stages (the input convolution and middle block, each up-sampling block's
+residual blocks and up-sampler, the output head: 13 for Wan2.1's and the
+tiny preset's), each latent frame goes through them in order, and each stage's
 causal convolutions keep their own slots of the feature cache. The front
 runs the first ``split`` stages of each latent frame and hands the activation
 on with the cache slot it stopped at; the back runs the rest. A session's
@@ -42,7 +43,13 @@ from typing import NamedTuple
 
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanDecoder3d, WanRMS_norm
+from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    CACHE_T,
+    WanCausalConv3d,
+    WanDecoder3d,
+    WanRMS_norm,
+    WanUpBlock,
+)
 
 from workers.pipelines.base import abandon_point
 
@@ -109,7 +116,6 @@ class FrontPart(NamedTuple):
 
     activation: torch.Tensor
     slot: int  # the feature-cache slot the back's first convolution uses
-    first: bool  # the stream's very first latent frame
 
 
 class StreamingDecoder:
@@ -124,6 +130,7 @@ class StreamingDecoder:
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
         self.temporal_ratio = 2 ** sum(config.temperal_downsample)
+        self._stage_modules = self._stage_list()
         self._layout = self._probe_layout()  # so cache_bytes is arithmetic (describe() calls it)
 
     def new_cache(self) -> list:
@@ -179,13 +186,24 @@ class StreamingDecoder:
         """How many stages the decoder runs a latent frame through (a split is
         1..stages-1 of them in front); 0 when this decoder cannot be split
         (it is not Wan's ``WanDecoder3d``, e.g. the demo model's codec)."""
+        return len(self._stage_modules)
+
+    def _stage_list(self) -> list[tuple[str, torch.nn.Module | None]]:
+        """``WanDecoder3d.forward`` as a chain: the input convolution and the
+        middle block, then each up-sampling block's residual blocks and its
+        up-sampler one by one (``WanUpBlock.forward``), then the head."""
         decoder = getattr(self.vae, "decoder", None)
-        if type(decoder) is not WanDecoder3d or getattr(decoder, "is_residual", False):
-            return 0
-        return len(decoder.up_blocks) + 2
+        if type(decoder) is not WanDecoder3d or type(decoder.up_blocks[0]) is not WanUpBlock:
+            return []
+        chain: list[tuple[str, torch.nn.Module | None]] = [("input", None)]
+        for block in decoder.up_blocks:
+            chain += [("cached", resnet) for resnet in block.resnets]
+            if block.upsamplers is not None:
+                chain.append(("cached", block.upsamplers[0]))
+        return [*chain, ("head", None)]
 
     @torch.no_grad()
-    def decode_front(self, latents: torch.Tensor, cache: list, first: bool, split: int) -> Iterator[FrontPart]:
+    def decode_front(self, latents: torch.Tensor, cache: list, split: int) -> Iterator[FrontPart]:
         """The first ``split`` stages of each latent frame of ``latents`` (as
         ``decode`` takes them), a frame at a time; ``cache``'s front slots carry
         over. A decode may be abandoned before each frame (and in its stages)."""
@@ -196,11 +214,10 @@ class StreamingDecoder:
         for i in range(x.shape[2]):
             abandon_point()
             slot = [0]
-            frame_first = first and i == 0
             hidden = x[:, :, i : i + 1]
             for stage in range(split):
-                hidden = self._stage(stage, hidden, cache, slot, frame_first)
-            yield FrontPart(hidden, slot[0], frame_first)
+                hidden = self._stage(stage, hidden, cache, slot)
+            yield FrontPart(hidden, slot[0])
 
     @torch.no_grad()
     def decode_back(self, part: FrontPart, cache: list, split: int) -> torch.Tensor:
@@ -210,7 +227,7 @@ class StreamingDecoder:
         slot = [part.slot]
         hidden = part.activation
         for stage in range(split, self.stages):
-            hidden = self._stage(stage, hidden, cache, slot, part.first)
+            hidden = self._stage(stage, hidden, cache, slot)
         return torch.clamp(hidden, -1.0, 1.0)
 
     @torch.no_grad()
@@ -230,7 +247,7 @@ class StreamingDecoder:
                 slot, hidden = [0], x[:, :, i : i + 1]
                 for stage in range(self.stages):
                     began = time.perf_counter()
-                    hidden = self._stage(stage, hidden, cache, slot, False)
+                    hidden = self._stage(stage, hidden, cache, slot)
                     if hidden.device.type == "cuda":
                         torch.cuda.synchronize(hidden.device)
                     seconds[stage] += time.perf_counter() - began
@@ -241,16 +258,20 @@ class StreamingDecoder:
         if not 1 <= split < self.stages:
             raise ValueError(f"a decoder split must be 1..{self.stages - 1} stages in front, got {split}")
 
-    def _stage(self, stage: int, x: torch.Tensor, cache: list, slot: list[int], first: bool) -> torch.Tensor:
-        """Stage ``stage`` of ``WanDecoder3d.forward`` on one latent frame: 0 the
-        input convolution and the middle block, then each up-sampling block, the
-        last the output head (norm, activation, convolution)."""
+    def _stage(self, stage: int, x: torch.Tensor, cache: list, slot: list[int]) -> torch.Tensor:
+        """Stage ``stage`` (``_stage_list``) on one latent frame. A decode may be
+        abandoned before each stage. (Where the stream begins is the cache's
+        to say: Wan2.1's up-sampling blocks take no ``first_chunk``; their
+        temporal up-samplers make one frame of the first latent frame by their
+        empty cache slot.)"""
+        abandon_point()
+        kind, module = self._stage_modules[stage]
         decoder = self.vae.decoder
-        if stage == 0:
+        if kind == "cached":
+            return module(x, feat_cache=cache, feat_idx=slot)
+        if kind == "input":
             x = _cached_conv(decoder.conv_in, x, cache, slot)
             return decoder.mid_block(x, feat_cache=cache, feat_idx=slot)
-        if stage <= len(decoder.up_blocks):
-            return decoder.up_blocks[stage - 1](x, feat_cache=cache, feat_idx=slot, first_chunk=first)
         x = decoder.nonlinearity(decoder.norm_out(x))
         return _cached_conv(decoder.conv_out, x, cache, slot)
 
