@@ -82,9 +82,11 @@ def run_worker(
         budget = config.session_memory_bytes
         if budget is None:
             budget = pipeline.session_memory_budget()
-        decoder_split = 0
+        placement, decoder_split = "first", 0  # with one rank, it decodes every chunk
         if group is not None:
-            decoder_split = _start_ranks(config, pipeline, group, decode_inline=not _overlap_decode(config, pipeline))
+            placement = decode_placement(config, pipeline)
+            inline = not _overlap_decode(config, pipeline)
+            decoder_split = _start_ranks(config, pipeline, group, decode_inline=inline, split=placement == "split")
     except Exception as error:
         log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
@@ -122,7 +124,7 @@ def run_worker(
     # or the sessions' decodes are shared out over the ranks.
     lanes = config.pp if group is not None else 1
     stage = None
-    if group is not None and decode_placement(config, pipeline) != "first":
+    if placement != "first":
         from workers.parallel.rank_decode import RankDecodeStage
 
         stage = functools.partial(RankDecodeStage, group=group, split=decoder_split)
@@ -293,10 +295,10 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
     return group
 
 
-def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> int:
+def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool, split: bool) -> int:
     """Split the blocks over the ranks by measured cost, keep rank 0's, hand the
-    others theirs and join them; returns where a split decoder changes rank
-    (the decoder stages rank 0 runs; 0 unless ``decode_placement`` is split)."""
+    others theirs and join them; with ``split`` (the decoder split over two
+    ranks), returns where it changes rank (the stages rank 0 runs; else 0)."""
     import torch
 
     from workers.parallel.group import rank_device, rank_threads
@@ -316,7 +318,7 @@ def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool) -> 
         costs.last_extra * 1000,
     )
     decoder_split = 0
-    if decode_placement(config, pipeline) == "split":
+    if split:
         per_chunk = [seconds * costs.passes for seconds in rank_seconds(costs, splits)]
         stages = pipeline.decode_stage_seconds()
         decoder_split = split_decoder(stages, per_chunk[0], min(per_chunk[1:]))

@@ -93,13 +93,13 @@ class RankDecodeStage:
         self._group = group
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
-        self._local = DecodeStage(runner, self._decoded_here, lanes=1)
+        self._local = DecodeStage(runner, on_done, lanes=1)
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
         self._cancelled: set[str] = set()  # sessions a CANCEL went out for
         self._closing = threading.Event()
-        self.decodes = [0] * group.world  # chunks decoded, per rank
+        self._decoded = [0] * group.world  # chunks the followers decoded, per rank (rank 0's: its lane counts)
         self._receivers = [
             threading.Thread(target=self._receive, args=(rank,), name=f"decoded-from-{rank}", daemon=True)
             for rank in range(1, group.world)
@@ -117,12 +117,9 @@ class RankDecodeStage:
         if self._front is not None:
             self._front.submit((session_id, chunk_index, rank))
             return
-        value = self._runner.hand_off_decode(session_id, chunk_index)
-        if isinstance(value, DecodeResult):
-            self._on_done(value)
+        value = self._hand_off(session_id, chunk_index, rank)
+        if value is None:
             return
-        with self._lock:
-            self._out[rank].setdefault(session_id, deque()).append(chunk_index)
         try:
             message = Message({"session": session_id, "chunk": chunk_index}, [value])
             self._sockets.post(rank, DECODE, chunk_index, message)
@@ -158,12 +155,9 @@ class RankDecodeStage:
         """The front lane: a split chunk's front stages here, each latent frame's
         activation posted to ``rank`` as it is made, then the chunk's last frame."""
         session_id, chunk_index, rank = item
-        value = self._runner.hand_off_decode(session_id, chunk_index)
-        if isinstance(value, DecodeResult):
-            self._on_done(value)
+        value = self._hand_off(session_id, chunk_index, rank)
+        if value is None:
             return True
-        with self._lock:
-            self._out[rank].setdefault(session_id, deque()).append(chunk_index)
         head = {"session": session_id, "chunk": chunk_index, "split": self._split}
         began = time.perf_counter()
         end: dict = {"last": True}
@@ -196,9 +190,23 @@ class RankDecodeStage:
         else:
             self._lost(rank, error)
 
-    def _decoded_here(self, result: DecodeResult) -> None:
-        self.decodes[0] += result.chunk is not None
-        self._on_done(result)
+    @property
+    def decodes(self) -> list[int]:
+        """Chunks decoded (with frames), per rank: a split chunk counts on the
+        follower that finished it."""
+        return [self._local.decodes[0], *self._decoded[1:]]
+
+    def _hand_off(self, session_id: str, chunk_index: int, rank: int):
+        """The chunk's clean latent, now out on ``rank``; None when it will not
+        decode there (its result went on already: the session is stopping, or
+        the pipeline failed)."""
+        value = self._runner.hand_off_decode(session_id, chunk_index)
+        if isinstance(value, DecodeResult):
+            self._on_done(value)
+            return None
+        with self._lock:
+            self._out[rank].setdefault(session_id, deque()).append(chunk_index)
+        return value
 
     def _came_back(self, rank: int, session_id: str) -> None:
         """The oldest chunk of ``session_id`` out on ``rank`` is back (or lost)."""
@@ -228,7 +236,7 @@ class RankDecodeStage:
                 count, width, height = header["frames"]
                 chunk = ChunkOutput(count, width, height, message.tensors[0].numpy().tobytes())
             self._came_back(rank, sid)
-            self.decodes[rank] += chunk is not None
+            self._decoded[rank] += chunk is not None
             self._on_done(
                 DecodeResult(sid, chunk_index, chunk, float(header["ms"]), header.get("error"), header["cancelled"])
             )
