@@ -198,7 +198,8 @@ class ModelRunner:
 
     def _forward(self, rows: list[StepRow], result: StepResult) -> None:
         """One forward over ``rows`` (every block: one rank), then each row's sampler
-        step (and commit + decode for a row whose chunk just ended)."""
+        step (and commit for a row whose chunk just ended), then the decode of
+        the chunks committed (``_committed``)."""
         sessions = [self.states[row.session_id] for row in rows]
         batch = StepBatch(tuple(BatchRow(row.session_id, row.chunk_index, row.step) for row in rows))
         if len(rows) == 1:
@@ -238,6 +239,7 @@ class ModelRunner:
             for row in rows:
                 self._report(row.session_id, "forward", forward_ms, None)
         share = forward_ms / len(rows)
+        ended: list[tuple[str, int]] = []  # rows whose chunk this step committed
         for row, batch_row, session, prediction in zip(rows, batch.rows, sessions, predictions, strict=True):
             sid, index = row.session_id, row.chunk_index
             stepped, update_ms = self._call(
@@ -256,24 +258,62 @@ class ModelRunner:
             )
             if committed is not _FAILED and committed is not _CANCELLED:
                 out.decode_ms += commit_ms
-                self._committed(result, sid, index)
+                out.committed = True
+                ended.append((sid, index))
+        self._committed(result, ended)
 
-    def _committed(self, result: StepResult, sid: str, chunk_index: int) -> None:
-        """Chunk ``chunk_index`` of ``sid`` is in every block's cache: decode it now,
-        or leave it to the decode stage (``defer_decode``)."""
-        out = result.row(sid, chunk_index)
-        out.committed = True
+    def _committed(self, result: StepResult, ended: list[tuple[str, int]]) -> None:
+        """The chunks of ``ended`` (session, chunk index) are in every block's
+        cache: decode them now, in one batch where the pipeline decodes batches
+        (its optional ``decode_batch``), or leave them to the decode stage
+        (``defer_decode``)."""
         if self.defer_decode:
             with self._decodes_lock:
-                self._decodes_pending[sid] = self._decodes_pending.get(sid, 0) + 1
-            result.decodes.append((sid, chunk_index))
+                for sid, _ in ended:
+                    self._decodes_pending[sid] = self._decodes_pending.get(sid, 0) + 1
+            result.decodes.extend(ended)
             return
-        chunk, decode_ms = self._call(
-            result, sid, chunk_index, "decode", self.pipeline.decode, self.states[sid], chunk_index, stoppable=True
-        )
-        if chunk is not _FAILED and chunk is not _CANCELLED:
+        decode_batch = getattr(self.pipeline, "decode_batch", None)
+        if len(ended) > 1 and decode_batch is not None and self._decode_together(result, ended, decode_batch):
+            return
+        for sid, index in ended:
+            chunk, decode_ms = self._call(
+                result, sid, index, "decode", self.pipeline.decode, self.states[sid], index, stoppable=True
+            )
+            if chunk is not _FAILED and chunk is not _CANCELLED:
+                out = result.row(sid, index)
+                out.chunk = chunk
+                out.decode_ms += decode_ms
+
+    def _decode_together(self, result: StepResult, ended: list[tuple[str, int]], decode_batch: Callable) -> bool:
+        """One ``decode_batch`` over ``ended``; each row is given its chunk and
+        an equal share of the time. Abandoned (every session stopping): the rows
+        are cancelled. False when it raised: the pipeline changed nothing, and
+        each chunk is then decoded alone, so only the one that fails on its own
+        fails its session."""
+        self._sync("decode")
+        started = perf_counter()
+        try:
+            with abandon_when(self.stop_check(sid for sid, _ in ended)):
+                outputs = decode_batch([self.states[sid] for sid, _ in ended], [index for _, index in ended])
+        except Abandoned:
+            result.pipeline_s += perf_counter() - started
+            for sid, index in ended:
+                result.row(sid, index).cancelled = True
+            return True
+        except Exception:
+            log.warning("a batched decode of %d chunks failed; decoding each alone", len(ended), exc_info=True)
+            result.pipeline_s += perf_counter() - started
+            return False
+        self._sync("decode")
+        decode_ms = (perf_counter() - started) * 1000.0
+        result.pipeline_s += decode_ms / 1000.0
+        for (sid, index), chunk in zip(ended, outputs, strict=True):
+            out = result.row(sid, index)
             out.chunk = chunk
-            out.decode_ms += decode_ms
+            out.decode_ms += decode_ms / len(ended)
+            self._report(sid, "decode", decode_ms, None)
+        return True
 
     def _call(
         self,

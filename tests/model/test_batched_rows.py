@@ -200,3 +200,145 @@ def test_a_chunk_batched_on_a_pipeline_that_is_not_batch_invariant_is_reported_i
     )
     assert (alone.rows["inexact0", 1].batch_rows, alone.rows["inexact0", 1].batch_exact) == (1, True)
     runner.execute(MicroStep(number=3, release=[s.session_id for s in starts]))
+
+
+def _committed(pipeline, state, index: int) -> None:
+    """Denoise and commit chunk ``index`` of ``state``, leaving it undecoded."""
+    pipeline.boundary(state, index)
+    for step in range(len(state.timesteps)):
+        row = BatchRow(state.session_id, index, step)
+        [prediction] = pipeline.forward(StepBatch((row,)), [state])
+        pipeline.sampler_step(state, row, prediction)
+    pipeline.commit(state, index)
+
+
+def _twins(pipeline, name: str, count: int):
+    """``count`` pairs of sessions, each pair opened alike (one to decode in a
+    batch, one alone)."""
+    return [
+        tuple(open_session(pipeline, f"{name}{i}-{side}", seed=70 + i, prompt=f"prompt {i}") for side in "ba")
+        for i in range(count)
+    ]
+
+
+def test_chunks_decoded_in_one_batch_are_the_frames_each_session_decodes_alone(pipeline, monkeypatch):
+    """``decode_batch`` over sessions whose decoders are at the same point runs
+    one decoder batch, and each session's frames are bit for bit its own decode
+    (on a CPU every decoder kernel is batch-invariant). A stream at its first
+    chunk is a batch of its own (its decoder cache is still empty)."""
+    pairs = _twins(pipeline, "dec", 4)
+    widths = []
+    real = pipeline.decoder.decode_rows
+    monkeypatch.setattr(
+        pipeline.decoder, "decode_rows", lambda latents, *a, **k: widths.append(len(latents)) or real(latents, *a, **k)
+    )
+    for state, twin in pairs[:3]:
+        _committed(pipeline, state, 0)
+        _committed(pipeline, twin, 0)
+    batched = pipeline.decode_batch([s for s, _ in pairs[:3]], [0, 0, 0])
+    alone = [pipeline.decode(twin, 0) for _, twin in pairs[:3]]
+    assert widths == [3]  # one batch of three (decode, alone, does not go through decode_rows)
+    for together, own in zip(batched, alone, strict=True):
+        assert together.payload == own.payload
+    widths.clear()
+    for state, twin in pairs[:3]:  # chunk 1 of three streams, chunk 0 of a fourth
+        _committed(pipeline, state, 1)
+        _committed(pipeline, twin, 1)
+    fresh, fresh_twin = pairs[3]
+    _committed(pipeline, fresh, 0)
+    _committed(pipeline, fresh_twin, 0)
+    batched = pipeline.decode_batch([pairs[0][0], fresh, pairs[1][0], pairs[2][0]], [1, 0, 1, 1])
+    assert widths == [3, 1]
+    alone = [pipeline.decode(pairs[0][1], 1), pipeline.decode(fresh_twin, 0)]
+    alone += [pipeline.decode(pairs[i][1], 1) for i in (1, 2)]
+    assert [b.num_frames for b in batched] == [12, 9, 12, 12]
+    for together, own in zip(batched, alone, strict=True):
+        assert together.payload == own.payload
+    for pair in pairs:
+        for state in pair:
+            release(pipeline, state)
+
+
+def test_a_batched_decode_that_fails_or_is_abandoned_changes_no_session(pipeline, monkeypatch):
+    """All or nothing: a batch that raises in its second group, or is abandoned
+    part-way, leaves every session's decoder cache and chunk record as they
+    were, so each chunk then decodes to the frames it would have made."""
+    from workers.pipelines.base import Abandoned, abandon_when
+
+    pairs = _twins(pipeline, "fail", 3)
+    for state, twin in pairs:
+        for index in (0, 1):
+            _committed(pipeline, twin, index)
+        _committed(pipeline, state, 0)
+    first = [pipeline.decode(twin, 0) for _, twin in pairs[:2]]
+    pipeline.decode_batch([state for state, _ in pairs[:2]], [0, 0])  # two streams past their first chunk
+    for state, _ in pairs[:2]:
+        _committed(pipeline, state, 1)
+    states = [state for state, _ in pairs]  # and the third at its first: two groups
+    before = [list(state.vae_cache) for state in states]
+    real, calls = pipeline.decoder.decode_rows, []
+
+    def second_group_raises(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline.decoder, "decode_rows", second_group_raises)
+    with pytest.raises(RuntimeError, match="injected"):
+        pipeline.decode_batch(states, [1, 1, 0])
+    monkeypatch.setattr(pipeline.decoder, "decode_rows", real)
+    with pytest.raises(Abandoned), abandon_when(lambda: True):
+        pipeline.decode_batch(states, [1, 1, 0])
+    for state, cache in zip(states, before, strict=True):
+        assert all(a is b for a, b in zip(state.vae_cache, cache, strict=True))
+        assert state.chunks  # the records stay
+    outputs = pipeline.decode_batch(states, [1, 1, 0])
+    alone = [pipeline.decode(pairs[i][1], 1) for i in (0, 1)] + [pipeline.decode(pairs[2][1], 0)]
+    assert [b.payload for b in outputs] == [a.payload for a in alone]
+    assert all(f.num_frames == 9 for f in first)
+    for pair in pairs:
+        for state in pair:
+            release(pipeline, state)
+
+
+def test_the_runner_decodes_chunks_ending_together_in_one_batch_and_a_failing_one_alone(pipeline, monkeypatch):
+    """Chunks that end in one forward decode through one ``decode_batch``; when
+    it raises, each decodes alone, and only the session that fails alone fails."""
+    from engine.plan import BoundaryTask, MicroStep, StepRow
+    from workers.runner import ModelRunner
+
+    runner = ModelRunner(pipeline)
+    starts = [StartSession(session_id=f"rb{i}", prompt="p", seed=i, num_inference_steps=1) for i in range(3)]
+    batches = []
+    real_batch = pipeline.decode_batch
+    monkeypatch.setattr(pipeline, "decode_batch", lambda s, i: batches.append(len(s)) or real_batch(s, i))
+
+    def micro(number: int, chunk: int) -> MicroStep:
+        step = MicroStep(number=number, ranks=[[StepRow(s.session_id, chunk, 0, 1) for s in starts]])
+        step.boundaries = [BoundaryTask(s.session_id, chunk, None, 0) for s in starts]
+        return step
+
+    first = micro(1, 0)
+    first.open = starts
+    result = runner.execute(first)
+    assert batches == [3] and all(row.chunk is not None and row.error is None for row in result.rows.values())
+
+    def broken_batch(sessions, indices):
+        raise RuntimeError("batch broke")
+
+    real_decode = pipeline.decode
+
+    def decode(session, index):
+        if session.session_id == "rb1":
+            raise RuntimeError("rb1's decode broke")
+        return real_decode(session, index)
+
+    monkeypatch.setattr(pipeline, "decode_batch", broken_batch)
+    monkeypatch.setattr(pipeline, "decode", decode)
+    result = runner.execute(micro(2, 1))
+    rows = {sid: row for (sid, _), row in result.rows.items()}
+    assert rows["rb0"].chunk is not None and rows["rb2"].chunk is not None
+    assert rows["rb1"].chunk is None and "rb1's decode broke" in rows["rb1"].error
+    assert "rb1" not in runner.states  # failed and released; the others go on
+    runner.execute(MicroStep(number=3, release=["rb0", "rb2"]))

@@ -12,13 +12,15 @@ from workers.warmup import WARM_UP_SESSION, warm_up
 def _count_warm_up(warmed) -> tuple[list, list, list]:
     """Run ``warm_up`` counting: text encoder calls, transformer passes (each pass
     runs the first block once over all its rows: that block's input shape, rows
-    first; rows are embedded one by one) and decodes."""
+    first; rows are embedded one by one) and decoder calls (rows, first chunk)."""
     encoded, forwards, decoded = [], [], []
     warmed.text_encoder.register_forward_hook(lambda module, args, out: encoded.append(args[0].shape))
     first_block = warmed.transformer.blocks[0]
     first_block.register_forward_hook(lambda module, args, out: forwards.append(tuple(args[0].shape)))
     decode = warmed.decoder.decode
-    warmed.decoder.decode = lambda latents, cache, first: decoded.append(first) or decode(latents, cache, first)
+    warmed.decoder.decode = lambda latents, cache, first: (
+        decoded.append((latents.shape[0], first)) or decode(latents, cache, first)
+    )
     assert warm_up(warmed) > 0
     return encoded, forwards, decoded
 
@@ -29,7 +31,8 @@ def test_warm_up_runs_its_chunks_then_holds_nothing():
     chunk: its denoise steps, then the commit) at the default size, first of
     one session alone, then of ``max_batch_rows`` sessions in lockstep (each
     denoise step one forward of all their rows, then a commit each), each
-    chunk decoded; then its sessions released, roped keys included."""
+    chunk decoded (the lockstep sessions' chunks in one batch, so that the
+    memory peak is a batched decode's too); then its sessions released, roped keys included."""
     warmed = build("tiny", device="cpu")
     assert warmed.warm_up_chunks == 2 and warmed.max_batch_rows == 4 and not warmed._prompts
 
@@ -41,7 +44,7 @@ def test_warm_up_runs_its_chunks_then_holds_nothing():
     alone = [one] * (steps + 1)
     batched = [four] * steps + [one] * 4
     assert forwards == alone * warmed.warm_up_chunks + batched * warmed.warm_up_chunks
-    assert decoded == [True, False] + [True] * 4 + [False] * 4  # each stream's first chunk, then a cached one
+    assert decoded == [(1, True), (1, False), (4, True), (4, False)]  # each stream's first chunk, then a cached one
     assert warmed.held_sessions() == () and not warmed.context.roped.entries
 
 
@@ -50,7 +53,7 @@ def test_a_pipeline_of_one_row_a_forward_warms_one_session():
     _, forwards, decoded = _count_warm_up(warmed)
     steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
     assert forwards == [(1, 48, 24)] * (warmed.warm_up_chunks * (steps + 1))
-    assert decoded == [True, False] and warmed.held_sessions() == ()
+    assert decoded == [(1, True), (1, False)] and warmed.held_sessions() == ()
 
 
 def test_a_session_after_warm_up_equals_one_on_a_cold_pipeline():

@@ -179,6 +179,7 @@ class RingRunner(ModelRunner):
                 chunk_index = min((r.chunk_index for r in returning if r.session_id == sid), default=0)
                 self._call(result, sid, chunk_index, "forward", _raise, RankError(error))
         offset = 0
+        ended: list[tuple[str, int]] = []  # chunks committed here: decoded (or deferred) together after
         for item in header["items"]:
             parts = message.tensors[offset : offset + item["count"]]
             offset += item["count"]
@@ -192,8 +193,10 @@ class RingRunner(ModelRunner):
                         result, sid, chunk_index, "commit", self.pipeline.finish_commit, session, chunk_index
                     )
                     if done is not _FAILED:
-                        result.row(sid, chunk_index).decode_ms += ms
-                        self._committed(result, sid, chunk_index)
+                        out = result.row(sid, chunk_index)
+                        out.decode_ms += ms
+                        out.committed = True
+                        ended.append((sid, chunk_index))
                     continue
                 prediction = parts[index].to(self.pipeline.device)
                 batch_row = BatchRow(sid, chunk_index, step)
@@ -204,3 +207,4 @@ class RingRunner(ModelRunner):
                     out = result.row(sid, chunk_index)
                     out.stepped = True
                     out.denoise_ms += ms
+        self._committed(result, ended)

@@ -14,7 +14,10 @@ causal feature cache lives in the session), in three placements:
   latent frame at a time), each rank's copy of the session filling only the
   cache slots of its own stages.
 
-All three give the same frames, bit for bit, on one device.
+All three give the same frames, bit for bit, on one device. ``decode_batch``
+decodes several sessions' chunks through one decoder batch each group of
+them whose decoders are at the same point (on a CPU, bit for bit what each
+decodes alone).
 """
 
 from __future__ import annotations
@@ -47,6 +50,36 @@ class CausalWanDecoding:
             output = self._decode_clean(session, chunk.clean)
         del session.chunks[chunk_index]
         return output
+
+    @torch.no_grad()
+    def decode_batch(self, sessions: Sequence[CausalWanSession], chunk_indices: Sequence[int]) -> list[ChunkOutput]:
+        """``decode`` of one chunk of each of several sessions (distinct ones),
+        their frames in the same order: the chunks whose latents and decoder
+        caches agree in shape, and whose streams are all at their first frame
+        or all past it, go through the decoder as one batch
+        (``StreamingDecoder.decode_rows``). All or nothing: when it raises or
+        is abandoned, no session's decoder cache or chunk record has changed."""
+        if len({id(session) for session in sessions}) != len(sessions):
+            raise ValueError("decode_batch takes one chunk of each session")
+        chunks = [session.chunk_to_decode(index) for session, index in zip(sessions, chunk_indices, strict=True)]
+        groups: dict[tuple, list[int]] = {}
+        for row, (session, chunk) in enumerate(zip(sessions, chunks, strict=True)):
+            key = (tuple(chunk.clean.shape), session.decoded_any, self.decoder.cache_shape(session.vae_cache))
+            groups.setdefault(key, []).append(row)
+        caches = [list(session.vae_cache) for session in sessions]  # filled here, kept once all decoded
+        pixels: list[torch.Tensor | None] = [None] * len(sessions)
+        with self._decode_stream(*(chunk.committed_on_device for chunk in chunks)):
+            for (_, decoded_any, _), rows in groups.items():
+                latents = [chunks[row].clean.float() for row in rows]
+                decoded = self.decoder.decode_rows(latents, [caches[row] for row in rows], first=not decoded_any)
+                for row, frames in zip(rows, decoded, strict=True):
+                    pixels[row] = frames
+            outputs = [_chunk_output(frames) for frames in pixels]
+        for session, index, cache in zip(sessions, chunk_indices, caches, strict=True):
+            session.vae_cache[:] = cache
+            session.decoded_any = True
+            del session.chunks[index]
+        return outputs
 
     def decode_input(self, session: CausalWanSession, chunk_index: int) -> torch.Tensor:
         """What another rank needs to decode a committed chunk (its clean latent, on
@@ -111,19 +144,20 @@ class CausalWanDecoding:
         session.decoded_any = True
         return output
 
-    def _decode_stream(self, committed: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
+    def _decode_stream(self, *committed: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
         """On a GPU, a CUDA stream of the calling thread's own, waiting for the
-        chunk's commit (``committed``, where it was recorded): the decode stage's
-        kernels then overlap the next chunk's forward on the default stream.
-        Elsewhere, nothing."""
+        chunks' commits (``committed``, where they were recorded): the decode
+        stage's kernels then overlap the next chunk's forward on the default
+        stream. Elsewhere, nothing."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         streams = self.__dict__.setdefault("_decode_streams", {})  # per decoding thread
         stream = streams.get(threading.get_ident())
         if stream is None:
             stream = streams[threading.get_ident()] = torch.cuda.Stream(self.device)
-        if committed is not None:
-            stream.wait_event(committed)
+        for event in committed:
+            if event is not None:
+                stream.wait_event(event)
         return torch.cuda.stream(stream)
 
     @property

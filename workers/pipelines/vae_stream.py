@@ -28,17 +28,24 @@ fast, computing the same functions (``use_fast_cpu_kernels``):
 
 - RMS norms become ``FastRMSNorm``, ``x * rsqrt(sum(x^2))`` instead of
   ``F.normalize``, whose channel-dim reduction was half the decode time;
-- causal 3-D convolutions become ``OneDnnCausalConv3d``, which on a CPU in
-  fp32 calls the oneDNN convolution directly: torch's backend heuristic
+- causal 3-D convolutions become ``OneDnnCausalConv3d``, and the 2-D ones
+  (the up-samplers' and the attention's) ``OneDnnConv2d``, which on a CPU in
+  fp32 call the oneDNN convolution directly: torch's backend heuristic
   sends batch-1 inputs with few channels (all of the tiny VAE's) to its
-  unvectorised ``slow_conv3d``, about 9x slower. Elsewhere (GPU, bf16) the
-  usual dispatch runs.
+  unvectorised ``slow_conv3d`` / ``slow_conv2d``, about 9x slower, and those
+  round differently by batch size; oneDNN's convolution computes each batch
+  row as it computes it alone. Elsewhere (GPU, bf16) the usual dispatch runs.
+
+Several sessions' chunks decode as one batch (``decode_rows``) where their
+caches hold features of the same shapes (``cache_shape``): on a CPU the frames
+are bit for bit each session's own decode (every kernel above is
+batch-invariant there; ``tests/model/test_batched_rows.py``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -77,8 +84,22 @@ class OneDnnCausalConv3d(WanCausalConv3d):
         return super()._conv_forward(x, weight, bias)
 
 
+class OneDnnConv2d(torch.nn.Conv2d):
+    """``nn.Conv2d`` whose CPU fp32 convolution always goes to oneDNN."""
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and self.padding_mode == "zeros" and _ONEDNN:
+            padding = self.padding
+            if isinstance(padding, str):  # "same" / "valid": let torch work the numbers out
+                return super()._conv_forward(x, weight, bias)
+            return torch.mkldnn_convolution(
+                x.contiguous(), weight, bias, padding, self.stride, self.dilation, self.groups
+            )
+        return super()._conv_forward(x, weight, bias)
+
+
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch, "mkldnn_convolution")
-_FAST = {WanRMS_norm: FastRMSNorm, WanCausalConv3d: OneDnnCausalConv3d}
+_FAST = {WanRMS_norm: FastRMSNorm, WanCausalConv3d: OneDnnCausalConv3d, torch.nn.Conv2d: OneDnnConv2d}
 
 
 def use_fast_cpu_kernels(vae: torch.nn.Module) -> int:
@@ -178,6 +199,37 @@ class StreamingDecoder:
                 vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=first and i == 0)
             )
         return torch.clamp(torch.cat(outputs, dim=2), -1.0, 1.0)
+
+    @staticmethod
+    def cache_shape(cache: list) -> tuple:
+        """What must agree for caches to decode in one batch: each slot's
+        feature shape, or what it holds when that is not a tensor (None for a
+        slot not filled yet, diffusers' ``"Rep"`` marker for an up-sampler
+        past the stream's first frame)."""
+        return tuple(tuple(slot.shape) if isinstance(slot, torch.Tensor) else slot for slot in cache)
+
+    @torch.no_grad()
+    def decode_rows(self, latents: Sequence[torch.Tensor], caches: Sequence[list], first: bool) -> list[torch.Tensor]:
+        """``decode`` of several streams in one batch: each of ``latents`` (one
+        row each, of one shape) with its own cache, all of one ``cache_shape``
+        and all at the stream's first frame or none. Returns each row's pixels.
+        The caches change only once every row is decoded: when the decode
+        raises or is abandoned, each is as it was."""
+        if len(latents) != len(caches) or not latents:
+            raise ValueError(f"decode_rows takes a cache per latent, got {len(latents)} and {len(caches)}")
+        shapes = {self.cache_shape(cache) for cache in caches}
+        if len(shapes) > 1 or len({tuple(latent.shape) for latent in latents}) > 1:
+            raise ValueError("decode_rows takes latents of one shape whose caches hold features of one shape")
+        if len(latents) == 1:  # no copies: the list is the decoder's to fill, the tensors stay the cache's
+            work = list(caches[0])
+            pixels = self.decode(latents[0], work, first)
+            caches[0][:] = work
+            return [pixels]
+        work = [torch.cat(slot) if isinstance(slot[0], torch.Tensor) else slot[0] for slot in zip(*caches, strict=True)]
+        pixels = self.decode(torch.cat(list(latents)), work, first)
+        for row, cache in enumerate(caches):
+            cache[:] = [slot[row : row + 1] if isinstance(slot, torch.Tensor) else slot for slot in work]
+        return list(pixels.split(1))
 
     # -- the decoder in two parts -------------------------------------------------
 
