@@ -82,6 +82,7 @@ class EngineLoop:
         grouping: bool,
         max_rows: int,
         clock: Callable[[], float] = time.monotonic,
+        align_chunks: bool = False,
     ) -> None:
         self.config = config
         self.clock = clock  # the pacing clock: first emit and the real-time playhead estimate
@@ -90,7 +91,9 @@ class EngineLoop:
         self.send = send
         self.split = config.pp > 1  # the blocks run on several ranks: a chunk's commit is a pass of its own
         self.scheduler = (
-            StreamBatchScheduler(config.pp, grouping, max_rows) if self.split else ChunkScheduler(grouping, max_rows)
+            StreamBatchScheduler(config.pp, grouping, max_rows)
+            if self.split
+            else ChunkScheduler(grouping, max_rows, align_chunks=align_chunks)
         )
         self.sessions: dict[str, EngineSession] = {}
         self.stats = LoopStats()

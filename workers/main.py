@@ -135,7 +135,15 @@ def run_worker(
     executor = LocalExecutor(
         runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes, decode_stage=stage
     )
-    loop = EngineLoop(config, control, executor, send, grouping=grouping, max_rows=pipeline.max_batch_rows)
+    loop = EngineLoop(
+        config,
+        control,
+        executor,
+        send,
+        grouping=grouping,
+        max_rows=pipeline.max_batch_rows,
+        align_chunks=_decodes_batched(config, pipeline, overlap),
+    )
     launched = parent_alive is None
 
     def terminated(reason: str) -> None:  # a Terminate from the API process: its last word, then exit 4
@@ -263,6 +271,14 @@ def _overlap_decode(config: EngineConfig, pipeline) -> bool:
     if config.overlap_decode is not None:
         return config.overlap_decode
     return config.pp > 1 or pipeline.decode_overlap_pays
+
+
+def _decodes_batched(config: EngineConfig, pipeline, overlap: bool) -> bool:
+    """Whether chunks that end in one micro-step decode as one batch (one rank,
+    decodes in line, a pipeline with ``decode_batch`` and batched forwards):
+    then the scheduler lines sessions up so that their chunks end together
+    (``ChunkScheduler`` ``align_chunks``)."""
+    return config.pp == 1 and not overlap and pipeline.max_batch_rows > 1 and hasattr(pipeline, "decode_batch")
 
 
 def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock, site=None):
