@@ -64,15 +64,14 @@ class ChunkScheduler:
         """Whether ``session``, about to begin a chunk, waits this turn for others
         of its frame size whose chunks are under way (``align_chunks``)."""
         sid = session.session_id
-        if session.chunks or session.next_chunk == 0 or session.phase is Phase.NEW:
-            self._waited.pop(sid, None)  # mid-chunk, or its first chunk: never waits
+        if session.chunks or session.next_chunk == 0:
+            self._waited.pop(sid, None)  # mid-chunk, or its first chunk (a new session's too): never waits
             return False
-        size = (session.geometry.width, session.geometry.height, session.geometry.frames_per_chunk)
         under_way = any(
             other is not session
             and other.chunks
             and other.phase is not Phase.FINISHING
-            and (other.geometry.width, other.geometry.height, other.geometry.frames_per_chunk) == size
+            and _decode_size(other) == _decode_size(session)
             for other in pool
         )
         waited = self._waited.get(sid, 0)
@@ -98,3 +97,9 @@ class ChunkScheduler:
 
     def finishing_chunks(self, session_id: str) -> frozenset[int]:
         return frozenset()
+
+
+def _decode_size(session: EngineSession) -> tuple[int, int, int]:
+    """What sessions' chunks share to decode in one batch: frame size and frames a chunk."""
+    g = session.geometry
+    return g.width, g.height, g.frames_per_chunk

@@ -216,28 +216,16 @@ class ModelRunner:
             if predictions is _FAILED or predictions is _CANCELLED:
                 return
         else:
-            self._sync("forward")
-            started = perf_counter()
-            try:
-                with abandon_when(self.stop_check(row.session_id for row in rows)):
-                    predictions = self.pipeline.forward(batch, sessions)
-            except Abandoned:  # every row's session is stopping
-                result.pipeline_s += perf_counter() - started
-                for row in rows:
-                    result.row(row.session_id, row.chunk_index).cancelled = True
+            keys = [(row.session_id, row.chunk_index) for row in rows]
+            predictions, forward_ms = self._call_batch(result, keys, "forward", self.pipeline.forward, batch, sessions)
+            if predictions is _CANCELLED:
                 return
-            except Exception:
+            if predictions is _FAILED:
                 # Find the culprit: rerun each row alone (forward leaves state
                 # untouched), so one bad row fails only its own session.
-                result.pipeline_s += perf_counter() - started
                 for row in rows:
                     self._forward([row], result)
                 return
-            self._sync("forward")
-            forward_ms = (perf_counter() - started) * 1000.0
-            result.pipeline_s += forward_ms / 1000.0
-            for row in rows:
-                self._report(row.session_id, "forward", forward_ms, None)
         share = forward_ms / len(rows)
         ended: list[tuple[str, int]] = []  # rows whose chunk this step committed
         for row, batch_row, session, prediction in zip(rows, batch.rows, sessions, predictions, strict=True):
@@ -274,8 +262,19 @@ class ModelRunner:
             result.decodes.extend(ended)
             return
         decode_batch = getattr(self.pipeline, "decode_batch", None)
-        if len(ended) > 1 and decode_batch is not None and self._decode_together(result, ended, decode_batch):
-            return
+        if len(ended) > 1 and decode_batch is not None:
+            states = [self.states[sid] for sid, _ in ended]
+            chunks, decode_ms = self._call_batch(
+                result, ended, "decode", decode_batch, states, [index for _, index in ended]
+            )
+            if chunks is _CANCELLED:
+                return
+            if chunks is not _FAILED:  # failed: the pipeline changed nothing, each chunk decodes alone below
+                for (sid, index), chunk in zip(ended, chunks, strict=True):
+                    out = result.row(sid, index)
+                    out.chunk = chunk
+                    out.decode_ms += decode_ms / len(ended)
+                return
         for sid, index in ended:
             chunk, decode_ms = self._call(
                 result, sid, index, "decode", self.pipeline.decode, self.states[sid], index, stoppable=True
@@ -285,35 +284,34 @@ class ModelRunner:
                 out.chunk = chunk
                 out.decode_ms += decode_ms
 
-    def _decode_together(self, result: StepResult, ended: list[tuple[str, int]], decode_batch: Callable) -> bool:
-        """One ``decode_batch`` over ``ended``; each row is given its chunk and
-        an equal share of the time. Abandoned (every session stopping): the rows
-        are cancelled. False when it raised: the pipeline changed nothing, and
-        each chunk is then decoded alone, so only the one that fails on its own
-        fails its session."""
-        self._sync("decode")
+    def _call_batch(
+        self, result: StepResult, keys: list[tuple[str, int]], stage: str, function: Callable, *args: Any
+    ) -> tuple[Any, float]:
+        """One pipeline call for several rows (``keys``: session, chunk index),
+        timed and reported for each row; returns (its value, ms). Abandoned once
+        every row's session is stopping: the rows are cancelled and the value is
+        ``_CANCELLED``. When it raises the value is ``_FAILED`` and nothing is
+        failed here: the caller runs each row alone to find which one fails."""
+        self._sync(stage)
         started = perf_counter()
         try:
-            with abandon_when(self.stop_check(sid for sid, _ in ended)):
-                outputs = decode_batch([self.states[sid] for sid, _ in ended], [index for _, index in ended])
+            with abandon_when(self.stop_check(sid for sid, _ in keys)):
+                value = function(*args)
         except Abandoned:
             result.pipeline_s += perf_counter() - started
-            for sid, index in ended:
+            for sid, index in keys:
                 result.row(sid, index).cancelled = True
-            return True
+            return _CANCELLED, 0.0
         except Exception:
-            log.warning("a batched decode of %d chunks failed; decoding each alone", len(ended), exc_info=True)
+            log.warning("a batched %s of %d rows failed; running each alone", stage, len(keys), exc_info=True)
             result.pipeline_s += perf_counter() - started
-            return False
-        self._sync("decode")
-        decode_ms = (perf_counter() - started) * 1000.0
-        result.pipeline_s += decode_ms / 1000.0
-        for (sid, index), chunk in zip(ended, outputs, strict=True):
-            out = result.row(sid, index)
-            out.chunk = chunk
-            out.decode_ms += decode_ms / len(ended)
-            self._report(sid, "decode", decode_ms, None)
-        return True
+            return _FAILED, 0.0
+        self._sync(stage)
+        ms = (perf_counter() - started) * 1000.0
+        result.pipeline_s += ms / 1000.0
+        for sid, _ in keys:
+            self._report(sid, stage, ms, None)
+        return value, ms
 
     def _call(
         self,

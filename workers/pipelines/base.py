@@ -280,6 +280,10 @@ class ChunkPipeline(Protocol):
     # Optional: ``batch_invariant: bool``, whether a row of a batched forward computes
     # bit for bit what it computes alone (read with getattr, False when absent); the
     # runner reports a chunk batched on a pipeline without it as not replay-exact.
+    # Optional: ``decode_batch(sessions, chunk_indices) -> list[ChunkOutput]``, ``decode``
+    # of one chunk of each of several sessions at once, all or nothing (when it raises
+    # or is abandoned no session changed); the runner calls it for the chunks a forward
+    # commits together when it decodes in line, and decodes each alone when it raises.
 
     def describe(self, start: StartSession) -> SessionGeometry:
         """The effective geometry of ``start``, defaults filled in. Raises
