@@ -7,7 +7,8 @@ so load balancers stop routing here — and waits up to ``shutdown_grace_s``
 for the open sessions and jobs to end by themselves. At the deadline the
 rest are stopped with reason ``shutdown`` (clients get ``session.done``
 saying so), then uvicorn stops and the lifespan shuts the workers down. A
-second signal skips the wait.
+session counts as ended once its realtime clients were sent its end, so the
+exit never cuts off a final ``session.done``. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ class Drainer:
         self.capacity = capacity  # notified whenever a session ends
         self.grace_s = grace_s
         self.draining = False
+        self.delivering = 0
+        """Realtime connections that attached to a session and have not yet
+        written their last event and close: a session is over for the drain
+        only once its clients have heard so, not when the engine says it ended
+        (the exit would close the sockets with the final ``session.done``
+        still queued). Each connection counts itself (``server.realtime``) and
+        notifies ``capacity`` when it is done."""
 
     async def drain(self) -> None:
         self.draining = True
@@ -50,7 +58,7 @@ class Drainer:
     async def _wait_for_sessions(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         async with self.capacity:
-            while self.engine.open_sessions() and loop.time() < deadline:
+            while (self.engine.open_sessions() or self.delivering) and loop.time() < deadline:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.capacity.wait(), deadline - loop.time())
 

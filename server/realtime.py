@@ -186,6 +186,7 @@ class RealtimeConnection:
         self.format: str | None = None  # the media format it gets; set when it attaches
         self.transport_index = 0  # chunks sent on this connection
         self._needs_init = True  # an fmp4 connection's first chunk carries the init segment
+        self._delivering = False  # counted in the drainer's ``delivering`` (attached, close not yet written)
 
     # ------------------------------------------------------------------
     # Viewer: what the session calls (each queues and returns at once)
@@ -231,6 +232,9 @@ class RealtimeConnection:
             self.outbox.put_nowait(END)
             # The writer delivers what is queued (each write bounded by send_timeout_s) and stops.
             await asyncio.gather(writer, return_exceptions=True)
+            if self._delivering:  # the app's handler notifies the drainer's condition after this
+                self.drainer.delivering -= 1
+                self._delivering = False
             if self.slow is not None and CLOSE_NOW not in self.ws.scope.get("extensions", {}):
                 with contextlib.suppress(Exception):  # another server: try an ordinary close, briefly
                     await asyncio.wait_for(self.ws.close(CLOSE_POLICY, f"slow_client: {self.slow}"[:123]), 1.0)
@@ -333,6 +337,9 @@ class RealtimeConnection:
         """Attach (``attach(self)`` queues video.start and what this connection is
         owed), then serve the client until it or the session is done, and leave."""
         attach(self)
+        if not self._delivering:
+            self.drainer.delivering += 1
+            self._delivering = True
         self.session = self._written_to = session
         reader = asyncio.create_task(self._reader(), name="ws-reader")
         slow = asyncio.create_task(self._slow.wait(), name="ws-slow")

@@ -56,3 +56,23 @@ async def test_sigterm_lets_a_finite_session_finish_within_the_grace(make_server
         got = await client.rest(timeout=30)
     assert got.of("session.done")[0]["reason"] == "completed" and len(got.chunks) == 12
     assert server.process.wait(timeout=30) == 0
+
+
+async def test_a_session_stopped_while_draining_hears_its_end_before_the_exit(make_server):
+    """The last session's end lets the server exit, but only once its client was
+    sent the final ``session.done`` and the close: the exit does not cut them off."""
+    server = make_server("--shutdown-grace-s", "60", pipeline={"step_time_s": 0.005})
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "endless", "format": "raw"})
+        await client.until("video.start")
+        server.process.send_signal(signal.SIGTERM)
+        for _ in range(100):
+            if httpx.get(f"{server.http}/health").status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        await client.send({"type": "session.stop"})
+        got = await client.rest(timeout=30)
+    done = got.of("session.done")
+    assert done and done[0]["reason"] == "stopped" and got.close_code == 1000
+    assert server.process.wait(timeout=30) == 0
