@@ -49,12 +49,14 @@ class LocalExecutor:
         threaded: bool = True,
         overlap_decode: bool = True,
         decode_lanes: int = 1,
+        batch_decodes: bool = False,
         decode_stage: Callable[[ModelRunner, Callable[[DecodeResult], None]], DecodeStage] | None = None,
     ) -> None:
         """``decode_stage``: builds the decode stage from the runner and the
         callback for its results (default: ``DecodeStage`` with ``decode_lanes``
-        lanes); anything with its ``submit`` / ``forget`` / ``close`` and
-        ``decodes`` (chunks decoded per rank, for ``rank_figures``)."""
+        lanes, each decoding what waits on it in batches with
+        ``batch_decodes``); anything with its ``submit`` / ``forget`` /
+        ``close`` and ``decodes`` (chunks decoded per rank, for ``rank_figures``)."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.depth = depth if threaded else 1
@@ -73,7 +75,7 @@ class LocalExecutor:
         if threaded and overlap_decode:
             runner.defer_decode = True
             if decode_stage is None:
-                self._decoder = DecodeStage(runner, self._decoded, lanes=decode_lanes)
+                self._decoder = DecodeStage(runner, self._decoded, lanes=decode_lanes, batch=batch_decodes)
             else:
                 self._decoder = decode_stage(runner, self._decoded)
         self._thread: OrderedThread[MicroStep] | None = OrderedThread("executor", self._run) if threaded else None

@@ -44,6 +44,7 @@ from engine.messages import (
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.calibrate import Calibration, calibrate
+from workers.decode_stage import decodes_batch
 from workers.executor import LocalExecutor
 from workers.parallel.group import decode_placement
 from workers.parallel.ring import RingRunner
@@ -133,7 +134,13 @@ def run_worker(
         else:
             log.info("sessions decode on the rank given each (pp_decode %s)", config.pp_decode)
     executor = LocalExecutor(
-        runner, control.is_stopping, control.wake, overlap_decode=overlap, decode_lanes=lanes, decode_stage=stage
+        runner,
+        control.is_stopping,
+        control.wake,
+        overlap_decode=overlap,
+        decode_lanes=lanes,
+        batch_decodes=decodes_batch(pipeline),
+        decode_stage=stage,
     )
     loop = EngineLoop(
         config,
@@ -142,7 +149,7 @@ def run_worker(
         send,
         grouping=grouping,
         max_rows=pipeline.max_batch_rows,
-        align_chunks=_decodes_batched(config, pipeline, overlap),
+        align_chunks=_align_chunks(config, pipeline),
     )
     launched = parent_alive is None
 
@@ -273,12 +280,12 @@ def _overlap_decode(config: EngineConfig, pipeline) -> bool:
     return config.pp > 1 or pipeline.decode_overlap_pays
 
 
-def _decodes_batched(config: EngineConfig, pipeline, overlap: bool) -> bool:
-    """Whether chunks that end in one micro-step decode as one batch (one rank,
-    decodes in line, a pipeline with ``decode_batch`` and batched forwards):
-    then the scheduler lines sessions up so that their chunks end together
-    (``ChunkScheduler`` ``align_chunks``)."""
-    return config.pp == 1 and not overlap and pipeline.max_batch_rows > 1 and hasattr(pipeline, "decode_batch")
+def _align_chunks(config: EngineConfig, pipeline) -> bool:
+    """Whether the scheduler lines sessions up so that their chunks end together
+    (``ChunkScheduler`` ``align_chunks``): on one rank whose chunks that end
+    together commit and decode as one batch, in line or on the decode stage
+    (``decodes_batch``)."""
+    return config.pp == 1 and decodes_batch(pipeline)
 
 
 def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock, site=None):

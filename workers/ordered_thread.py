@@ -15,10 +15,15 @@ Item = TypeVar("Item")
 
 
 class OrderedThread(Generic[Item]):
-    def __init__(self, name: str, handle: Callable[[Item], bool]) -> None:
+    def __init__(
+        self, name: str, handle: Callable[[Item], bool], handle_all: Callable[[list[Item]], bool] | None = None
+    ) -> None:
         """``handle`` runs on the thread for each item; returning False stops the
-        thread (what was submitted after it is not handled)."""
+        thread (what was submitted after it is not handled). With
+        ``handle_all``, that runs instead, with every item waiting when the
+        thread turns to the queue, in submission order (one at least)."""
         self._handle = handle
+        self._handle_all = handle_all
         self._lock = threading.Condition()
         self._queue: deque[Item] = deque()
         self._closing = False
@@ -45,6 +50,7 @@ class OrderedThread(Generic[Item]):
                 self._lock.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
-                item = self._queue.popleft()
-            if not self._handle(item):
+                take = 1 if self._handle_all is None else len(self._queue)
+                items = [self._queue.popleft() for _ in range(take)]
+            if not (self._handle(items[0]) if self._handle_all is None else self._handle_all(items)):
                 return

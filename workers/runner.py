@@ -148,6 +148,60 @@ class ModelRunner:
         error = None if failure is None else f"decode failed: {type(failure).__name__}: {failure}"
         return DecodeResult(session_id, chunk_index, chunk, ms, error)
 
+    def decode_many(self, keys: list[tuple[str, int]]) -> list[DecodeResult]:
+        """``decode`` of one deferred chunk of each of several sessions (``keys``:
+        session, chunk index; distinct sessions), in one decoder batch where the
+        pipeline decodes batches (its optional ``decode_batch``), their results
+        in the same order. A stopping session's chunk is not run (cancelled);
+        a batch abandoned because every session became stopping is cancelled
+        whole; when the batch raises, each chunk decodes alone (``decode``), so
+        only a session whose decode fails on its own gets an error."""
+        results: dict[tuple[str, int], DecodeResult] = {}
+        wanted = []
+        for sid, index in keys:
+            check = self.stop_check((sid,))
+            if check is not None and check():
+                results[sid, index] = DecodeResult(sid, index, None, 0.0, cancelled=True)
+                self.decode_returned(sid)
+            else:
+                wanted.append((sid, index))
+        together = self._batched_decode(wanted) if len(wanted) > 1 else None
+        if together is not None:
+            results.update(zip(wanted, together, strict=True))
+            wanted = []
+        for sid, index in wanted:
+            results[sid, index] = self.decode(sid, index)
+        return [results[key] for key in keys]
+
+    def _batched_decode(self, keys: list[tuple[str, int]]) -> list[DecodeResult] | None:
+        """The chunks of ``keys`` through the pipeline's ``decode_batch``, no
+        longer pending; None (still pending, nothing changed) where it has none
+        or it raised."""
+        decode_batch = getattr(self.pipeline, "decode_batch", None)
+        if decode_batch is None:
+            return None
+        self._sync("decode")
+        started = perf_counter()
+        try:
+            with abandon_when(self.stop_check(sid for sid, _ in keys)):
+                chunks = decode_batch([self.states[sid] for sid, _ in keys], [index for _, index in keys])
+        except Abandoned:  # every session is stopping
+            chunks = [None] * len(keys)
+        except Exception:
+            log.warning("a batched decode of %d chunks failed; decoding each alone", len(keys), exc_info=True)
+            return None
+        self._sync("decode")
+        ms = (perf_counter() - started) * 1000.0
+        results = []
+        for (sid, index), chunk in zip(keys, chunks, strict=True):
+            self.decode_returned(sid)
+            if chunk is None:
+                results.append(DecodeResult(sid, index, None, 0.0, cancelled=True))
+            else:
+                self._report(sid, "decode", ms, None)
+                results.append(DecodeResult(sid, index, chunk, ms / len(keys)))
+        return results
+
     def hand_off_decode(self, session_id: str, chunk_index: int) -> Any:
         """For a decode another rank runs (``workers.parallel.rank_decode``): the
         chunk's input (``pipeline.decode_input``), or, when it will not run there,
@@ -198,8 +252,8 @@ class ModelRunner:
 
     def _forward(self, rows: list[StepRow], result: StepResult) -> None:
         """One forward over ``rows`` (every block: one rank), then each row's sampler
-        step (and commit for a row whose chunk just ended), then the decode of
-        the chunks committed (``_committed``)."""
+        step, then the commit of the rows whose chunk just ended (``_commit``)
+        and the decode of the chunks committed (``_committed``)."""
         sessions = [self.states[row.session_id] for row in rows]
         batch = StepBatch(tuple(BatchRow(row.session_id, row.chunk_index, row.step) for row in rows))
         if len(rows) == 1:
@@ -227,7 +281,7 @@ class ModelRunner:
                     self._forward([row], result)
                 return
         share = forward_ms / len(rows)
-        ended: list[tuple[str, int]] = []  # rows whose chunk this step committed
+        denoised: list[tuple[str, int]] = []  # rows whose chunk this step finished denoising
         for row, batch_row, session, prediction in zip(rows, batch.rows, sessions, predictions, strict=True):
             sid, index = row.session_id, row.chunk_index
             stepped, update_ms = self._call(
@@ -239,16 +293,39 @@ class ModelRunner:
             out.denoise_ms += share + update_ms
             out.stepped = True
             self._note_batch(out, len(rows))
-            if not row.last:
-                continue
-            committed, commit_ms = self._call(
-                result, sid, index, "commit", self.pipeline.commit, session, index, stoppable=True
+            if row.last:
+                denoised.append((sid, index))
+        self._committed(result, self._commit(result, denoised))
+
+    def _commit(self, result: StepResult, denoised: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Commit the chunks of ``denoised`` (session, chunk index): in one pass
+        where the pipeline commits batches (its optional ``commit_batch``), else,
+        or when that raises, each alone. Returns those committed."""
+        commit_batch = getattr(self.pipeline, "commit_batch", None)
+        if len(denoised) > 1 and commit_batch is not None:
+            states = [self.states[sid] for sid, _ in denoised]
+            value, commit_ms = self._call_batch(
+                result, denoised, "commit", commit_batch, states, [index for _, index in denoised]
             )
-            if committed is not _FAILED and committed is not _CANCELLED:
+            if value is _CANCELLED:
+                return []
+            if value is not _FAILED:  # failed: the pipeline changed nothing, each commits alone below
+                for sid, index in denoised:
+                    out = result.row(sid, index)
+                    out.decode_ms += commit_ms / len(denoised)
+                    out.committed = True
+                return denoised
+        committed = []
+        for sid, index in denoised:
+            value, commit_ms = self._call(
+                result, sid, index, "commit", self.pipeline.commit, self.states[sid], index, stoppable=True
+            )
+            if value is not _FAILED and value is not _CANCELLED:
+                out = result.row(sid, index)
                 out.decode_ms += commit_ms
                 out.committed = True
-                ended.append((sid, index))
-        self._committed(result, ended)
+                committed.append((sid, index))
+        return committed
 
     def _committed(self, result: StepResult, ended: list[tuple[str, int]]) -> None:
         """The chunks of ``ended`` (session, chunk index) are in every block's

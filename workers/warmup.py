@@ -7,9 +7,9 @@ that would otherwise land on the first user's first chunk. ``warm_up`` runs
 geometry through the worker's own path (``workers.chunk_driver``: micro-steps
 through the ``ModelRunner``), then, when the pipeline takes batched forwards
 (``max_batch_rows`` > 1), as many chunks of ``max_batch_rows`` sessions in
-lockstep, so that the batched forward's shapes are warm too, and the decode
-of their chunks in one batch (the memory peak the budget reads is a full
-batch's). Every warm-up session is released:
+lockstep, so that the batched forward's shapes are warm too, and the commit
+and the decode of their chunks in one batch each (the memory peak the
+budget reads is a full batch's). Every warm-up session is released:
 nothing of it stays held. A pipeline with nothing to warm says 0.
 """
 

@@ -30,7 +30,8 @@ def test_warm_up_runs_its_chunks_then_holds_nothing():
     encoded (left in the prompt cache), every forward of its chunks (each
     chunk: its denoise steps, then the commit) at the default size, first of
     one session alone, then of ``max_batch_rows`` sessions in lockstep (each
-    denoise step one forward of all their rows, then a commit each), each
+    denoise step one forward of all their rows, then one commit pass of
+    them all), each
     chunk decoded (the lockstep sessions' chunks in one batch, so that the
     memory peak is a batched decode's too); then its sessions released, roped keys included."""
     warmed = build("tiny", device="cpu")
@@ -42,7 +43,7 @@ def test_warm_up_runs_its_chunks_then_holds_nothing():
     steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
     one, four = (1, 48, 24), (4, 48, 24)  # 64x64: 8x8 latents, 3 frames of 4x4 patches; 2 heads x 12
     alone = [one] * (steps + 1)
-    batched = [four] * steps + [one] * 4
+    batched = [four] * (steps + 1)  # the commit too: one pass of four rows
     assert forwards == alone * warmed.warm_up_chunks + batched * warmed.warm_up_chunks
     assert decoded == [(1, True), (1, False), (4, True), (4, False)]  # each stream's first chunk, then a cached one
     assert warmed.held_sessions() == () and not warmed.context.roped.entries

@@ -93,7 +93,8 @@ class RankDecodeStage:
         self._group = group
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
-        self._local = DecodeStage(runner, on_done, lanes=1)
+        # Rank 0's own decodes (spread only: a split decode always ends on a follower).
+        self._local = None if split else DecodeStage(runner, on_done, lanes=1)
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
@@ -129,14 +130,16 @@ class RankDecodeStage:
     def forget(self, session_id: str) -> None:
         """The session was released: its rank may take another."""
         self._rank_of.pop(session_id, None)
-        self._local.forget(session_id)
+        if self._local is not None:
+            self._local.forget(session_id)
         with self._lock:
             self._cancelled.discard(session_id)
 
     def close(self) -> None:
         """Decode what rank 0 has, stop waiting for the others (the group is ending)."""
         self._closing.set()
-        self._local.close()
+        if self._local is not None:
+            self._local.close()
         if self._front is not None:
             self._front.close()
         for thread in self._receivers:
@@ -194,7 +197,7 @@ class RankDecodeStage:
     def decodes(self) -> list[int]:
         """Chunks decoded (with frames), per rank: a split chunk counts on the
         follower that finished it."""
-        return [self._local.decodes[0], *self._decoded[1:]]
+        return [0 if self._local is None else self._local.decodes[0], *self._decoded[1:]]
 
     def _hand_off(self, session_id: str, chunk_index: int, rank: int):
         """The chunk's clean latent, now out on ``rank``; None when it will not

@@ -284,6 +284,10 @@ class ChunkPipeline(Protocol):
     # of one chunk of each of several sessions at once, all or nothing (when it raises
     # or is abandoned no session changed); the runner calls it for the chunks a forward
     # commits together when it decodes in line, and decodes each alone when it raises.
+    # Optional: ``commit_batch(sessions, chunk_indices) -> None``, ``commit`` (every
+    # block, one rank) of one chunk of each of several sessions at once, all or
+    # nothing; the runner calls it for the rows whose chunks a forward finished
+    # together, and commits each alone when it raises.
 
     def describe(self, start: StartSession) -> SessionGeometry:
         """The effective geometry of ``start``, defaults filled in. Raises

@@ -398,6 +398,35 @@ class CausalWanPipeline(CausalWanDecoding):
             self.finish_commit(session, chunk_index)
         return None
 
+    @torch.no_grad()
+    def commit_batch(self, sessions: Sequence[CausalWanSession], chunk_indices: Sequence[int]) -> None:
+        """``commit`` of one chunk of each of several sessions, every block (one
+        rank), in one pass per latent shape. All or nothing: every pass only
+        stages its keys and values, and the caches take them once every pass
+        has run, so when it raises or is abandoned no cache and no record
+        changed (a later commit stages every layer afresh). On a CPU each
+        session's cache ends bit for bit as its own commit leaves it
+        (``batch_invariant``)."""
+        if self.split:
+            raise ValueError("commit_batch runs every block: one rank only")
+        if len(sessions) != len(chunk_indices) or len({s.session_id for s in sessions}) != len(sessions):
+            raise ValueError("commit_batch takes one chunk of each session")
+        chunks = [s.chunk_to_commit(index) for s, index in zip(sessions, chunk_indices, strict=True)]
+        groups: dict[tuple, list[int]] = {}
+        for i, session in enumerate(sessions):
+            groups.setdefault(session.latent_shape, []).append(i)
+        for indices in groups.values():
+            caches = tuple(sessions[i].kv for i in indices)
+            at = tuple(chunk_indices[i] for i in indices)
+            clean = torch.cat([chunks[i].clean for i in indices])
+            text = torch.cat([chunks[i].conditioning for i in indices])
+            activations = self._embed(caches, clean, self._t_zero, text, at)
+            self._blocks(caches, activations, range(self.num_blocks), commit=True, chunks=at, write=False)
+        for session, index, chunk in zip(sessions, chunk_indices, chunks, strict=True):
+            session.kv.commit(chunk.clean.shape[2])
+            session.kv.drop_provisional(index)
+            self.finish_commit(session, index)
+
     def finish_commit(self, session: CausalWanSession, chunk_index: int) -> None:
         """The commit pass has run through every block: mark the record committed
         (only ``decode`` is left) and keep its clean latent for a re-cache."""
@@ -588,20 +617,22 @@ class CausalWanPipeline(CausalWanDecoding):
         commit: bool,
         chunks: tuple[int, ...] = (),
         provisional: tuple[bool, ...] = (),
+        write: bool = True,
     ) -> Activations:
         """Blocks ``blocks``, each row attending to its cache at its own position
         (``chunks``: each row's chunk index, for the provisional frames before it;
-        ``provisional``: which rows keep theirs, stream batch); a commit pass (one
-        row) stages its keys and values into that cache, and commits them once
-        the last block has run, replacing the chunk's provisional ones."""
-        if commit and len(caches) != 1:
-            raise ValueError("a commit forward carries one row")
+        ``provisional``: which rows keep theirs, stream batch); a commit pass
+        stages each row's keys and values into its cache and, with ``write``
+        (one row), commits them once the last block has run, replacing the
+        chunk's provisional ones (``commit_batch`` writes its rows itself)."""
+        if commit and write and len(caches) != 1:
+            raise ValueError("a commit forward that writes its cache carries one row")
         ctx = self.context
         ctx.caches, ctx.commit, ctx.grid = caches, commit, activations.latent_shape[3:]
         ctx.chunks, ctx.provisional = chunks, provisional
         try:
             activations = run_blocks(self.transformer, activations, blocks)
-            if commit and blocks.stop == self.owned.stop:
+            if commit and write and blocks.stop == self.owned.stop:
                 caches[0].commit(activations.latent_shape[2])
                 if chunks:
                     caches[0].drop_provisional(chunks[0])

@@ -103,7 +103,7 @@ class ForwardContext:
     caches: tuple[SessionKVCache, ...] = ()  # one per batch row: the sessions whose chunks are computed
     chunks: tuple[int, ...] = ()  # one per batch row: the index of the chunk it computes
     provisional: tuple[bool, ...] = ()  # per batch row: keep its keys and values provisionally (stream batch)
-    commit: bool = False  # stage this forward's keys and values into the cache (one row only)
+    commit: bool = False  # stage this forward's keys and values, each row's into its own cache
     grid: tuple[int, int] = (0, 0)  # the call's latent height and width (for the cache's RoPE)
     mask: torch.Tensor | None = None  # boolean [tokens, tokens], True = may attend (no-cache calls only)
 
@@ -185,7 +185,11 @@ class CausalSelfAttnProcessor:
                 query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
             return self._out(attn, self._attend(query, key, value, ctx.mask))
         if ctx.commit:
-            ctx.caches[0].stage(self.layer, key, value)
+            if len(ctx.caches) == 1:
+                ctx.caches[0].stage(self.layer, key, value)
+            else:  # a batched commit: each row into its own session's cache
+                for row, cache in enumerate(ctx.caches):
+                    cache.stage(self.layer, key[row : row + 1], value[row : row + 1])
         rows = len(ctx.caches)
         for row, keep in enumerate(ctx.provisional):
             if keep:
