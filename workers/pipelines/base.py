@@ -283,7 +283,8 @@ class ChunkPipeline(Protocol):
     # Optional: ``decode_batch(sessions, chunk_indices) -> list[ChunkOutput]``, ``decode``
     # of one chunk of each of several sessions at once, all or nothing (when it raises
     # or is abandoned no session changed); the runner calls it for the chunks a forward
-    # commits together when it decodes in line, and decodes each alone when it raises.
+    # commits together when it decodes in line, the decode stage for the decodes
+    # waiting on a lane (``ModelRunner.decode_many``), and each decodes alone when it raises.
     # Optional: ``commit_batch(sessions, chunk_indices) -> None``, ``commit`` (every
     # block, one rank) of one chunk of each of several sessions at once, all or
     # nothing; the runner calls it for the rows whose chunks a forward finished
