@@ -58,6 +58,11 @@ class EngineConfig:
     TCP sockets on a CPU and NCCL point-to-point on GPUs; ``torch``,
     ``torch.distributed`` point-to-point either way (gloo on a CPU: measured
     1.2x slower where the transformer blocks dominate, docs/ENGINE.md). The plans always travel on the sockets."""
+    pp_port: int | None = None
+    """The TCP port pipeline rank 0's sockets listen on, rank r's on ``pp_port`` +
+    r; None: any free port. On CPUs (``pp_transport`` ``auto``) the ranks join no
+    ``torch.distributed`` process group, so ranks on several machines then need
+    only these ports and the launcher's rendezvous port open between them."""
     pp_decode: str = "auto"
     """Which pipeline ranks decode a session's chunks
     (``workers.parallel.rank_decode``): ``split``, every session's VAE decoder
@@ -134,6 +139,11 @@ class EngineConfig:
         _check(self.pp >= 1, "pp", "must be >= 1")
         _check(self.pp_timeout_s > 0, "pp_timeout_s", "must be > 0")
         _check(self.pp_transport in PP_TRANSPORTS, "pp_transport", f"must be one of {', '.join(PP_TRANSPORTS)}")
+        _check(
+            self.pp_port is None or 1 <= self.pp_port <= 65536 - self.pp,
+            "pp_port",
+            f"must leave room for {self.pp} ports: 1 to {65536 - self.pp}",
+        )
         _check(self.pp_decode in PP_DECODES, "pp_decode", f"must be one of {', '.join(PP_DECODES)}")
         _check(not self.stream_batch or self.pp >= 2, "stream_batch", "needs pp >= 2 (pipeline ranks to fill)")
         in_flight = self.max_chunks_in_flight

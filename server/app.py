@@ -72,6 +72,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         pp=settings.pp,
         pp_timeout_s=settings.pp_timeout_s,
         pp_transport=settings.pp_transport,
+        pp_port=settings.pp_port,
         pp_decode=settings.pp_decode,
         worker_listen=settings.worker_listen,
         stream_batch=settings.stream_batch,

@@ -57,6 +57,10 @@ class ServerSettings:
     """With --pp: what the ranks' activations travel on: auto (the ranks' own TCP
     sockets on a CPU, NCCL on GPUs) or torch (torch.distributed point-to-point:
     gloo on a CPU, measured 1.2x slower where the transformer blocks dominate)."""
+    pp_port: int | None = None
+    """With --pp: the TCP port rank 0's sockets listen on, rank r's on this + r
+    (default: any free port). On CPUs the ranks then need no other ports: with
+    ranks on several machines, open these and the launcher's rendezvous port."""
     pp_decode: str = "auto"
     """With --pp: which ranks decode a session's chunks: split (its VAE decoder
     split over rank 0 and a follower), spread (each session on one rank, the
@@ -188,6 +192,8 @@ class ServerSettings:
             raise ValueError("api_key must not be empty")
         if self.pp_transport not in PP_TRANSPORTS:
             raise ValueError(f"pp_transport must be {' or '.join(PP_TRANSPORTS)}, got {self.pp_transport!r}")
+        if self.pp_port is not None and not 1 <= self.pp_port <= 65536 - self.pp:
+            raise ValueError(f"pp_port must leave room for {self.pp} ports: 1 to {65536 - self.pp}, got {self.pp_port}")
         if self.pp_decode not in PP_DECODES:
             raise ValueError(f"pp_decode must be one of {', '.join(PP_DECODES)}, got {self.pp_decode!r}")
         if self.stream_batch and self.pp < 2:

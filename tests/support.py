@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import socket
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,3 +92,24 @@ def inline_loop(config, control, runner, send, **options):
 
     executor = LocalExecutor(runner, control.is_stopping, control.wake, threaded=False)
     return EngineLoop(config, control, executor, send, **options)
+
+
+def free_ports(count: int) -> int:
+    """A port P with P .. P + count - 1 all free (on loopback, just now)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + count > 65536:
+            continue
+        taken = [socket.socket() for _ in range(count)]
+        try:
+            for offset, sock in enumerate(taken):
+                sock.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        finally:
+            for sock in taken:
+                sock.close()
+        return port
+    raise RuntimeError(f"no {count} consecutive free ports")

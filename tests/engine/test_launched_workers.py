@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from engine.messages import (
 )
 from tests.conftest import PINNED_LIMITS
 from tests.engine.test_pipeline_parallel import interact_once, payloads, run_sessions, start_engine, start_of
-from tests.support import Collected, collect, read_until
+from tests.support import Collected, collect, free_ports, read_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1})
@@ -36,20 +35,7 @@ SPEC = PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1})
 
 def free_port_pair() -> int:
     """A port P with P + 1 free too (control and results)."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port >= 65534:
-            continue
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
+    return free_ports(2)
 
 
 def torchrun(port: int, ranks: int, restarts: int) -> subprocess.Popen:

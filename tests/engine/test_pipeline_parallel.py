@@ -27,7 +27,7 @@ from engine.messages import (
     StartSession,
 )
 from tests.conftest import PINNED_LIMITS
-from tests.support import Collected, collect, read_until
+from tests.support import Collected, collect, free_ports, read_until
 
 SIZE = {"width": 32, "height": 32}
 SHARED = pytest.mark.asyncio(loop_scope="module")  # the tests that run on the module's engines
@@ -52,8 +52,9 @@ async def one_rank():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def two_ranks():
-    """Two ranks, forwards of up to 2 rows, shared like ``one_rank``."""
-    engine = await start_engine(2, max_batch_rows=2)
+    """Two ranks, forwards of up to 2 rows, shared like ``one_rank``; their
+    sockets on ports given (``pp_port``)."""
+    engine = await start_engine(2, max_batch_rows=2, pp_port=free_ports(2))
     yield engine
     await engine.shutdown()
 
@@ -255,3 +256,41 @@ async def test_batched_rows_cross_the_ring_as_one_forward(one_rank, two_ranks):
         assert rows > steps / 2 if pp == 1 else rows > steps / 4  # rows shared forwards
     assert [len(one) for one in frames[1]] == [3, 3]
     assert frames[1] == frames[2]
+
+
+@SHARED
+async def test_ranks_on_a_cpu_talk_only_on_the_ports_given(two_ranks):
+    """With ``pp_port`` rank 0's sockets are on that port and the follower's on
+    the next, and on a CPU (the ring on those sockets) the ranks join no
+    process group: every connection the follower has is to or from one of
+    those ports or the rendezvous store, and it listens on nothing once joined
+    (gloo would connect on ports of its own). So ranks on several machines
+    need only these ports and the rendezvous port open between them."""
+    import psutil
+
+    base = two_ranks.config.pp_port
+    ready = two_ranks.ready
+    (follower,) = ready.pipeline_ranks
+    rank0 = psutil.Process(ready.pid).net_connections("tcp")
+    (store,) = {c.laddr.port for c in rank0 if c.status == psutil.CONN_LISTEN}  # the group's rendezvous
+    assert any(c.laddr.port == base for c in rank0 if c.status == psutil.CONN_ESTABLISHED)
+    theirs = psutil.Process(follower).net_connections("tcp")
+    assert theirs and not [c for c in theirs if c.status == psutil.CONN_LISTEN]
+    assert any(c.laddr.port == base + 1 for c in theirs)  # accepted from rank 0
+    other = [c for c in theirs if c.laddr.port != base + 1 and (not c.raddr or c.raddr.port not in (base, store))]
+    assert not other, other
+    served = (await run_sessions(two_ranks, [start_of("ports", 3, 2)]))["ports"]
+    assert isinstance(served.end, SessionDone) and len(served.chunks) == 2
+
+
+async def test_a_rank_port_already_taken_fails_the_start_naming_it():
+    import socket
+
+    from engine.client import EngineStartupError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(EngineStartupError, match=f"pipeline rank 0 cannot listen on port {port}"):
+            await start_engine(2, pp_port=port)

@@ -106,6 +106,18 @@ def test_the_ranks_transport_reaches_the_engine_config_and_anything_else_is_refu
         EngineConfig(pipeline=PipelineSpec("tiny", {}), pp_transport="gloo")
 
 
+def test_the_ranks_ports_reach_the_engine_config_and_a_range_past_65535_is_refused_by_name():
+    from engine.config import EngineConfig, PipelineSpec
+    from server.app import engine_config
+
+    assert engine_config(settings_from(parse("--pp", "2"), {})).pp_port is None
+    assert engine_config(settings_from(parse("--pp", "2", "--pp-port", "29600"), {})).pp_port == 29600
+    with pytest.raises(SystemExit, match="pp_port must leave room for 2 ports: 1 to 65534, got 65535"):
+        settings_from(parse("--pp", "2", "--pp-port", "65535"), {})
+    with pytest.raises(ValueError, match="pp_port must leave room for 4 ports"):
+        EngineConfig(pipeline=PipelineSpec("tiny", {}), pp=4, pp_port=65533)
+
+
 def test_where_the_ranks_decode_reaches_the_engine_config_and_anything_else_is_refused_by_name():
     from engine.config import EngineConfig, PipelineSpec
     from server.app import engine_config

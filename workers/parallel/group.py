@@ -7,10 +7,11 @@ warms up; rank 0 measures the blocks' costs (on a CPU once every rank has
 loaded, ``wait_loaded``: a rank still loading shares the cores and made the
 costs, and so the split, vary from start to start); ``start`` then hands each its block
 range through a ``torch.distributed`` TCP store, joins them in one process
-group (gloo on a CPU, NCCL on GPUs), and connects the ranks' sockets
-(``workers.parallel.sockets``): the plans (msgpack of
-``engine.plan.MicroStep``) travel on them, and so does the ring on a CPU
-(``ring_link``: on GPUs, NCCL point-to-point).
+group where the ring travels on one (NCCL on GPUs, gloo with ``pp_transport``
+``torch``; ``uses_process_group``), and connects the ranks' sockets
+(``workers.parallel.sockets``, on ``pp_port`` + rank where that is set): the
+plans (msgpack of ``engine.plan.MicroStep``) travel on them, and so does the
+ring on a CPU (``ring_link``: on GPUs, NCCL point-to-point).
 
 One group lives and dies as one: a thread of rank 0 waits on the followers'
 process sentinels and, the moment one dies, calls ``on_death`` (the worker
@@ -96,10 +97,23 @@ def ring_link(config: EngineConfig, rank: int, sockets: RankSockets) -> RankSock
     """What the ring's messages travel on: the ranks' sockets on a CPU, NCCL
     point-to-point on GPUs (``pp_transport`` ``auto``), or ``torch.distributed``
     point-to-point either way (``torch``: gloo on a CPU)."""
-    device = rank_device(rank)
-    if config.pp_transport == "auto" and device.type == "cpu":
+    if not uses_process_group(config, rank):
         return sockets
-    return RingLink(rank, config.pp, config.pp_timeout_s, device)
+    return RingLink(rank, config.pp, config.pp_timeout_s, rank_device(rank))
+
+
+def uses_process_group(config: EngineConfig, rank: int) -> bool:
+    """Whether the ranks join a ``torch.distributed`` process group: only where
+    the ring's messages travel on it (``ring_link``). Without one, the ranks
+    need no ports beyond the rendezvous store's and their sockets'
+    (``rank_port``): gloo and NCCL open connections on ports of their own."""
+    return not (config.pp_transport == "auto" and rank_device(rank).type == "cpu")
+
+
+def rank_port(config: EngineConfig, rank: int) -> int:
+    """The TCP port rank ``rank``'s sockets listen on: ``pp_port`` + rank, or 0
+    (any free port) without ``pp_port``."""
+    return 0 if config.pp_port is None else config.pp_port + rank
 
 
 class RankGroup:
@@ -127,11 +141,12 @@ class RankGroup:
         Launched: they run already; listen where they will reach rank 0."""
         if self.site is not None:
             self._store = self.site.store
-            self.sockets.listen(self._store, self.site.advertise_host, bind_host="0.0.0.0")
+            host, port = self.site.advertise_host, rank_port(self.config, 0)
+            self.sockets.listen(self._store, host, bind_host="0.0.0.0", port=port)
             return
         timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
         store = self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=timeout, wait_for_workers=False)
-        self.sockets.listen(store, "127.0.0.1")
+        self.sockets.listen(store, "127.0.0.1", port=rank_port(self.config, 0))
         reader, self._keep_alive = multiprocessing.Pipe(duplex=False)
         spawn = multiprocessing.get_context("spawn")
         for rank in range(1, self.world):
@@ -160,8 +175,9 @@ class RankGroup:
         for rank in range(1, self.world):
             store.set(f"blocks/{rank}", f"{splits[rank].start},{splits[rank].stop}")
         self._wait_for("built", "kept its blocks")
-        backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
+        if uses_process_group(self.config, 0):
+            backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
         self.sockets.connect(store, self.config.startup_timeout_s)
         self.link = ring_link(self.config, 0, self.sockets)
         if self._processes:
@@ -283,14 +299,15 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     pipeline.chunks_in_flight = config.lookahead
     store.set(f"pid/{rank}", str(os.getpid()))
     store.set(f"built/{rank}", "1")
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
-    )
+    if uses_process_group(config, rank):
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     sockets = RankSockets(rank, world, config.pp_timeout_s)
+    port = rank_port(config, rank)
     if launched:
-        sockets.listen(store, advertised_host(os.environ.get("MASTER_ADDR")), bind_host="0.0.0.0")
+        sockets.listen(store, advertised_host(os.environ.get("MASTER_ADDR")), bind_host="0.0.0.0", port=port)
     else:
-        sockets.listen(store, "127.0.0.1")
+        sockets.listen(store, "127.0.0.1", port=port)
     sockets.connect(store, config.startup_timeout_s)
     link = ring_link(config, rank, sockets)
     follower = Follower(pipeline, link, range(*blocks))
@@ -311,7 +328,8 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
         os._exit(2)
     finally:
         sockets.close()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     os._exit(0)
 
 

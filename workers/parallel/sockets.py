@@ -313,11 +313,18 @@ class RankSockets:
 
     # -- joining -----------------------------------------------------------------
 
-    def listen(self, store, host: str, bind_host: str | None = None) -> None:
-        """Listen, and leave ``host:port`` in ``store`` for the ranks that write to this one."""
+    def listen(self, store, host: str, bind_host: str | None = None, port: int = 0) -> None:
+        """Listen on ``port`` (0: any free one), and leave ``host:port`` in
+        ``store`` for the ranks that write to this one. A port taken already
+        raises ``OSError`` naming it."""
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((bind_host or host, 0))
+        try:
+            listener.bind((bind_host or host, port))
+        except OSError as error:
+            listener.close()
+            why = f"pipeline rank {self.rank} cannot listen on port {port}: {error.strerror}"
+            raise OSError(error.errno, why) from None
         listener.listen(self.world)
         self._listener = listener
         store.set(f"sockets/{self.rank}", f"{host}:{listener.getsockname()[1]}")
