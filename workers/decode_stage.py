@@ -9,8 +9,9 @@ so its chunks come out in order while different sessions decode side by
 side. With ``batch``, a lane takes every decode waiting on it at once and
 decodes them in rounds of one chunk per session, each round one decoder
 batch (``ModelRunner.decode_many``): on a GPU the decodes that queued while
-a forward ran go through the VAE together. On a CPU the overlap is threads sharing the cores (it pays where the
-loop's own thread mostly waits, as rank 0's does on a pipeline ring); on a
+a forward ran go through the VAE together. On a CPU the overlap is threads
+sharing the cores (it pays where the loop's own thread mostly waits, as
+rank 0's does on a pipeline ring); on a
 GPU the pipeline decodes on a stream of its own per thread
 (``CausalWanPipeline.decode``), so the decode's kernels overlap the next
 chunk's forward.
