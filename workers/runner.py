@@ -301,12 +301,9 @@ class ModelRunner:
         """Commit the chunks of ``denoised`` (session, chunk index): in one pass
         where the pipeline commits batches (its optional ``commit_batch``), else,
         or when that raises, each alone. Returns those committed."""
-        commit_batch = getattr(self.pipeline, "commit_batch", None)
-        if len(denoised) > 1 and commit_batch is not None:
-            states = [self.states[sid] for sid, _ in denoised]
-            value, commit_ms = self._call_batch(
-                result, denoised, "commit", commit_batch, states, [index for _, index in denoised]
-            )
+        batched = self._batched(result, denoised, "commit", "commit_batch")
+        if batched is not None:
+            value, commit_ms = batched
             if value is _CANCELLED:
                 return []
             if value is not _FAILED:  # failed: the pipeline changed nothing, each commits alone below
@@ -338,12 +335,9 @@ class ModelRunner:
                     self._decodes_pending[sid] = self._decodes_pending.get(sid, 0) + 1
             result.decodes.extend(ended)
             return
-        decode_batch = getattr(self.pipeline, "decode_batch", None)
-        if len(ended) > 1 and decode_batch is not None:
-            states = [self.states[sid] for sid, _ in ended]
-            chunks, decode_ms = self._call_batch(
-                result, ended, "decode", decode_batch, states, [index for _, index in ended]
-            )
+        batched = self._batched(result, ended, "decode", "decode_batch")
+        if batched is not None:
+            chunks, decode_ms = batched
             if chunks is _CANCELLED:
                 return
             if chunks is not _FAILED:  # failed: the pipeline changed nothing, each chunk decodes alone below
@@ -360,6 +354,18 @@ class ModelRunner:
                 out = result.row(sid, index)
                 out.chunk = chunk
                 out.decode_ms += decode_ms
+
+    def _batched(
+        self, result: StepResult, keys: list[tuple[str, int]], stage: str, method: str
+    ) -> tuple[Any, float] | None:
+        """The pipeline's optional batched ``method`` (``commit_batch``,
+        ``decode_batch``) over the sessions and chunk indices of ``keys``, through
+        ``_call_batch``; None where there are fewer than two or it has none."""
+        function = getattr(self.pipeline, method, None)
+        if len(keys) < 2 or function is None:
+            return None
+        states = [self.states[sid] for sid, _ in keys]
+        return self._call_batch(result, keys, stage, function, states, [index for _, index in keys])
 
     def _call_batch(
         self, result: StepResult, keys: list[tuple[str, int]], stage: str, function: Callable, *args: Any

@@ -1,7 +1,7 @@
 """Several sessions' commit passes in one forward (``commit_batch``) leave every
 session's KV cache bit for bit as its own commit does, all or nothing, and
-the runner commits the chunks that end together that way, falling back to
-one commit each when the batch raises."""
+the runner commits (and decodes) the chunks that end together that way,
+falling back to one call each when the batch raises."""
 
 from __future__ import annotations
 
@@ -9,24 +9,16 @@ import pytest
 import torch
 
 from engine.messages import StartSession
+from tests.model.test_batched_rows import denoised
 from tests.model.test_causal_wan import driver_for, open_session, release, run_chunk
 from workers.pipelines import causal_wan
-from workers.pipelines.base import Abandoned, BatchRow, StepBatch, abandon_when
+from workers.pipelines.base import Abandoned, abandon_when
 from workers.pipelines.causal_wan import build
 
 
 @pytest.fixture(scope="module")
 def pipeline():
     return build("tiny", device="cpu", max_batch_rows=4, warm_up_chunks=0)
-
-
-def _denoised(pipeline, state, index: int) -> None:
-    """Prepare and denoise chunk ``index`` of ``state``, leaving it uncommitted."""
-    pipeline.boundary(state, index)
-    for step in range(len(state.timesteps)):
-        row = BatchRow(state.session_id, index, step)
-        [prediction] = pipeline.forward(StepBatch((row,)), [state])
-        pipeline.sampler_step(state, row, prediction)
 
 
 def _pairs(pipeline, name: str, specs):
@@ -41,7 +33,7 @@ def _pairs(pipeline, name: str, specs):
             )
             for _ in range(chunks):
                 run_chunk(pipeline, state)
-            _denoised(pipeline, state, chunks)
+            denoised(pipeline, state, chunks)
             pair.append(state)
         pairs.append((tuple(pair), chunks))
     return pairs
@@ -123,18 +115,19 @@ def test_a_batched_commit_that_fails_or_is_abandoned_changes_no_cache(pipeline, 
     _release(pipeline, pairs)
 
 
-def test_the_runner_commits_chunks_ending_together_in_one_pass_and_a_failing_one_alone(pipeline, monkeypatch):
+@pytest.mark.parametrize("stage", ["commit", "decode"])
+def test_the_runner_batches_chunks_ending_together_and_a_failing_one_fails_alone(pipeline, monkeypatch, stage):
     """Rows whose chunks a forward finishes together commit through one
-    ``commit_batch``; when it raises, each commits alone, and only the session
-    whose commit fails alone fails."""
+    ``commit_batch`` and decode through one ``decode_batch``; when the batch
+    raises, each runs alone, and only the session whose own call fails fails."""
     from engine.plan import BoundaryTask, MicroStep, StepRow
     from workers.runner import ModelRunner
 
     runner = ModelRunner(pipeline)
-    starts = [StartSession(session_id=f"rc{i}", prompt="p", seed=i, num_inference_steps=1) for i in range(3)]
+    starts = [StartSession(session_id=f"{stage}{i}", prompt="p", seed=i, num_inference_steps=1) for i in range(3)]
     batches = []
-    real_batch = pipeline.commit_batch
-    monkeypatch.setattr(pipeline, "commit_batch", lambda s, i: batches.append(len(s)) or real_batch(s, i))
+    real_batch = getattr(pipeline, f"{stage}_batch")
+    monkeypatch.setattr(pipeline, f"{stage}_batch", lambda s, i: batches.append(len(s)) or real_batch(s, i))
 
     def micro(number: int, chunk: int) -> MicroStep:
         step = MicroStep(number=number, ranks=[[StepRow(s.session_id, chunk, 0, 1) for s in starts]])
@@ -150,19 +143,20 @@ def test_the_runner_commits_chunks_ending_together_in_one_pass_and_a_failing_one
     def broken_batch(sessions, indices):
         raise RuntimeError("batch broke")
 
-    real_commit = pipeline.commit
+    real_alone, failing = getattr(pipeline, stage), starts[1].session_id
 
-    def commit(session, index, *rest):
-        if session.session_id == "rc1":
-            raise RuntimeError("rc1's commit broke")
-        return real_commit(session, index, *rest)
+    def alone(session, index, *rest):
+        if session.session_id == failing:
+            raise RuntimeError(f"{failing}'s {stage} broke")
+        return real_alone(session, index, *rest)
 
-    monkeypatch.setattr(pipeline, "commit_batch", broken_batch)
-    monkeypatch.setattr(pipeline, "commit", commit)
+    monkeypatch.setattr(pipeline, f"{stage}_batch", broken_batch)
+    monkeypatch.setattr(pipeline, stage, alone)
     result = runner.execute(micro(2, 1))
     rows = {sid: row for (sid, _), row in result.rows.items()}
-    assert rows["rc0"].committed and rows["rc2"].committed
-    assert rows["rc0"].chunk is not None and rows["rc2"].chunk is not None
-    assert not rows["rc1"].committed and "rc1's commit broke" in rows["rc1"].error
-    assert "rc1" not in runner.states  # failed and released; the others go on
-    runner.execute(MicroStep(number=3, release=["rc0", "rc2"]))
+    for ok in (starts[0].session_id, starts[2].session_id):
+        assert rows[ok].committed and rows[ok].chunk is not None and rows[ok].error is None
+    assert rows[failing].chunk is None and f"{failing}'s {stage} broke" in rows[failing].error
+    assert rows[failing].committed == (stage == "decode")
+    assert failing not in runner.states  # failed and released; the others go on
+    runner.execute(MicroStep(number=3, release=[starts[0].session_id, starts[2].session_id]))

@@ -202,13 +202,18 @@ def test_a_chunk_batched_on_a_pipeline_that_is_not_batch_invariant_is_reported_i
     runner.execute(MicroStep(number=3, release=[s.session_id for s in starts]))
 
 
-def _committed(pipeline, state, index: int) -> None:
-    """Denoise and commit chunk ``index`` of ``state``, leaving it undecoded."""
+def denoised(pipeline, state, index: int) -> None:
+    """Prepare and denoise chunk ``index`` of ``state``, leaving it uncommitted."""
     pipeline.boundary(state, index)
     for step in range(len(state.timesteps)):
         row = BatchRow(state.session_id, index, step)
         [prediction] = pipeline.forward(StepBatch((row,)), [state])
         pipeline.sampler_step(state, row, prediction)
+
+
+def _committed(pipeline, state, index: int) -> None:
+    """Denoise and commit chunk ``index`` of ``state``, leaving it undecoded."""
+    denoised(pipeline, state, index)
     pipeline.commit(state, index)
 
 
@@ -300,45 +305,3 @@ def test_a_batched_decode_that_fails_or_is_abandoned_changes_no_session(pipeline
     for pair in pairs:
         for state in pair:
             release(pipeline, state)
-
-
-def test_the_runner_decodes_chunks_ending_together_in_one_batch_and_a_failing_one_alone(pipeline, monkeypatch):
-    """Chunks that end in one forward decode through one ``decode_batch``; when
-    it raises, each decodes alone, and only the session that fails alone fails."""
-    from engine.plan import BoundaryTask, MicroStep, StepRow
-    from workers.runner import ModelRunner
-
-    runner = ModelRunner(pipeline)
-    starts = [StartSession(session_id=f"rb{i}", prompt="p", seed=i, num_inference_steps=1) for i in range(3)]
-    batches = []
-    real_batch = pipeline.decode_batch
-    monkeypatch.setattr(pipeline, "decode_batch", lambda s, i: batches.append(len(s)) or real_batch(s, i))
-
-    def micro(number: int, chunk: int) -> MicroStep:
-        step = MicroStep(number=number, ranks=[[StepRow(s.session_id, chunk, 0, 1) for s in starts]])
-        step.boundaries = [BoundaryTask(s.session_id, chunk, None, 0) for s in starts]
-        return step
-
-    first = micro(1, 0)
-    first.open = starts
-    result = runner.execute(first)
-    assert batches == [3] and all(row.chunk is not None and row.error is None for row in result.rows.values())
-
-    def broken_batch(sessions, indices):
-        raise RuntimeError("batch broke")
-
-    real_decode = pipeline.decode
-
-    def decode(session, index):
-        if session.session_id == "rb1":
-            raise RuntimeError("rb1's decode broke")
-        return real_decode(session, index)
-
-    monkeypatch.setattr(pipeline, "decode_batch", broken_batch)
-    monkeypatch.setattr(pipeline, "decode", decode)
-    result = runner.execute(micro(2, 1))
-    rows = {sid: row for (sid, _), row in result.rows.items()}
-    assert rows["rb0"].chunk is not None and rows["rb2"].chunk is not None
-    assert rows["rb1"].chunk is None and "rb1's decode broke" in rows["rb1"].error
-    assert "rb1" not in runner.states  # failed and released; the others go on
-    runner.execute(MicroStep(number=3, release=["rb0", "rb2"]))
