@@ -19,7 +19,8 @@ own thread mostly waits for its part of the ring.
 
 ``RankDecodeStage`` (rank 0) has ``workers.decode_stage.DecodeStage``'s
 interface and takes its place in the executor. A session placed on rank 0
-decodes on a local lane as before; one placed on rank r: the committed
+decodes on a local lane as before (batching what waits on it where the
+pipeline batches decodes); one placed on rank r: the committed
 chunk's clean latent (``ModelRunner.hand_off_decode``) goes to rank r in a
 ``DECODE`` frame, and a thread per follower waits for its ``DECODED``
 frames and hands each ``DecodeResult`` on, as a local lane would. A
@@ -61,7 +62,7 @@ from collections.abc import Callable
 import torch
 
 from engine.plan import ChunkOutput, DecodeResult
-from workers.decode_stage import DecodeStage
+from workers.decode_stage import DecodeStage, decodes_batch
 from workers.ordered_thread import OrderedThread
 from workers.parallel.link import LinkTimeout, Message
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, RankSockets
@@ -94,7 +95,7 @@ class RankDecodeStage:
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
         # Rank 0's own decodes (spread only: a split decode always ends on a follower).
-        self._local = None if split else DecodeStage(runner, on_done, lanes=1)
+        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=decodes_batch(runner.pipeline))
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
