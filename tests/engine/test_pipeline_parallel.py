@@ -283,14 +283,19 @@ async def test_ranks_on_a_cpu_talk_only_on_the_ports_given(two_ranks):
     assert isinstance(served.end, SessionDone) and len(served.chunks) == 2
 
 
-async def test_a_rank_port_already_taken_fails_the_start_naming_it():
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_a_rank_port_already_taken_fails_the_start_naming_it(rank):
+    """Rank 0's own, or a follower's (which says so in the store, so rank 0 fails
+    the start with its reason at once instead of waiting out the start-up)."""
     import socket
 
     from engine.client import EngineStartupError
 
+    base = free_ports(2)
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", base + rank))
         taken.listen(1)
-        port = taken.getsockname()[1]
-        with pytest.raises(EngineStartupError, match=f"pipeline rank 0 cannot listen on port {port}"):
-            await start_engine(2, pp_port=port)
+        began = time.monotonic()
+        with pytest.raises(EngineStartupError, match=f"pipeline rank {rank} cannot listen on port {base + rank}"):
+            await start_engine(2, pp_port=base)
+        assert time.monotonic() - began < 60  # the start-up timeout is 120 s

@@ -178,6 +178,7 @@ class RankGroup:
         if uses_process_group(self.config, 0):
             backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
             dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
+        self._wait_for("sockets", "listening on their sockets")
         self.sockets.connect(store, self.config.startup_timeout_s)
         self.link = ring_link(self.config, 0, self.sockets)
         if self._processes:
@@ -189,6 +190,9 @@ class RankGroup:
         deadline = time.monotonic() + self.config.startup_timeout_s
         keys = [f"{key}/{rank}" for rank in range(1, self.world)]
         while not self._store.check(keys):
+            for rank in range(1, self.world):
+                if self._store.check([f"failed/{rank}"]):  # it said why it could not start
+                    raise RuntimeError(self._store.get(f"failed/{rank}").decode())
             for rank, process in enumerate(self._processes, start=1):
                 if not process.is_alive():
                     raise RuntimeError(f"pipeline rank {rank} exited with code {process.exitcode} while starting")
@@ -304,10 +308,14 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     sockets = RankSockets(rank, world, config.pp_timeout_s)
     port = rank_port(config, rank)
-    if launched:
-        sockets.listen(store, advertised_host(os.environ.get("MASTER_ADDR")), bind_host="0.0.0.0", port=port)
-    else:
-        sockets.listen(store, "127.0.0.1", port=port)
+    try:
+        if launched:
+            sockets.listen(store, advertised_host(os.environ.get("MASTER_ADDR")), bind_host="0.0.0.0", port=port)
+        else:
+            sockets.listen(store, "127.0.0.1", port=port)
+    except OSError as error:  # rank 0 reads this while it waits for the ranks' sockets, and fails the start with it
+        store.set(f"failed/{rank}", str(error))
+        raise
     sockets.connect(store, config.startup_timeout_s)
     link = ring_link(config, rank, sockets)
     follower = Follower(pipeline, link, range(*blocks))
