@@ -180,27 +180,18 @@ class ModelRunner:
         decode_batch = getattr(self.pipeline, "decode_batch", None)
         if decode_batch is None:
             return None
-        self._sync("decode")
-        started = perf_counter()
-        try:
-            with abandon_when(self.stop_check(sid for sid, _ in keys)):
-                chunks = decode_batch([self.states[sid] for sid, _ in keys], [index for _, index in keys])
-        except Abandoned:  # every session is stopping
-            chunks = [None] * len(keys)
-        except Exception:
-            log.warning("a batched decode of %d chunks failed; decoding each alone", len(keys), exc_info=True)
+        indices = [index for _, index in keys]
+        chunks, seconds = self._run_batch(
+            keys, "decode", lambda: decode_batch([self.states[sid] for sid, _ in keys], indices)
+        )
+        if chunks is _FAILED:
             return None
-        self._sync("decode")
-        ms = (perf_counter() - started) * 1000.0
-        results = []
-        for (sid, index), chunk in zip(keys, chunks, strict=True):
+        for sid, _ in keys:
             self.decode_returned(sid)
-            if chunk is None:
-                results.append(DecodeResult(sid, index, None, 0.0, cancelled=True))
-            else:
-                self._report(sid, "decode", ms, None)
-                results.append(DecodeResult(sid, index, chunk, ms / len(keys)))
-        return results
+        if chunks is _CANCELLED:  # every session is stopping
+            return [DecodeResult(sid, index, None, 0.0, cancelled=True) for sid, index in keys]
+        share = seconds * 1000.0 / len(keys)
+        return [DecodeResult(sid, index, chunk, share) for (sid, index), chunk in zip(keys, chunks, strict=True)]
 
     def hand_off_decode(self, session_id: str, chunk_index: int) -> Any:
         """For a decode another rank runs (``workers.parallel.rank_decode``): the
@@ -370,9 +361,22 @@ class ModelRunner:
     def _call_batch(
         self, result: StepResult, keys: list[tuple[str, int]], stage: str, function: Callable, *args: Any
     ) -> tuple[Any, float]:
+        """``_run_batch`` within a micro-step: its time goes to the micro-step's
+        pipeline time, and an abandoned call's rows are cancelled; returns (its
+        value, ms), 0 ms unless it ran."""
+        value, seconds = self._run_batch(keys, stage, function, *args)
+        result.pipeline_s += seconds
+        if value is _CANCELLED:
+            for sid, index in keys:
+                result.row(sid, index).cancelled = True
+        if value is _CANCELLED or value is _FAILED:
+            return value, 0.0
+        return value, seconds * 1000.0
+
+    def _run_batch(self, keys: list[tuple[str, int]], stage: str, function: Callable, *args: Any) -> tuple[Any, float]:
         """One pipeline call for several rows (``keys``: session, chunk index),
-        timed and reported for each row; returns (its value, ms). Abandoned once
-        every row's session is stopping: the rows are cancelled and the value is
+        timed and, when it ran, reported for each row; returns (its value,
+        seconds). Abandoned once every row's session is stopping: the value is
         ``_CANCELLED``. When it raises the value is ``_FAILED`` and nothing is
         failed here: the caller runs each row alone to find which one fails."""
         self._sync(stage)
@@ -381,20 +385,15 @@ class ModelRunner:
             with abandon_when(self.stop_check(sid for sid, _ in keys)):
                 value = function(*args)
         except Abandoned:
-            result.pipeline_s += perf_counter() - started
-            for sid, index in keys:
-                result.row(sid, index).cancelled = True
-            return _CANCELLED, 0.0
+            return _CANCELLED, perf_counter() - started
         except Exception:
             log.warning("a batched %s of %d rows failed; running each alone", stage, len(keys), exc_info=True)
-            result.pipeline_s += perf_counter() - started
-            return _FAILED, 0.0
+            return _FAILED, perf_counter() - started
         self._sync(stage)
-        ms = (perf_counter() - started) * 1000.0
-        result.pipeline_s += ms / 1000.0
+        seconds = perf_counter() - started
         for sid, _ in keys:
-            self._report(sid, stage, ms, None)
-        return value, ms
+            self._report(sid, stage, seconds * 1000.0, None)
+        return value, seconds
 
     def _call(
         self,
