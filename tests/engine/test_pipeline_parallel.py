@@ -246,13 +246,14 @@ async def test_batched_rows_cross_the_ring_as_one_forward(one_rank, two_ranks):
     starts = [start_of("ba", 1, 3), start_of("bb", 2, 3)]
     frames = {}
     for pp, engine in ((1, one_rank), (2, two_ranks)):
-        before = (await engine.probe(), engine.stats)[1]
+        before = (await engine.probe(), engine.stats)[1]  # None on an engine that has run no micro-step yet
+        rows_before, steps_before = (before.rows, before.micro_steps) if before is not None else (0, 0)
         handles = [await engine.start_session(start) for start in starts]
         results = await asyncio.gather(*(collect(handle, timeout=120) for handle in handles))
         after = (await engine.probe(), engine.stats)[1]
         frames[pp] = [payloads(result) for result in results]
         assert all(isinstance(result.end, SessionDone) for result in results)
-        rows, steps = after.rows - before.rows, after.micro_steps - before.micro_steps
+        rows, steps = after.rows - rows_before, after.micro_steps - steps_before
         assert rows > steps / 2 if pp == 1 else rows > steps / 4  # rows shared forwards
     assert [len(one) for one in frames[1]] == [3, 3]
     assert frames[1] == frames[2]
