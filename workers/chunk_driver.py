@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from engine.messages import StartSession
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, MicroStep, StepResult, StepRow
-from workers.decode_stage import DecodeStage, decodes_batch
+from workers.decode_stage import DecodeStage, decode_batch_rows
 from workers.pipelines.base import ChunkPipeline, SessionState
 from workers.runner import ModelRunner, StageCall
 
@@ -50,7 +50,7 @@ class ChunkDriver:
         self._decoded: queue.SimpleQueue[DecodeResult] = queue.SimpleQueue()
         if overlap_decode:
             self.runner.defer_decode = True
-            self._decoder = DecodeStage(self.runner, self._decoded.put, batch=decodes_batch(pipeline))
+            self._decoder = DecodeStage(self.runner, self._decoded.put, batch=decode_batch_rows(pipeline))
 
     def open(self, *starts: StartSession) -> list[SessionState]:
         """Open sessions (one micro-step); returns their pipeline states."""

@@ -49,13 +49,13 @@ class LocalExecutor:
         threaded: bool = True,
         overlap_decode: bool = True,
         decode_lanes: int = 1,
-        batch_decodes: bool = False,
+        batch_decodes: int = 1,
         decode_stage: Callable[[ModelRunner, Callable[[DecodeResult], None]], DecodeStage] | None = None,
     ) -> None:
         """``decode_stage``: builds the decode stage from the runner and the
         callback for its results (default: ``DecodeStage`` with ``decode_lanes``
-        lanes, each decoding what waits on it in batches with
-        ``batch_decodes``); anything with its ``submit`` / ``forget`` /
+        lanes, each decoding what waits on it in batches of at most
+        ``batch_decodes`` chunks); anything with its ``submit`` / ``forget`` /
         ``close`` and ``decodes`` (chunks decoded per rank, for ``rank_figures``)."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")

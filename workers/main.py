@@ -44,7 +44,7 @@ from engine.messages import (
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
 from workers.calibrate import Calibration, calibrate
-from workers.decode_stage import decodes_batch
+from workers.decode_stage import decode_batch_rows
 from workers.executor import LocalExecutor
 from workers.parallel.group import decode_placement
 from workers.parallel.ring import RingRunner
@@ -139,7 +139,7 @@ def run_worker(
         control.wake,
         overlap_decode=overlap,
         decode_lanes=lanes,
-        batch_decodes=decodes_batch(pipeline),
+        batch_decodes=decode_batch_rows(pipeline),
         decode_stage=stage,
     )
     loop = EngineLoop(
@@ -283,9 +283,9 @@ def _overlap_decode(config: EngineConfig, pipeline) -> bool:
 def _align_chunks(config: EngineConfig, pipeline) -> bool:
     """Whether the scheduler lines sessions up so that their chunks end together
     (``ChunkScheduler`` ``align_chunks``): on one rank whose chunks that end
-    together commit and decode as one batch, in line or on the decode stage
-    (``decodes_batch``)."""
-    return config.pp == 1 and decodes_batch(pipeline)
+    together commit and decode as one batch, in line or on the decode stage:
+    it takes batched forwards and has ``decode_batch``."""
+    return config.pp == 1 and pipeline.max_batch_rows > 1 and hasattr(pipeline, "decode_batch")
 
 
 def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock, site=None):

@@ -7,7 +7,11 @@ in process, chunk after chunk (its copy of the session carries the decoder's
 causal cache from one chunk to the next); a cancel that came first, or one
 that arrives while a chunk decodes, ends that chunk's decode as cancelled
 and the thread serves the next request; a session it does not hold is an
-error naming it, not a hang.
+error naming it, not a hang. Whole chunks that wait for the thread together
+decode in batches (``decode_latents``, at most ``decode_batch_rows``, a
+session's chunks in order), each chunk's frames bit for bit its own decode's;
+a cancelled session is left out of its batch and a batch that raises falls
+back to one decode each.
 
 A split decode (``pp_decode`` ``split``): rank 0's part of the decoder made
 here, each latent frame's activation sent as a part and the chunk ended by a
@@ -114,6 +118,84 @@ def test_a_cancel_ends_a_decode_and_the_next_request_is_served(pipelines, served
     finally:
         for state in states.values():
             pipelines[1].release(state)
+
+
+def test_whole_chunks_that_wait_together_decode_as_batches_with_their_own_frames(pipelines, served, monkeypatch):
+    rank0, states, _ = served
+    sessions = ("a", "b", "c")
+    here = {sid: open_on(pipelines[0], sid) for sid in sessions}
+    states.update({sid: open_on(pipelines[1], sid) for sid in (*sessions, "blocker")})
+    generator = torch.Generator().manual_seed(11)
+    latents = {
+        (sid, chunk): torch.randn(here[sid].latent_shape, generator=generator) for chunk in (0, 1) for sid in sessions
+    }
+    expected = {key: pipelines[0].decode_latent(here[key[0]], latent).payload for key, latent in latents.items()}
+    batches: list[list[str]] = []
+    real = pipelines[1].decode_latents
+
+    def decode_latents(sessions_, cleans):
+        names = [sid for sid, state in states.items() if any(state is s for s in sessions_)]
+        batches.append(sorted(names))
+        if names == ["a", "b"] and not broke:
+            broke.append(True)
+            raise RuntimeError("injected")
+        return real(sessions_, cleans)
+
+    broke: list[bool] = [True]  # not yet: the first test round must not break
+    monkeypatch.setattr(pipelines[1], "decode_latents", decode_latents)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold_first(module, args) -> None:  # the blocker's decode holds the thread until all is sent
+        if not entered.is_set():
+            entered.set()
+            assert gate.wait(60)
+
+    hook = pipelines[1].decoder.vae.decoder.mid_block.register_forward_pre_hook(hold_first)
+    try:
+        rank0.post(1, DECODE, 0, Message({"session": "blocker", "chunk": 0}, [torch.zeros(here["a"].latent_shape)]))
+        assert entered.wait(60)
+        for chunk in (0, 1):
+            for sid in sessions:
+                rank0.post(1, DECODE, chunk, Message({"session": sid, "chunk": chunk}, [latents[sid, chunk]]))
+        gate.set()
+        replies = [rank0.take(1, (DECODED,), None, 60.0, "decoded chunk")[1] for _ in range(7)]
+    finally:
+        hook.remove()
+    assert [r.header["session"] for r in replies][0] == "blocker"
+    assert batches == [["a", "b", "c"], ["a", "b", "c"]]  # chunk 0 of the three, then chunk 1: one batch each
+    got = {(r.header["session"], r.header["chunk"]): r for r in replies[1:]}
+    for key in latents:
+        assert got[key].header["error"] is None and not got[key].header["cancelled"]
+        assert got[key].tensors[0].numpy().tobytes() == expected[key], f"{key} differs from its own decode"
+    order = [(r.header["session"], r.header["chunk"]) for r in replies[1:]]
+    assert all(order.index((sid, 0)) < order.index((sid, 1)) for sid in sessions)
+
+    # A cancelled session is left out of its batch; a batch that raises decodes each alone.
+    broke.clear()
+    rank0.post(1, CANCEL, 0, Message({"session": "c"}, []))
+    entered.clear()
+    gate.clear()
+    hook = pipelines[1].decoder.vae.decoder.mid_block.register_forward_pre_hook(hold_first)
+    try:
+        rank0.post(1, DECODE, 1, Message({"session": "blocker", "chunk": 1}, [torch.zeros(here["a"].latent_shape)]))
+        assert entered.wait(60)
+        more = {(sid, 2): torch.randn(here[sid].latent_shape, generator=generator) for sid in sessions}
+        for (sid, chunk), latent in more.items():
+            rank0.post(1, DECODE, chunk, Message({"session": sid, "chunk": chunk}, [latent]))
+        gate.set()
+        replies = [rank0.take(1, (DECODED,), None, 60.0, "decoded chunk")[1] for _ in range(4)]
+    finally:
+        hook.remove()
+    got = {r.header["session"]: r for r in replies[1:]}
+    assert batches[2:] == [["a", "b"]] and broke == [True]  # c was not in it; it raised once
+    assert got["c"].header["cancelled"] and got["c"].header["frames"] is None
+    for sid in ("a", "b"):
+        assert got[sid].header["error"] is None
+        assert got[sid].tensors[0].numpy().tobytes() == pipelines[0].decode_latent(here[sid], more[sid, 2]).payload
+    for state in [*here.values()]:
+        pipelines[0].release(state)
+    for state in states.values():
+        pipelines[1].release(state)
 
 
 def test_a_session_the_rank_does_not_hold_is_an_error_naming_it(served):

@@ -1,8 +1,9 @@
-"""The decode stage with ``batch`` (``workers.decode_stage``): the deferred decodes
-waiting on a lane go through the VAE decoder together, in rounds of one chunk
-per session, each session's chunks in order and bit for bit the frames each
-decodes alone; a stopping session's chunk is cancelled, not decoded, and a
-batch that raises falls back to one decode each."""
+"""The decode stage with ``batch`` rows (``workers.decode_stage``): the deferred
+decodes waiting on a lane go through the VAE decoder together, in rounds of
+one chunk per session, batches of at most ``batch`` chunks, each session's
+chunks in order and bit for bit the frames each decodes alone; a stopping
+session's chunk is cancelled, not decoded, and a batch that raises falls
+back to one decode each. ``decode_batch_rows``: how many a pipeline batches."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from engine.messages import StartSession
 from engine.plan import BoundaryTask, MicroStep, StepRow
 from tests.model.test_causal_wan import open_session, release, run_chunk
-from workers.decode_stage import DecodeStage, decodes_batch
+from workers.decode_stage import CPU_DECODE_ROWS, DecodeStage, batch_rounds, decode_batch_rows
 from workers.pipelines.causal_wan import build
 from workers.runner import ModelRunner
 
@@ -54,7 +55,7 @@ def _committed_runner(pipeline, sessions, chunks: int) -> ModelRunner:
     return runner
 
 
-def _blocked_lane(pipeline, runner, monkeypatch, batch_lengths: list[int]):
+def _blocked_lane(pipeline, runner, monkeypatch, batch_lengths: list[int], rows: int = 4):
     """A batching decode stage whose lane is busy with a blocker's decode until
     the returned gate is set, so that what is submitted meanwhile waits on it."""
     real_decode, real_batch = pipeline.decode, pipeline.decode_batch
@@ -69,14 +70,34 @@ def _blocked_lane(pipeline, runner, monkeypatch, batch_lengths: list[int]):
     monkeypatch.setattr(pipeline, "decode", decode)
     monkeypatch.setattr(pipeline, "decode_batch", lambda s, i: batch_lengths.append(len(s)) or real_batch(s, i))
     done = []
-    stage = DecodeStage(runner, done.append, batch=True)
+    stage = DecodeStage(runner, done.append, batch=rows)
     stage.submit("blocker", 0)
     assert entered.wait(60)
     return stage, gate, done
 
 
+def test_how_many_chunks_a_pipeline_decodes_in_one_batch(pipeline):
+    assert decode_batch_rows(pipeline) == 4  # max_batch_rows on this CPU pipeline
+    one_row = build("tiny", device="cpu", max_batch_rows=1, warm_up_chunks=0)
+    assert decode_batch_rows(one_row) == CPU_DECODE_ROWS  # on a CPU, batches whatever rows a forward takes
+    assert decode_batch_rows(object()) == 1  # no decode_batch: each decodes alone
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        DecodeStage(ModelRunner(pipeline), print, batch=0)
+
+
+def test_batch_rounds_keep_each_sessions_order_and_the_bound():
+    items = [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("d", 0), ("a", 2), ("b", 1)]
+    assert batch_rounds(items, 4) == [[("a", 0), ("b", 0), ("c", 0), ("d", 0)], [("a", 1), ("b", 1)], [("a", 2)]]
+    assert batch_rounds(items, 2) == [
+        [("a", 0), ("b", 0)],
+        [("c", 0), ("d", 0)],
+        [("a", 1), ("b", 1)],
+        [("a", 2)],
+    ]
+    assert batch_rounds(items, 1) == [[item] for item in sorted(items, key=lambda i: (i[1], "abcd".index(i[0])))]
+
+
 def test_decodes_waiting_on_a_lane_decode_in_rounds_of_one_batch(pipeline, alone, monkeypatch):
-    assert decodes_batch(pipeline)
     runner = _committed_runner(pipeline, ["blocker", *SESSIONS], chunks=2)
     batches: list[int] = []
     stage, gate, done = _blocked_lane(pipeline, runner, monkeypatch, batches)
@@ -94,6 +115,21 @@ def test_decodes_waiting_on_a_lane_decode_in_rounds_of_one_batch(pipeline, alone
         assert [r.chunk_index for r in by_session[sid]] == [0, 1]  # in order
         assert [r.chunk.payload for r in by_session[sid]] == alone[sid]  # bit for bit its own decodes
     assert stage.decodes == [7]  # the blocker's first chunk, then the three sessions' two
+    runner.execute(MicroStep(number=9, release=["blocker", *SESSIONS]))
+
+
+def test_a_lane_batches_no_more_chunks_than_its_bound(pipeline, alone, monkeypatch):
+    runner = _committed_runner(pipeline, ["blocker", *SESSIONS], chunks=1)
+    batches: list[int] = []
+    stage, gate, done = _blocked_lane(pipeline, runner, monkeypatch, batches, rows=2)
+    for sid in SESSIONS:
+        stage.submit(sid, 0)
+    gate.set()
+    stage.close()
+    assert batches == [2]  # da and db as one batch; dc decodes alone after them
+    results = {r.session_id: r for r in done if r.session_id != "blocker"}
+    for sid in SESSIONS:
+        assert results[sid].error is None and results[sid].chunk.payload == alone[sid][0]
     runner.execute(MicroStep(number=9, release=["blocker", *SESSIONS]))
 
 

@@ -62,7 +62,7 @@ from collections.abc import Callable
 import torch
 
 from engine.plan import ChunkOutput, DecodeResult
-from workers.decode_stage import DecodeStage, decodes_batch
+from workers.decode_stage import DecodeStage, batch_rounds, decode_batch_rows
 from workers.ordered_thread import OrderedThread
 from workers.parallel.link import LinkTimeout, Message
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, RankSockets
@@ -95,7 +95,7 @@ class RankDecodeStage:
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
         # Rank 0's own decodes (spread only: a split decode always ends on a follower).
-        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=decodes_batch(runner.pipeline))
+        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=decode_batch_rows(runner.pipeline))
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
@@ -273,6 +273,8 @@ class DecodeServer:
         self._pipeline = pipeline
         self._states = states
         self._sockets = sockets
+        # the most whole chunks one batched decode takes (1: each alone)
+        self._rows = decode_batch_rows(pipeline) if hasattr(pipeline, "decode_latents") else 1
         self._cancelled: set[str] = set()
         self._split: dict[tuple[str, int], _SplitChunk] = {}  # split chunks whose last part has not come
         self._closing = threading.Event()
@@ -290,25 +292,82 @@ class DecodeServer:
     def _serve(self) -> None:
         while not self._closing.is_set():
             try:
-                kind, message = self._sockets.take(0, (DECODE, CANCEL), None, POLL_S, "decode request")
+                requests = [self._sockets.take(0, (DECODE, CANCEL), None, POLL_S, "decode request")]
+                while self._rows > 1:  # what came meanwhile, without waiting: its whole decodes batch
+                    try:
+                        requests.append(self._sockets.take(0, (DECODE, CANCEL), None, 0.0, "decode request"))
+                    except LinkTimeout:
+                        break
             except LinkTimeout:
                 continue
             except Exception:  # rank 0 is gone: this process ends with it
                 return
+            try:
+                self._handle(requests)
+            except Exception:  # a reply could not be sent: rank 0 is gone
+                return
+
+    def _handle(self, requests: list[tuple[int, Message]]) -> None:
+        """Requests in the order they came: cancels, split parts, and whole
+        decodes, which wait to go together (``_decode_whole``) until a split
+        part or the end of the list."""
+        whole: list[tuple[str, int, torch.Tensor]] = []
+        for kind, message in requests:
             sid = message.header["session"]
             if kind == CANCEL:
                 self._cancelled.add(sid)
                 continue
             chunk_index = int(message.header["chunk"])
-            if "split" in message.header:
-                reply = self._split_part(sid, chunk_index, message)
-            else:
-                reply = self._decode(sid, chunk_index, message.tensors[0])
+            if "split" not in message.header:
+                whole.append((sid, chunk_index, message.tensors[0]))
+                continue
+            self._decode_whole(whole)
+            whole = []
+            reply = self._split_part(sid, chunk_index, message)
+            if reply is not None:
+                self._sockets.post(0, DECODED, chunk_index, reply)
+        self._decode_whole(whole)
+
+    def _decode_whole(self, requests: list[tuple[str, int, torch.Tensor]]) -> None:
+        """Whole chunks (session, chunk index, clean latent), in rounds of
+        batches of at most ``_rows`` (``batch_rounds``: a session's chunks in
+        order), each answered as its batch ends."""
+        for batch in batch_rounds(requests, self._rows):
+            for (_, chunk_index, _), reply in zip(batch, self._decode_batch(batch), strict=True):
+                self._sockets.post(0, DECODED, chunk_index, reply)
+
+    def _decode_batch(self, batch: list[tuple[str, int, torch.Tensor]]) -> list[Message]:
+        """One batch of whole chunks through ``decode_latents``; a session whose
+        cancel came is answered cancelled and left out; the batch is abandoned
+        once every session in it is cancelled; when it raises, each chunk
+        decodes alone, so only a chunk that fails on its own gets an error."""
+        replies: dict[int, Message] = {}
+        wanted: list[int] = []
+        for row, (sid, chunk_index, _) in enumerate(batch):
+            if sid in self._cancelled or self._cancel_arrived(sid):
+                replies[row] = _reply(sid, chunk_index, None, 0.0, None, True)
+            elif sid in self._states:
+                wanted.append(row)
+        if len(wanted) > 1:
+            sessions = [self._states[batch[row][0]] for row in wanted]
+            began = time.perf_counter()
             try:
-                if reply is not None:
-                    self._sockets.post(0, DECODED, chunk_index, reply)
+                with abandon_when(lambda: all(self._cancel_arrived(batch[row][0]) for row in wanted)):
+                    chunks = self._pipeline.decode_latents(sessions, [batch[row][2] for row in wanted])
+            except Abandoned:
+                chunks = [None] * len(wanted)
             except Exception:
-                return
+                log.warning("a batched decode of %d chunks failed; decoding each alone", len(wanted), exc_info=True)
+                chunks = None
+            if chunks is not None:
+                share = (time.perf_counter() - began) * 1000.0 / len(wanted)
+                for row, chunk in zip(wanted, chunks, strict=True):
+                    sid, chunk_index, _ = batch[row]
+                    replies[row] = _reply(sid, chunk_index, chunk, share, None, chunk is None)
+        for row, (sid, chunk_index, clean) in enumerate(batch):
+            if row not in replies:
+                replies[row] = self._decode(sid, chunk_index, clean)
+        return [replies[row] for row in range(len(batch))]
 
     def _decode(self, sid: str, chunk_index: int, clean: torch.Tensor) -> Message:
         began = time.perf_counter()

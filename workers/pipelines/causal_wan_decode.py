@@ -15,6 +15,7 @@ causal feature cache lives in the session), in three placements:
   cache slots of its own stages.
 
 All three give the same frames, bit for bit, on one device. ``decode_batch``
+(and ``decode_latents``, for the rank a session's decodes were given to)
 decodes several sessions' chunks through one decoder batch each group of
 them whose decoders are at the same point (on a CPU, bit for bit what each
 decodes alone).
@@ -62,24 +63,21 @@ class CausalWanDecoding:
         if len({id(session) for session in sessions}) != len(sessions):
             raise ValueError("decode_batch takes one chunk of each session")
         chunks = [session.chunk_to_decode(index) for session, index in zip(sessions, chunk_indices, strict=True)]
-        groups: dict[tuple, list[int]] = {}
-        for row, (session, chunk) in enumerate(zip(sessions, chunks, strict=True)):
-            key = (tuple(chunk.clean.shape), session.decoded_any, self.decoder.cache_shape(session.vae_cache))
-            groups.setdefault(key, []).append(row)
-        caches = [list(session.vae_cache) for session in sessions]  # filled here, kept once all decoded
-        pixels: list[torch.Tensor | None] = [None] * len(sessions)
         with self._decode_stream(*(chunk.committed_on_device for chunk in chunks)):
-            for (_, decoded_any, _), rows in groups.items():
-                latents = [chunks[row].clean.float() for row in rows]
-                decoded = self.decoder.decode_rows(latents, [caches[row] for row in rows], first=not decoded_any)
-                for row, frames in zip(rows, decoded, strict=True):
-                    pixels[row] = frames
-            outputs = [_chunk_output(frames) for frames in pixels]
-        for session, index, cache in zip(sessions, chunk_indices, caches, strict=True):
-            session.vae_cache[:] = cache
-            session.decoded_any = True
+            outputs = self._decode_rows(sessions, [chunk.clean for chunk in chunks])
+        for session, index in zip(sessions, chunk_indices, strict=True):
             del session.chunks[index]
         return outputs
+
+    @torch.no_grad()
+    def decode_latents(self, sessions: Sequence[CausalWanSession], cleans: Sequence[torch.Tensor]) -> list[ChunkOutput]:
+        """``decode_latent`` of one chunk of each of several sessions (distinct
+        ones) on the rank their decodes were given to, batched as
+        ``decode_batch`` batches them; all or nothing, as it is."""
+        if len({id(session) for session in sessions}) != len(sessions):
+            raise ValueError("decode_latents takes one chunk of each session")
+        with self._decode_stream(None):
+            return self._decode_rows(sessions, [clean.to(self.device) for clean in cleans])
 
     def decode_input(self, session: CausalWanSession, chunk_index: int) -> torch.Tensor:
         """What another rank needs to decode a committed chunk (its clean latent, on
@@ -137,6 +135,28 @@ class CausalWanDecoding:
         return _chunk_output(torch.cat(list(pixels), dim=2))
 
     # -- internals ---------------------------------------------------------------------
+
+    def _decode_rows(self, sessions: Sequence[CausalWanSession], cleans: Sequence[torch.Tensor]) -> list[ChunkOutput]:
+        """Each session's chunk (its clean latent in ``cleans``) through its
+        decoder, those that agree in latent shape, cache shape and whether
+        their stream has begun as one batch; the sessions' caches change only
+        once every row is decoded."""
+        groups: dict[tuple, list[int]] = {}
+        for row, (session, clean) in enumerate(zip(sessions, cleans, strict=True)):
+            key = (tuple(clean.shape), session.decoded_any, self.decoder.cache_shape(session.vae_cache))
+            groups.setdefault(key, []).append(row)
+        caches = [list(session.vae_cache) for session in sessions]  # filled here, kept once all decoded
+        pixels: list[torch.Tensor | None] = [None] * len(sessions)
+        for (_, decoded_any, _), rows in groups.items():
+            latents = [cleans[row].float() for row in rows]
+            decoded = self.decoder.decode_rows(latents, [caches[row] for row in rows], first=not decoded_any)
+            for row, frames in zip(rows, decoded, strict=True):
+                pixels[row] = frames
+        outputs = [_chunk_output(frames) for frames in pixels]
+        for session, cache in zip(sessions, caches, strict=True):
+            session.vae_cache[:] = cache
+            session.decoded_any = True
+        return outputs
 
     def _decode_clean(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
         pixels = self.decoder.decode(clean.float(), session.vae_cache, first=not session.decoded_any)
