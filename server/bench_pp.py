@@ -38,13 +38,17 @@ core pays.
 
 The CPU thread count of a worker is its ``EngineConfig.cpu_threads``;
 pipeline ranks take the cores shared out (one each on two
-cores). The last line printed is one JSON object.
+cores). With ``repeats`` above 1 every configuration runs once per round
+and each ratio is the median of the rounds' ratios, each round's
+configurations side by side (``ratios_per_round``). The last line printed
+is one JSON object.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -206,46 +210,63 @@ def stream_difference(exact: list[bytes] | None, streamed: list[bytes] | None) -
     }
 
 
+RATIOS = {
+    "pp2_vs_pp1_1t_4_sessions": (("pp2", 4), ("pp1-1t", 4)),
+    "pp2_vs_pp1_2t_4_sessions": (("pp2", 4), ("pp1-2t", 4)),
+    "pp2_vs_pp1_1t_1_session": (("pp2", 1), ("pp1-1t", 1)),
+    "pp2_vs_pp2_gloo_4_sessions": (("pp2", 4), ("pp2-gloo", 4)),
+    "pp2_vs_pp2_decode_spread_1_session": (("pp2", 1), ("pp2-decode-spread", 1)),
+    "pp2_vs_pp2_decode_spread_4_sessions": (("pp2", 4), ("pp2-decode-spread", 4)),
+    "pp2_vs_pp2_decode_first_4_sessions": (("pp2", 4), ("pp2-decode-first", 4)),
+    "pp2_decode_spread_vs_pp1_1t_4_sessions": (("pp2-decode-spread", 4), ("pp1-1t", 4)),
+    "pp2_batch2_vs_pp1_1t_4_sessions": (("pp2-batch2", 4), ("pp1-1t", 4)),
+    "pp2_batch2_vs_pp1_batch4": (("pp2-batch2", 4), ("pp1-batch4", 4)),
+    "batch4_vs_serial": (("pp1-batch4", 4), ("pp1-serial", 4)),
+    "pp2_stream_vs_pp1_1t_1_session": (("pp2-stream", 1), ("pp1-1t", 1)),
+    "pp2_stream_vs_pp2_1_session": (("pp2-stream", 1), ("pp2", 1)),
+}
+"""Each ratio of the summary: (configuration, sessions) over (configuration, sessions)."""
+
+
 def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int:
-    results = []
+    """Every configuration once per round, ``options.repeats`` rounds: each
+    ratio is the median of its rounds' ratios (configurations side by side in
+    one round, minutes apart at most, on a machine whose speed drifts), and
+    each configuration's result the fastest of its rounds."""
+    runs: dict[tuple[str, int], list[dict]] = {}
     payloads: dict[str, list[bytes] | None] = {}
-    for config in configs:
-        best = None
-        for _ in range(options.repeats):
+    for round_ in range(options.repeats):
+        for config in configs:
             result = asyncio.run(run_config(options, config))
-            if best is None or result["fps"] > best["fps"]:
-                best = result
-        kept = best.pop("_payloads")
-        if kept is not None:
-            payloads[config.name] = kept
-        results.append(best)
-        if not as_json:
-            bubbles = ", ".join(f"rank {r['rank']} bubble {r['bubble']:.0%}" for r in best.get("ranks", []))
-            print(f"{best['config']:>17} x{best['sessions']}: {best['fps']:7.1f} fps  ({bubbles})", flush=True)
-    by = {(r["config"], r["sessions"]): r["fps"] for r in results}
-
-    def ratio(a: tuple, b: tuple) -> float | None:
-        return by[a] / by[b] if a in by and b in by and by[b] else None
-
+            kept = result.pop("_payloads")
+            if kept is not None and round_ == 0:
+                payloads[config.name] = kept
+            runs.setdefault((config.name, config.sessions), []).append(result)
+            if not as_json:
+                bubbles = ", ".join(f"rank {r['rank']} bubble {r['bubble']:.0%}" for r in result.get("ranks", []))
+                line = f"{result['config']:>17} x{result['sessions']}: {result['fps']:7.1f} fps  ({bubbles})"
+                print(f"round {round_ + 1}: {line}" if options.repeats > 1 else line, flush=True)
+    results = []
+    for rounds in runs.values():
+        best = max(rounds, key=lambda result: result["fps"])
+        results.append({**best, "fps_per_round": [result["fps"] for result in rounds]})
+    per_round = {name: _round_ratios(runs, a, b) for name, (a, b) in RATIOS.items()}
     summary = {
         "bench": "pp",
         "model": options.model,
         "size": options.size,
         "chunks": options.chunks,
+        "rounds": options.repeats,
         "results": results,
-        "pp2_vs_pp1_1t_4_sessions": ratio(("pp2", 4), ("pp1-1t", 4)),
-        "pp2_vs_pp1_2t_4_sessions": ratio(("pp2", 4), ("pp1-2t", 4)),
-        "pp2_vs_pp1_1t_1_session": ratio(("pp2", 1), ("pp1-1t", 1)),
-        "pp2_vs_pp2_gloo_4_sessions": ratio(("pp2", 4), ("pp2-gloo", 4)),
-        "pp2_vs_pp2_decode_spread_1_session": ratio(("pp2", 1), ("pp2-decode-spread", 1)),
-        "pp2_vs_pp2_decode_spread_4_sessions": ratio(("pp2", 4), ("pp2-decode-spread", 4)),
-        "pp2_vs_pp2_decode_first_4_sessions": ratio(("pp2", 4), ("pp2-decode-first", 4)),
-        "pp2_batch2_vs_pp1_1t_4_sessions": ratio(("pp2-batch2", 4), ("pp1-1t", 4)),
-        "pp2_batch2_vs_pp1_batch4": ratio(("pp2-batch2", 4), ("pp1-batch4", 4)),
-        "batch4_vs_serial": ratio(("pp1-batch4", 4), ("pp1-serial", 4)),
-        "pp2_stream_vs_pp1_1t_1_session": ratio(("pp2-stream", 1), ("pp1-1t", 1)),
-        "pp2_stream_vs_pp2_1_session": ratio(("pp2-stream", 1), ("pp2", 1)),
+        **{name: statistics.median(ratios) if ratios else None for name, ratios in per_round.items()},
+        "ratios_per_round": {name: ratios for name, ratios in per_round.items() if ratios},
         "stream_batch_difference": stream_difference(payloads.get("pp1-1t"), payloads.get("pp2-stream")),
     }
     print(json.dumps(summary))
     return 0
+
+
+def _round_ratios(runs: dict[tuple[str, int], list[dict]], a: tuple[str, int], b: tuple[str, int]) -> list[float]:
+    """``a``'s frames per second over ``b``'s, round by round (both ran in each)."""
+    pairs = zip(runs.get(a, []), runs.get(b, []), strict=False)  # a configuration left out has no rounds
+    return [x["fps"] / y["fps"] for x, y in pairs if y["fps"]]

@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--chunks", type=int, default=6, help="chunks per session")
     pp.add_argument("--size", type=int, default=64, help="frame width and height")
     pp.add_argument("--steps", type=int, default=4, help="denoise steps per chunk")
-    pp.add_argument("--repeats", type=int, default=1, help="runs per configuration; the fastest counts")
+    pp.add_argument(
+        "--repeats", type=int, default=1, help="rounds of every configuration; each ratio is the rounds' median"
+    )
     pp.add_argument("--json", action="store_true", help="print only the JSON summary")
     pp.set_defaults(func=_bench_pp)
     engine = benches.add_parser("engine", help="engine loop overhead and interaction lag over the stub pipeline")
