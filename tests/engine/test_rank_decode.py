@@ -292,7 +292,8 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
 @pytest.mark.parametrize(
     ("pp_decode", "pp", "overlap", "stages", "expected"),
     [
-        ("auto", 2, None, 13, "split"),  # on a CPU, a decoder that splits
+        ("auto", 2, None, 13, "alone"),  # on a CPU, a decoder that splits: split while a session decodes alone
+        ("split", 2, None, 13, "split"),
         ("auto", 2, None, 0, "spread"),  # the demo model's codec cannot be split
         ("split", 2, None, 0, "spread"),
         ("spread", 2, None, 13, "spread"),
@@ -313,3 +314,37 @@ def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
 
     config = EngineConfig(pipeline=PipelineSpec("tiny", {}), pp=pp, pp_decode=pp_decode, overlap_decode=overlap)
     assert decode_placement(config, Pipeline()) == expected
+
+
+@pytest.mark.parametrize(
+    ("split", "alone", "steps", "expected"),
+    [
+        # auto on a CPU: the session placed while no other decodes is split (its follower, rank 1);
+        # those placed beside it decode whole on the least loaded rank (a split one counts half on each)
+        (7, True, ["a", "b", "c", "-a", "d", "-b", "-c", "-d", "e"], ["1s", "1", "0", "1", "1s"]),
+        (7, False, ["a", "b", "c"], ["1s", "1s", "1s"]),  # pp_decode split: every session, on a follower
+        (0, False, ["a", "b", "c"], ["1", "0", "1"]),  # pp_decode spread: whole, a follower first on a tie
+    ],
+)
+def test_where_each_session_decodes(pipelines, split, alone, steps, expected):
+    from types import SimpleNamespace
+
+    from workers.parallel.rank_decode import RankDecodeStage
+    from workers.runner import ModelRunner
+
+    ranks = joined(2)
+    group = SimpleNamespace(sockets=ranks[0], world=2, closing=False, on_death=lambda why: None)
+    stage = RankDecodeStage(ModelRunner(pipelines[0]), lambda result: None, group, split=split, split_alone=alone)
+    placed = []
+    try:
+        for step in steps:
+            if step.startswith("-"):  # released
+                stage.forget(step[1:])
+                continue
+            rank = stage._rank_of[step] = stage._place(step)  # as submit places a session's first decode
+            placed.append(f"{rank}{'s' if step in stage._split_sessions else ''}")
+    finally:
+        stage.close()
+        for rank in ranks:
+            rank.close()
+    assert placed == expected

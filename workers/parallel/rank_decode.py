@@ -3,9 +3,9 @@
 Worker processes. With ``EngineConfig.pp_decode`` ``spread``, a session's
 committed chunks are decoded by the rank it was given when its first chunk
 committed: the one with the fewest sessions, a follower on a tie (rank 0 also
-embeds, steps the sampler and plans). With ``split`` (``auto`` on a CPU,
-where the VAE decoder can be split), every session's decoder is split over
-two ranks: its first stages on rank 0, on a lane of their own, and the rest
+embeds, steps the sampler and plans). With ``split``, every session's
+decoder is split over two ranks: its first stages on rank 0, on a lane of
+their own, and the rest
 on the follower the session was given (the one with the fewest), a latent
 frame at a time, so that one session's decode, which is causal from chunk to
 chunk and cannot be shared out, keeps two processes busy; where the decoder
@@ -15,7 +15,12 @@ processes sharing the cores, and a VAE decode is many small kernels: two
 decode threads in rank 0's process beside its ring thread spent about 40 %
 more CPU per chunk than one decode alone (they share one interpreter), while
 decodes in two processes ran side by side at full speed; and a follower's
-own thread mostly waits for its part of the ring.
+own thread mostly waits for its part of the ring. With ``auto`` on a CPU
+(placement ``alone``, where the decoder can be split) a session placed while
+no other session is decoding is split, and the sessions placed beside it
+decode whole, spread: with four sessions on two ranks whole decodes spread
+made 1.09-1.22x the frames per second of every session split (three rounds
+side by side), while one session alone made 1.02-1.29x split.
 
 ``RankDecodeStage`` (rank 0) has ``workers.decode_stage.DecodeStage``'s
 interface and takes its place in the executor. A session placed on rank 0
@@ -84,18 +89,32 @@ def can_split(pipeline) -> bool:
 
 
 class RankDecodeStage:
-    def __init__(self, runner: ModelRunner, on_done: Callable[[DecodeResult], None], group, split: int = 0) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        on_done: Callable[[DecodeResult], None],
+        group,
+        split: int = 0,
+        split_alone: bool = False,
+    ) -> None:
         """``group``: the ``RankGroup`` (its sockets, its world, ``on_death``).
-        ``split``: 0, each session decodes on one rank (``spread``); else every
-        session's decoder is split, its first ``split`` stages on rank 0."""
+        ``split``: 0, each session decodes on one rank (``spread``); else
+        sessions' decoders are split, their first ``split`` stages on rank 0:
+        every session's, or with ``split_alone`` (``alone``) only that of a
+        session placed while no other was decoding, the others decoding whole
+        as with ``spread``."""
         self._runner = runner
         self._split = split
+        self._split_alone = split_alone and bool(split)
+        self._split_sessions: set[str] = set()  # placed split (the submitting thread's)
         self._front = OrderedThread("decode-front", self._decode_front) if split else None
         self._group = group
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
-        # Rank 0's own decodes (spread only: a split decode always ends on a follower).
-        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=decode_batch_rows(runner.pipeline))
+        # Rank 0's own whole decodes (none when every session is split: a split decode ends on a follower).
+        whole_here = not split or self._split_alone
+        rows = decode_batch_rows(runner.pipeline)
+        self._local = DecodeStage(runner, on_done, lanes=1, batch=rows) if whole_here else None
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
@@ -112,11 +131,11 @@ class RankDecodeStage:
     def submit(self, session_id: str, chunk_index: int) -> None:
         rank = self._rank_of.get(session_id)
         if rank is None:
-            rank = self._rank_of[session_id] = self._place()
+            rank = self._rank_of[session_id] = self._place(session_id)
         if rank == 0:
             self._local.submit(session_id, chunk_index)
             return
-        if self._front is not None:
+        if session_id in self._split_sessions:
             self._front.submit((session_id, chunk_index, rank))
             return
         value = self._hand_off(session_id, chunk_index, rank)
@@ -131,6 +150,7 @@ class RankDecodeStage:
     def forget(self, session_id: str) -> None:
         """The session was released: its rank may take another."""
         self._rank_of.pop(session_id, None)
+        self._split_sessions.discard(session_id)
         if self._local is not None:
             self._local.forget(session_id)
         with self._lock:
@@ -146,14 +166,25 @@ class RankDecodeStage:
         for thread in self._receivers:
             thread.join(2 * POLL_S + 1.0)
 
-    def _place(self) -> int:
-        """The rank with the fewest sessions; a follower before rank 0 on a tie
-        (split: the follower with the fewest)."""
-        load = [0] * self._group.world
-        for rank in self._rank_of.values():
-            load[rank] += 1
-        order = [*range(1, self._group.world)] + ([] if self._split else [0])
-        return min(order, key=lambda rank: load[rank])
+    def _place(self, session_id: str) -> int:
+        """Where ``session_id``'s decodes go: split (every session, or with
+        ``split_alone`` one placed while no other is decoding) to the follower
+        with the fewest sessions; else whole to the rank with the fewest, a
+        follower before rank 0 on a tie. A split session counts half on rank 0,
+        which runs its front, and half on its follower."""
+        load = [0.0] * self._group.world
+        for sid, rank in self._rank_of.items():
+            if sid in self._split_sessions:
+                load[0] += 0.5
+                load[rank] += 0.5
+            else:
+                load[rank] += 1.0
+        split = bool(self._split) and (not self._split_alone or not self._rank_of)
+        order = [*range(1, self._group.world)] + ([] if split else [0])
+        rank = min(order, key=lambda rank: load[rank])
+        if split:
+            self._split_sessions.add(session_id)
+        return rank
 
     def _decode_front(self, item: tuple[str, int, int]) -> bool:
         """The front lane: a split chunk's front stages here, each latent frame's
