@@ -121,6 +121,26 @@ def test_frames_are_matched_by_kind_and_tag_whatever_order_they_are_asked_in(pai
     assert one.recv_plan() is None
 
 
+def test_a_plan_carries_rank_1s_ring_message_in_one_frame(pair):
+    """``send_plan`` with a ring message (rank 0 sends rank 1 the rows it runs
+    under that plan with the plan itself): one frame, one write; rank 1 reads
+    the plan and finds the ring message kept for ``recv``, tensors equal."""
+    zero, one = pair
+    header = {"items": [{"kind": "forward", "rows": [["s", 0, 1]]}], "failed": {}}
+    before = zero.bytes_sent
+    zero.send_plan(5, b"plan five", (5, Message(header, sample_tensors())))
+    zero.send_plan(6, b"plan six")  # a plan carrying nothing is a plain plan frame
+    assert zero.transfers == 1
+    assert one.recv_plan() == b"plan five"
+    got = one.recv(0, 5)
+    assert got.header == header and same(got.tensors, sample_tensors())
+    assert one.recv_plan() == b"plan six"
+    sizes = sum(t.numel() * t.element_size() for t in sample_tensors())
+    assert zero.bytes_sent - before > sizes  # the tensors went once, in the plan's frame
+    with pytest.raises(LinkTimeout):  # nothing else came: no second copy of the ring message
+        one.take(0, (RING,), 5, 0.2, "ring message")
+
+
 def test_large_messages_both_ways_at_once_do_not_deadlock(pair):
     zero, one = pair
     big = [torch.arange(8 << 20, dtype=torch.float32)]  # 32 MiB each way, far past the kernel's buffers

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.plan import MicroStep
-from workers.parallel.link import RingLink
+from workers.parallel.link import Message, RingLink
 from workers.parallel.sockets import RankSockets, advertised_host
 
 log = logging.getLogger(__name__)
@@ -207,9 +207,16 @@ class RankGroup:
         """``close`` has begun: followers going away is expected."""
         return self._closing.is_set()
 
-    def send_plan(self, step: MicroStep) -> None:
-        """Every follower gets every micro-step's plan, in order."""
-        self.sockets.send_plan(step.number, msgspec.msgpack.encode(step))
+    def send_plan(self, step: MicroStep, ring: tuple[int, Message] | None = None) -> None:
+        """Every follower gets every micro-step's plan, in order; ``ring`` (tag,
+        message): rank 1's ring message, carried in the same frame."""
+        self.sockets.send_plan(step.number, msgspec.msgpack.encode(step), ring)
+
+    @property
+    def plans_carry_the_ring(self) -> bool:
+        """The ring runs on the plans' connections (``RankSockets``), so rank 1's
+        ring message can ride with the next plan."""
+        return self.link is self.sockets
 
     def note_figures(self, figures: list) -> None:
         for rank, busy_s, wall_s in figures:

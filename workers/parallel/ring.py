@@ -6,13 +6,17 @@ micro-step for every rank (``MicroStep.ranks``: rank r runs the rows that
 entered rank 0 r micro-steps ago; ``MicroStep.returning``: the rows the last
 rank finished in the micro-step before, back at rank 0). Micro-step m here:
 
-    send the plan to every other rank (``RankGroup.send_plan``)
+    send the plan to every other rank (``RankGroup.send_plan``); where the
+        ring is on the plans' sockets, rank 1's carries the rows rank 0 ran
+        in m-1, which rank 1 runs in m (it could not begin them before this
+        plan: one write instead of two, and one wake-up)
     take back what the last rank finished in m-1 (its predictions: each row's
         sampler step; its commit passes: ``finish_commit``, then the decode)
     release, open, cross boundaries (as one rank does)
     run its own blocks over the rows entering (a denoise pass: ``forward``;
-        a commit pass: ``commit``), and post them to rank 1 (``RingLink.send``:
-        non-blocking, so rank 1 computes m while rank 0 goes on)
+        a commit pass: ``commit``) for rank 1: kept for the next plan, or
+        over ``torch.distributed`` posted now (``RingLink.send``: non-blocking,
+        so rank 0 goes on while it travels)
 
 Rows of a session that is stopping are not started (the plan's later ranks
 expect them, but the message says which rows it carries), and rank 0's part
@@ -48,13 +52,15 @@ class RingRunner(ModelRunner):
     def __init__(self, pipeline, group, **kwargs: Any) -> None:
         super().__init__(pipeline, **kwargs)
         self.group = group  # workers.parallel.group.RankGroup: the link, the plans' sockets, the ranks' figures
+        self._for_rank_1: tuple[int, Message] | None = None  # (tag, message): goes with the next plan
         self.busy_s = 0.0  # rank 0's time computing (not waiting for the ring)
         self.wall_s = 0.0  # rank 0's time inside micro-steps
 
     def execute(self, step: MicroStep) -> StepResult:
         began = time.perf_counter()
         result = StepResult(step.number)
-        self.group.send_plan(step)
+        carried, self._for_rank_1 = self._for_rank_1, None
+        self.group.send_plan(step, carried)
         waited = 0.0
         if step.returning:
             waited_from = time.perf_counter()
@@ -65,7 +71,11 @@ class RingRunner(ModelRunner):
         self._prepare(step, result)
         rows = [row for row in step.ranks[0] if row.session_id in self.states and row.session_id not in self._failed]
         if step.ranks[0] or step.cancelled:  # rank 1 expects a message whenever rows were planned to enter
-            self.group.link.send(1, step.number + 1, self._enter(rows, result))
+            message = self._enter(rows, result)
+            if self.group.plans_carry_the_ring:  # rank 1 runs them in the next micro-step: they go with its plan
+                self._for_rank_1 = (step.number + 1, message)
+            else:
+                self.group.link.send(1, step.number + 1, message)
         wall = time.perf_counter() - began
         self.wall_s += wall
         self.busy_s += wall - waited

@@ -58,9 +58,18 @@ _PREFIX = struct.Struct("<4sB3xqIQ")  # magic, kind, tag, header bytes, payload 
 _MAGIC = b"RTV1"
 _HELLO = struct.Struct("<4sII")  # magic, the sending rank, the channel: the first bytes of a connection
 HELLO_TIMEOUT_S = 5.0  # how long an accepted connection may take to say which rank it is
-PLAN, RING, STOP, DECODE, DECODED, CANCEL = 1, 2, 3, 4, 5, 6
+PLAN, RING, STOP, DECODE, DECODED, CANCEL, PLAN_RING = 1, 2, 3, 4, 5, 6, 7
 PIPELINE, DECODES = 0, 1  # the channels: plans and the ring; the decode stage's frames
-CHANNEL = {PLAN: PIPELINE, RING: PIPELINE, STOP: PIPELINE, DECODE: DECODES, DECODED: DECODES, CANCEL: DECODES}
+CHANNEL = {
+    PLAN: PIPELINE,
+    RING: PIPELINE,
+    STOP: PIPELINE,
+    PLAN_RING: PIPELINE,
+    DECODE: DECODES,
+    DECODED: DECODES,
+    CANCEL: DECODES,
+}
+_CARRIED = struct.Struct("<Iq")  # a plan carrying a ring message: the plan's bytes, the ring message's tag
 
 
 class PeerClosed(RuntimeError):
@@ -243,6 +252,13 @@ class _Incoming:
                     raise self._error
                 self.kept.append(frame)
 
+    def keep(self, frame: _Frame) -> None:
+        """A frame that came inside another (a ring message a plan carried): kept
+        for whoever asks for it, as a frame read ahead of its turn is."""
+        with self._cond:
+            self.kept.append(frame)
+            self._cond.notify_all()
+
     def _kept(self, kinds: tuple[int, ...], tag: int | None) -> _Frame | None:
         for frame in self.kept:
             if frame.kind in kinds and (tag is None or frame.tag == tag):
@@ -374,9 +390,19 @@ class RankSockets:
 
     # -- plans (rank 0 to every follower) -----------------------------------------
 
-    def send_plan(self, number: int, raw: bytes) -> None:
+    def send_plan(self, number: int, raw: bytes, ring: tuple[int, Message] | None = None) -> None:
+        """Plan ``number`` (its bytes) to every follower; with ``ring`` (tag,
+        message), rank 1's ring message of that tag goes in the same frame
+        (``PLAN_RING``): one write where there would be two. The follower
+        keeps it aside as the ring message it is, for ``recv``."""
         for peer in range(1, self.world):
-            self._post(peer, PLAN, number, raw, [])
+            if peer == 1 and ring is not None:
+                tag, message = ring
+                header, parts = _encoded(message)
+                self._post(peer, PLAN_RING, number, _CARRIED.pack(len(raw), tag) + raw + header, parts)
+                self.transfers += 1
+            else:
+                self._post(peer, PLAN, number, raw, [])
 
     def send_stop(self) -> None:
         for peer in range(1, self.world):
@@ -386,9 +412,18 @@ class RankSockets:
                 pass
 
     def recv_plan(self) -> bytes | None:
-        """The next plan from rank 0 (waits as long as it takes); None at a stop."""
-        frame = self._in[0, PIPELINE].take((PLAN, STOP), None, None, "plan")
-        return None if frame.kind == STOP else frame.header
+        """The next plan from rank 0 (waits as long as it takes); None at a stop.
+        A ring message the plan carried is kept for ``recv``."""
+        incoming = self._in[0, PIPELINE]
+        frame = incoming.take((PLAN, PLAN_RING, STOP), None, None, "plan")
+        if frame.kind == STOP:
+            return None
+        if frame.kind == PLAN:
+            return frame.header
+        size, tag = _CARRIED.unpack_from(frame.header)
+        start = _CARRIED.size
+        incoming.keep(_Frame(RING, tag, frame.header[start + size :], frame.payload))
+        return frame.header[start : start + size]
 
     # -- the ring (RingLink's interface) ------------------------------------------
 
@@ -409,9 +444,7 @@ class RankSockets:
     def post(self, peer: int, kind: int, tag: int, message: Message) -> None:
         """One frame of ``kind`` to ``peer``: the message's header (msgpack, with
         its tensors' shapes and types) and tensors."""
-        parts = [t.detach().contiguous().cpu() for t in message.tensors]
-        metas = [[list(t.shape), str(t.dtype)] for t in parts]
-        header = msgspec.msgpack.encode({**message.header, "tensors": metas})
+        header, parts = _encoded(message)
         self._post(peer, kind, tag, header, parts)
 
     def take(
@@ -467,6 +500,14 @@ class RankSockets:
                 offset += aligned(size)
         self._out[peer, CHANNEL[kind]].post(memoryview(frame))
         self.bytes_sent += len(frame)
+
+
+def _encoded(message: Message) -> tuple[bytes, list[torch.Tensor]]:
+    """A message's header (msgpack, with its tensors' shapes and types) and its
+    tensors on the host, as a frame carries them."""
+    parts = [t.detach().contiguous().cpu() for t in message.tensors]
+    metas = [[list(t.shape), str(t.dtype)] for t in parts]
+    return msgspec.msgpack.encode({**message.header, "tensors": metas}), parts
 
 
 def _channel(kinds: tuple[int, ...]) -> int:
