@@ -2,10 +2,12 @@
 
 Worker processes. ``RankSockets`` connects every rank to the ranks it sends
 to (rank 0 to every follower, for the plans; each rank to the next one, for
-the ring; the last rank to rank 0) and carries three kinds of frame on
+the ring; the last rank to rank 0) and carries four kinds of frame on
 them: a micro-step's plan (rank 0 to each follower), a ring message (the
 same ``Message`` as ``RingLink``'s: a header naming rows, failures and
-tensor shapes, then the tensors' bytes) and a stop. A second set of
+tensor shapes, then the tensors' bytes), a plan that carries rank 1's ring
+message (rank 0 to rank 1: the rows rank 1 runs under that plan, in one
+write) and a stop. A second set of
 connections, rank 0 and each follower both ways, carries the decode stage's
 requests, results and cancellations (``workers.parallel.rank_decode``), so
 that traffic never stands in the ring's way: the thread that waits for a
