@@ -60,8 +60,7 @@ class CausalWanDecoding:
         or all past it, go through the decoder as one batch
         (``StreamingDecoder.decode_rows``). All or nothing: when it raises or
         is abandoned, no session's decoder cache or chunk record has changed."""
-        if len({id(session) for session in sessions}) != len(sessions):
-            raise ValueError("decode_batch takes one chunk of each session")
+        _distinct(sessions, "decode_batch")
         chunks = [session.chunk_to_decode(index) for session, index in zip(sessions, chunk_indices, strict=True)]
         with self._decode_stream(*(chunk.committed_on_device for chunk in chunks)):
             outputs = self._decode_rows(sessions, [chunk.clean for chunk in chunks])
@@ -74,8 +73,7 @@ class CausalWanDecoding:
         """``decode_latent`` of one chunk of each of several sessions (distinct
         ones) on the rank their decodes were given to, batched as
         ``decode_batch`` batches them; all or nothing, as it is."""
-        if len({id(session) for session in sessions}) != len(sessions):
-            raise ValueError("decode_latents takes one chunk of each session")
+        _distinct(sessions, "decode_latents")
         with self._decode_stream(None):
             return self._decode_rows(sessions, [clean.to(self.device) for clean in cleans])
 
@@ -186,6 +184,13 @@ class CausalWanDecoding:
         thread and the forward share the cores and the interpreter: measured on 2
         cores, 0.5x the frames per second at 64x64 and no gain at 256x256."""
         return self.device.type == "cuda"
+
+
+def _distinct(sessions: Sequence[CausalWanSession], method: str) -> None:
+    """A batched decode takes one chunk of each session: ``ValueError`` for a
+    session given twice."""
+    if len({id(session) for session in sessions}) != len(sessions):
+        raise ValueError(f"{method} takes one chunk of each session")
 
 
 def _chunk_output(pixels: torch.Tensor) -> ChunkOutput:
