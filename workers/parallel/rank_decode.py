@@ -380,10 +380,15 @@ class DecodeServer:
             elif sid in self._states:
                 wanted.append(row)
         if len(wanted) > 1:
-            sessions = [self._states[batch[row][0]] for row in wanted]
+            ids = [batch[row][0] for row in wanted]
+            sessions = [self._states[sid] for sid in ids]
+
+            def all_cancelled() -> bool:  # takes the cancels that came once, then reads them for every row
+                return self._cancel_arrived(ids[0]) and all(sid in self._cancelled for sid in ids)
+
             began = time.perf_counter()
             try:
-                with abandon_when(lambda: all(self._cancel_arrived(batch[row][0]) for row in wanted)):
+                with abandon_when(all_cancelled):
                     chunks = self._pipeline.decode_latents(sessions, [batch[row][2] for row in wanted])
             except Abandoned:
                 chunks = [None] * len(wanted)
