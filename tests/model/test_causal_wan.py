@@ -140,6 +140,51 @@ def test_the_decoder_split_anywhere_gives_the_whole_decoders_frames_bit_for_bit(
     assert len(seconds) == decoder.stages and all(s > 0 for s in seconds)
 
 
+def test_split_decodes_of_several_streams_batch_with_each_streams_frames_and_caches(pipeline):
+    """Three streams' chunks through the split decoder as one batch
+    (``decode_front_rows`` on rank 0's copies of their caches, ``decode_back``
+    on a stacked copy of the others', ``unstack`` once through), chunk after
+    chunk: each stream's frames and both copies of its cache are bit for bit
+    those of decoding it alone. A batch given up part-way (its front not run
+    to the end, its back not unstacked) leaves every cache as it was."""
+    decoder = pipeline.decoder
+    split = 7
+    torch.manual_seed(3)
+    streams = [torch.randn(1, 16, 7, 8, 8) for _ in range(3)]
+    pieces = [(slice(0, 1), True), (slice(1, 4), False), (slice(4, 7), False)]
+    alone_front = [decoder.new_cache() for _ in streams]
+    alone_back = [decoder.new_cache() for _ in streams]
+    fronts = [decoder.new_cache() for _ in streams]
+    backs = [decoder.new_cache() for _ in streams]
+    for piece, _ in pieces:
+        alone = []
+        for latents, front, back in zip(streams, alone_front, alone_back, strict=True):
+            parts = list(decoder.decode_front(latents[:, :, piece], front, split))
+            alone.append(torch.cat([decoder.decode_back(part, back, split) for part in parts], dim=2))
+        before = [list(cache) for cache in fronts + backs]
+        abandoned = decoder.decode_front_rows([latents[:, :, piece] for latents in streams], fronts, split)
+        part = next(abandoned)
+        decoder.decode_back(part, decoder.stacked(backs), split)
+        abandoned.close()  # given up after one frame: nothing kept
+        kept = zip(before, fronts + backs, strict=True)
+        assert all(a is b for was, cache in kept for a, b in zip(was, cache, strict=True))
+        work = decoder.stacked(backs)
+        pixels = [
+            decoder.decode_back(part, work, split)
+            for part in decoder.decode_front_rows([latents[:, :, piece] for latents in streams], fronts, split)
+        ]
+        decoder.unstack(work, backs)
+        batched = torch.cat(pixels, dim=2).split(1)
+        assert all(torch.equal(a, b) for a, b in zip(alone, batched, strict=True))
+        for mine, theirs in zip(fronts + backs, alone_front + alone_back, strict=True):
+            assert decoder.cache_shape(mine) == decoder.cache_shape(theirs)
+            assert all(
+                torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(mine, theirs, strict=True)
+            )
+    with pytest.raises(ValueError, match="decode_front_rows takes latents of one shape"):
+        next(decoder.decode_front_rows([streams[0][:, :, :1], streams[1][:, :, 1:3]], fronts[:2], split))
+
+
 def test_a_400_chunk_stream_keeps_constant_memory_and_valid_positions(pipeline):
     state = open_session(pipeline, width=16, height=16, num_inference_steps=1)
     kv = state.kv

@@ -128,6 +128,36 @@ class CausalWanDecoding:
         with self._decode_stream(None):
             return self.decoder.decode_back(part, session.vae_cache, split)
 
+    def decode_groups(self, sessions: Sequence[CausalWanSession], cleans: Sequence[torch.Tensor]) -> list[list[int]]:
+        """The rows of ``sessions`` (each with its chunk's clean latent in
+        ``cleans``) that can go through the decoder as one batch, in groups in
+        order of their first row: those whose latents and this rank's copies of
+        their decoder caches agree in shape and whose streams have begun alike."""
+        groups: dict[tuple, list[int]] = {}
+        for row, (session, clean) in enumerate(zip(sessions, cleans, strict=True)):
+            key = (tuple(clean.shape), session.decoded_any, self.decoder.cache_shape(session.vae_cache))
+            groups.setdefault(key, []).append(row)
+        return list(groups.values())
+
+    def decode_fronts(
+        self, sessions: Sequence[CausalWanSession], cleans: Sequence[torch.Tensor], split: int
+    ) -> Iterator[tuple[dict, torch.Tensor]]:
+        """``decode_front`` of one chunk of each of several sessions (distinct
+        ones, one group of ``decode_groups``) as one batch: per latent frame a
+        header and the activation of every row, in order, on the host. The
+        sessions' front cache slots change only once the last frame is made (a
+        batch abandoned or failed part-way leaves them as they were)."""
+        _distinct(sessions, "decode_fronts")
+        latents = [clean.to(self.device).float() for clean in cleans]
+        with self._decode_stream(None):
+            for part in self.decoder.decode_front_rows(latents, [session.vae_cache for session in sessions], split):
+                yield {"slot": part.slot}, part.activation.cpu()
+
+    def back_rows(self, sessions: Sequence[CausalWanSession]) -> BackRows:
+        """The back of a batch ``decode_fronts`` makes, for this rank's copies of its sessions."""
+        _distinct(sessions, "back_rows")
+        return BackRows(self, sessions)
+
     def frames_of(self, pixels: Sequence[torch.Tensor]) -> ChunkOutput:
         """A chunk's frames from its latent frames' ``decode_back`` pixels, in order."""
         return _chunk_output(torch.cat(list(pixels), dim=2))
@@ -139,15 +169,12 @@ class CausalWanDecoding:
         decoder, those that agree in latent shape, cache shape and whether
         their stream has begun as one batch; the sessions' caches change only
         once every row is decoded."""
-        groups: dict[tuple, list[int]] = {}
-        for row, (session, clean) in enumerate(zip(sessions, cleans, strict=True)):
-            key = (tuple(clean.shape), session.decoded_any, self.decoder.cache_shape(session.vae_cache))
-            groups.setdefault(key, []).append(row)
         caches = [list(session.vae_cache) for session in sessions]  # filled here, kept once all decoded
         pixels: list[torch.Tensor | None] = [None] * len(sessions)
-        for (_, decoded_any, _), rows in groups.items():
+        for rows in self.decode_groups(sessions, cleans):
             latents = [cleans[row].float() for row in rows]
-            decoded = self.decoder.decode_rows(latents, [caches[row] for row in rows], first=not decoded_any)
+            first = not sessions[rows[0]].decoded_any
+            decoded = self.decoder.decode_rows(latents, [caches[row] for row in rows], first=first)
             for row, frames in zip(rows, decoded, strict=True):
                 pixels[row] = frames
         outputs = [_chunk_output(frames) for frames in pixels]
@@ -184,6 +211,39 @@ class CausalWanDecoding:
         thread and the forward share the cores and the interpreter: measured on 2
         cores, 0.5x the frames per second at 64x64 and no gain at 256x256."""
         return self.device.type == "cuda"
+
+
+class BackRows:
+    """A batch of split chunks' back halves on the rank that finishes them: each
+    latent frame's activation from ``decode_fronts`` through the back stages
+    with a cache stacked from the sessions' back cache slots, then each
+    session's frames. The sessions' caches change only at ``frames``."""
+
+    def __init__(self, pipeline: CausalWanDecoding, sessions: Sequence[CausalWanSession]) -> None:
+        decoder = pipeline.decoder
+        if len({decoder.cache_shape(session.vae_cache) for session in sessions}) > 1:
+            raise ValueError("a batch's sessions must hold decoder features of one shape")
+        self._pipeline = pipeline
+        self._sessions = list(sessions)
+        self._work = decoder.stacked([session.vae_cache for session in sessions])
+        self._pixels: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def decode(self, header: dict, activation: torch.Tensor, split: int) -> None:
+        """The back stages of the batch's next latent frame (``decode_fronts``' part)."""
+        if activation.shape[0] != len(self._sessions):
+            raise ValueError(f"a part of {activation.shape[0]} rows for a batch of {len(self._sessions)}")
+        pipeline = self._pipeline
+        part = FrontPart(activation.to(pipeline.device), int(header["slot"]))
+        with pipeline._decode_stream(None):
+            self._pixels.append(pipeline.decoder.decode_back(part, self._work, split))
+
+    def frames(self) -> list[ChunkOutput]:
+        """Each session's chunk, in order; their back cache slots kept from here."""
+        pixels = torch.cat(self._pixels, dim=2)
+        outputs = [_chunk_output(row) for row in pixels.split(1)]
+        self._pipeline.decoder.unstack(self._work, [session.vae_cache for session in self._sessions])
+        return outputs
 
 
 def _distinct(sessions: Sequence[CausalWanSession], method: str) -> None:

@@ -215,21 +215,39 @@ class StreamingDecoder:
         and all at the stream's first frame or none. Returns each row's pixels.
         The caches change only once every row is decoded: when the decode
         raises or is abandoned, each is as it was."""
+        self._check_rows(latents, caches, "decode_rows")
+        work = self.stacked(caches)
+        pixels = self.decode(latents[0] if len(latents) == 1 else torch.cat(list(latents)), work, first)
+        self.unstack(work, caches)
+        return list(pixels.split(1))
+
+    def _check_rows(self, latents: Sequence[torch.Tensor], caches: Sequence[list], method: str) -> None:
+        """A batch is a cache per latent, the latents of one shape, the caches of one ``cache_shape``."""
         if len(latents) != len(caches) or not latents:
-            raise ValueError(f"decode_rows takes a cache per latent, got {len(latents)} and {len(caches)}")
+            raise ValueError(f"{method} takes a cache per latent, got {len(latents)} and {len(caches)}")
         shapes = {self.cache_shape(cache) for cache in caches}
         if len(shapes) > 1 or len({tuple(latent.shape) for latent in latents}) > 1:
-            raise ValueError("decode_rows takes latents of one shape whose caches hold features of one shape")
-        if len(latents) == 1:  # no copies: the list is the decoder's to fill, the tensors stay the cache's
-            work = list(caches[0])
-            pixels = self.decode(latents[0], work, first)
+            raise ValueError(f"{method} takes latents of one shape whose caches hold features of one shape")
+
+    @staticmethod
+    def stacked(caches: Sequence[list]) -> list:
+        """One feature cache for a batch of streams whose caches agree in
+        ``cache_shape``: each slot's rows concatenated in order (a slot that
+        holds no tensor, the same in every cache, as it is). A new list; for one
+        stream a copy of its list, whose tensors stay the cache's."""
+        if len(caches) == 1:
+            return list(caches[0])
+        return [torch.cat(slot) if isinstance(slot[0], torch.Tensor) else slot[0] for slot in zip(*caches, strict=True)]
+
+    @staticmethod
+    def unstack(work: list, caches: Sequence[list]) -> None:
+        """Each stream's rows of ``stacked``'s cache, once a batch has run
+        through it, back into that stream's cache (in place)."""
+        if len(caches) == 1:
             caches[0][:] = work
-            return [pixels]
-        work = [torch.cat(slot) if isinstance(slot[0], torch.Tensor) else slot[0] for slot in zip(*caches, strict=True)]
-        pixels = self.decode(torch.cat(list(latents)), work, first)
+            return
         for row, cache in enumerate(caches):
             cache[:] = [slot[row : row + 1] if isinstance(slot, torch.Tensor) else slot for slot in work]
-        return list(pixels.split(1))
 
     # -- the decoder in two parts -------------------------------------------------
 
@@ -270,6 +288,19 @@ class StreamingDecoder:
             for stage in range(split):
                 hidden = self._stage(stage, hidden, cache, slot)
             yield FrontPart(hidden, slot[0])
+
+    def decode_front_rows(
+        self, latents: Sequence[torch.Tensor], caches: Sequence[list], split: int
+    ) -> Iterator[FrontPart]:
+        """``decode_front`` of several streams as one batch (one row each, of one
+        shape, their caches of one ``cache_shape``): each latent frame's
+        activation holds every row, in order. The caches change only once the
+        last frame is made: a batch abandoned or failed part-way leaves each as
+        it was."""
+        self._check_rows(latents, caches, "decode_front_rows")
+        work = self.stacked(caches)
+        yield from self.decode_front(torch.cat(list(latents)), work, split)
+        self.unstack(work, caches)
 
     @torch.no_grad()
     def decode_back(self, part: FrontPart, cache: list, split: int) -> torch.Tensor:
