@@ -150,6 +150,9 @@ class LocalExecutor:
         if self._decoder is not None:
             for session_id in result.released:
                 self._decoder.forget(session_id)
+            step_done = getattr(self._decoder, "step_done", None)  # a stage that gathers rounds of chunks
+            if step_done is not None:
+                step_done(self._thread is None or self._thread.pending == 0)
         self._on_result()
         return True
 

@@ -87,8 +87,7 @@ def run_worker(
         if group is not None:
             placement = decode_placement(config, pipeline)
             inline = not _overlap_decode(config, pipeline)
-            split = placement in ("split", "alone")
-            decoder_split = _start_ranks(config, pipeline, group, decode_inline=inline, split=split)
+            decoder_split = _start_ranks(config, pipeline, group, decode_inline=inline, split=placement == "split")
     except Exception as error:
         log.exception("could not build or warm up pipeline %r", config.pipeline.name)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
@@ -129,15 +128,8 @@ def run_worker(
     if placement != "first":
         from workers.parallel.rank_decode import RankDecodeStage
 
-        alone = placement == "alone"
-        stage = functools.partial(RankDecodeStage, group=group, split=decoder_split, split_alone=alone)
-        if decoder_split and alone:
-            log.info(
-                "a session decoding alone has its decoder split over two ranks (%d stages on rank 0); "
-                "sessions decoding beside others decode whole on the rank given each",
-                decoder_split,
-            )
-        elif decoder_split:
+        stage = functools.partial(RankDecodeStage, group=group, split=decoder_split)
+        if decoder_split:
             log.info("sessions' decoders split over two ranks, %d stages on rank 0", decoder_split)
         else:
             log.info("sessions decode on the rank given each (pp_decode %s)", config.pp_decode)

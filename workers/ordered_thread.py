@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
@@ -16,14 +16,24 @@ Item = TypeVar("Item")
 
 class OrderedThread(Generic[Item]):
     def __init__(
-        self, name: str, handle: Callable[[Item], bool], handle_all: Callable[[list[Item]], bool] | None = None
+        self,
+        name: str,
+        handle: Callable[[Item], bool],
+        handle_all: Callable[[list[Item]], bool] | None = None,
+        ready: Callable[[Sequence[Item]], bool] | None = None,
     ) -> None:
         """``handle`` runs on the thread for each item; returning False stops the
         thread (what was submitted after it is not handled). With
         ``handle_all``, that runs instead, with every item waiting when the
-        thread turns to the queue, in submission order (one at least)."""
+        thread turns to the queue, in submission order (one at least); with
+        ``ready`` too, only once ``ready`` says the waiting items may go (it is
+        asked with them, in order, whenever one is submitted and at
+        ``recheck``; closing takes them regardless)."""
+        if ready is not None and handle_all is None:
+            raise ValueError("ready needs handle_all")
         self._handle = handle
         self._handle_all = handle_all
+        self._ready = ready
         self._lock = threading.Condition()
         self._queue: deque[Item] = deque()
         self._closing = False
@@ -37,6 +47,17 @@ class OrderedThread(Generic[Item]):
             self._queue.append(item)
             self._lock.notify_all()
 
+    def recheck(self) -> None:
+        """Ask ``ready`` again: what it reads has changed."""
+        with self._lock:
+            self._lock.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Items submitted and not yet taken."""
+        with self._lock:
+            return len(self._queue)
+
     def close(self) -> None:
         """Handle what was submitted, then stop the thread."""
         with self._lock:
@@ -47,10 +68,15 @@ class OrderedThread(Generic[Item]):
     def _run(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._queue or self._closing)
+                self._lock.wait_for(self._may_take)
                 if not self._queue:
                     return
                 take = 1 if self._handle_all is None else len(self._queue)
                 items = [self._queue.popleft() for _ in range(take)]
             if not (self._handle(items[0]) if self._handle_all is None else self._handle_all(items)):
                 return
+
+    def _may_take(self) -> bool:
+        if self._closing:
+            return True
+        return bool(self._queue) and (self._ready is None or self._ready(self._queue))

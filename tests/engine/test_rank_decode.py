@@ -292,7 +292,7 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
 @pytest.mark.parametrize(
     ("pp_decode", "pp", "overlap", "stages", "expected"),
     [
-        ("auto", 2, None, 13, "alone"),  # on a CPU, a decoder that splits: split while a session decodes alone
+        ("auto", 2, None, 13, "split"),  # on a CPU, a decoder that splits: every session split
         ("split", 2, None, 13, "split"),
         ("auto", 2, None, 0, "spread"),  # the demo model's codec cannot be split
         ("split", 2, None, 0, "spread"),
@@ -317,16 +317,13 @@ def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
 
 
 @pytest.mark.parametrize(
-    ("split", "alone", "steps", "expected"),
+    ("split", "steps", "expected"),
     [
-        # auto on a CPU: the session placed while no other decodes is split (its follower, rank 1);
-        # those placed beside it decode whole on the least loaded rank (a split one counts half on each)
-        (7, True, ["a", "b", "c", "-a", "d", "-b", "-c", "-d", "e"], ["1s", "1", "0", "1", "1s"]),
-        (7, False, ["a", "b", "c"], ["1s", "1s", "1s"]),  # pp_decode split: every session, on a follower
-        (0, False, ["a", "b", "c"], ["1", "0", "1"]),  # pp_decode spread: whole, a follower first on a tie
+        (7, ["a", "b", "c"], ["1", "1", "1"]),  # pp_decode split (auto on a CPU): every session, on a follower
+        (0, ["a", "b", "c", "-b", "d"], ["1", "0", "1", "0"]),  # spread: whole, the fewest, a follower on a tie
     ],
 )
-def test_where_each_session_decodes(pipelines, split, alone, steps, expected):
+def test_where_each_session_decodes(pipelines, split, steps, expected):
     from types import SimpleNamespace
 
     from workers.parallel.rank_decode import RankDecodeStage
@@ -334,7 +331,7 @@ def test_where_each_session_decodes(pipelines, split, alone, steps, expected):
 
     ranks = joined(2)
     group = SimpleNamespace(sockets=ranks[0], world=2, closing=False, on_death=lambda why: None)
-    stage = RankDecodeStage(ModelRunner(pipelines[0]), lambda result: None, group, split=split, split_alone=alone)
+    stage = RankDecodeStage(ModelRunner(pipelines[0]), lambda result: None, group, split=split)
     placed = []
     try:
         for step in steps:
@@ -342,7 +339,7 @@ def test_where_each_session_decodes(pipelines, split, alone, steps, expected):
                 stage.forget(step[1:])
                 continue
             rank = stage._rank_of[step] = stage._place(step)  # as submit places a session's first decode
-            placed.append(f"{rank}{'s' if step in stage._split_sessions else ''}")
+            placed.append(str(rank))
     finally:
         stage.close()
         for rank in ranks:

@@ -78,21 +78,20 @@ def rank_threads(world: int) -> int:
 
 def decode_placement(config: EngineConfig, pipeline) -> str:
     """Where sessions' chunks decode (``workers.parallel.rank_decode``):
-    ``split`` (``pp_decode`` ``split``: every session's decoder split over two
-    ranks) or ``alone`` (``auto`` on a CPU: split a session's decoder while it
-    is the only session decoding, decode the others whole, spread) where the
-    pipeline's decoder can be split, else ``spread`` (``spread``, or those
-    two) where the pipeline can decode on another rank, else ``first``: rank
-    0 decodes them all (also with one rank, or decodes inside micro-steps)."""
+    ``split`` (``pp_decode`` ``split``, and ``auto`` on a CPU: every session's
+    decoder split over two ranks) where the pipeline's decoder can be split,
+    else ``spread`` (``spread``, or those) where the pipeline can decode on
+    another rank, else ``first``: rank 0 decodes them all (also with one rank,
+    or decodes inside micro-steps; ``auto`` on GPUs)."""
     from workers.parallel.rank_decode import can_split, can_spread
 
     wanted = config.pp_decode
     if wanted == "auto":
-        wanted = "alone" if rank_device(0).type == "cpu" else "first"
+        wanted = "split" if rank_device(0).type == "cpu" else "first"
     deferred = config.overlap_decode is not False  # else rank 0 decodes inside its micro-steps
     if config.pp == 1 or not deferred or wanted == "first" or not can_spread(pipeline):
         return "first"
-    return wanted if wanted in ("split", "alone") and can_split(pipeline) else "spread"
+    return "split" if wanted == "split" and can_split(pipeline) else "spread"
 
 
 def ring_link(config: EngineConfig, rank: int, sockets: RankSockets) -> RankSockets | RingLink:

@@ -11,16 +11,15 @@ frame at a time, so that one session's decode, which is causal from chunk to
 chunk and cannot be shared out, keeps two processes busy; where the decoder
 changes rank is ``workers.parallel.partition.split_decoder``'s choice, from
 measured stage times. On a CPU the ranks are
-processes sharing the cores, and a VAE decode is many small kernels: two
-decode threads in rank 0's process beside its ring thread spent about 40 %
-more CPU per chunk than one decode alone (they share one interpreter), while
-decodes in two processes ran side by side at full speed; and a follower's
-own thread mostly waits for its part of the ring. With ``auto`` on a CPU
-(placement ``alone``, where the decoder can be split) a session placed while
-no other session is decoding is split, and the sessions placed beside it
-decode whole, spread: with four sessions on two ranks whole decodes spread
-made 1.09-1.22x the frames per second of every session split (three rounds
-side by side), while one session alone made 1.02-1.29x split.
+processes sharing the cores, and a VAE decode is many small kernels whose
+Python overhead is most of its cost: a thread that decodes beside rank 0's
+ring thread takes the interpreter lock from it, and decodes in two processes
+run side by side at full speed. So ``auto`` on a CPU splits every session,
+and the front lane (and a follower's back) decode the chunks of a round as
+one batch (below): with four sessions on two ranks that made 1.4-1.7x the
+frames per second of one rank with one thread, against 1.1-1.4x for decoding
+a session alone split and the others whole, spread (three rounds side by
+side; docs/ENGINE.md).
 
 ``RankDecodeStage`` (rank 0) has ``workers.decode_stage.DecodeStage``'s
 interface and takes its place in the executor. A session placed on rank 0
@@ -43,11 +42,24 @@ with exactly one ``DECODED`` frame, once the last frame came: so rank 0's
 front is done with the session by the time the engine learns the decode is
 back (and may release the session).
 
+Split chunks batch: the front lane holds what waits on it until a round of
+the sessions' chunks has come (``workers.decode_gather.RoundGather``, told of
+every micro-step by the executor through ``step_done``), then sends the
+chunks whose decoders are at the same point through the front as one batch
+(``pipeline.decode_fronts``): each latent frame's activation of every row in
+one ``DECODE`` frame with ``rows`` (session and chunk of each), and one last
+frame for the batch. The follower runs each part through the back as one
+batch (``pipeline.back_rows``) and answers each chunk with its own
+``DECODED`` frame once the last came. Both sides change the sessions' caches
+only once the batch is through, so a batch that fails on rank 0 is sent
+again chunk by chunk (its last frame says ``retry``, and the follower drops
+what it had).
+
 ``DecodeServer`` (a follower) decodes on a thread of its own, with the rank's
 copy of each session (``Follower.states``: its decoder's cache is there): a
 whole chunk through ``pipeline.decode_latent``, or a split chunk's parts
 through ``pipeline.decode_back``, its frames sent once the last part came
-(``pipeline.frames_of``). The engine releases a session only once its
+(``pipeline.frames_of``), or a batch's parts as above. The engine releases a session only once its
 decodes came back, so a release never takes a session from under a decode.
 
 A follower's connection closing (the rank died) ends the group through
@@ -67,6 +79,7 @@ from collections.abc import Callable
 import torch
 
 from engine.plan import ChunkOutput, DecodeResult
+from workers.decode_gather import RoundGather
 from workers.decode_stage import DecodeStage, batch_rounds, decode_batch_rows
 from workers.ordered_thread import OrderedThread
 from workers.parallel.link import LinkTimeout, Message
@@ -95,26 +108,26 @@ class RankDecodeStage:
         on_done: Callable[[DecodeResult], None],
         group,
         split: int = 0,
-        split_alone: bool = False,
     ) -> None:
         """``group``: the ``RankGroup`` (its sockets, its world, ``on_death``).
-        ``split``: 0, each session decodes on one rank (``spread``); else
-        sessions' decoders are split, their first ``split`` stages on rank 0:
-        every session's, or with ``split_alone`` (``alone``) only that of a
-        session placed while no other was decoding, the others decoding whole
-        as with ``spread``."""
+        ``split``: 0, each session decodes whole on one rank (``spread``); else
+        every session's decoder is split, its first ``split`` stages on rank 0."""
         self._runner = runner
         self._split = split
-        self._split_alone = split_alone and bool(split)
-        self._split_sessions: set[str] = set()  # placed split (the submitting thread's)
-        self._front = OrderedThread("decode-front", self._decode_front) if split else None
+        rows = decode_batch_rows(runner.pipeline)
+        self._front_rows = rows if hasattr(runner.pipeline, "decode_fronts") else 1  # split chunks a front batch takes
+        self._front = None
+        self._gather = RoundGather(self._front_rows)  # when the front lane's waiting chunks go together
+        if split and self._front_rows > 1:
+            self._front = OrderedThread("decode-front", self._decode_front, self._decode_fronts, self._gather.ready)
+            self._gather.watch(self._front.recheck)
+        elif split:
+            self._front = OrderedThread("decode-front", self._decode_front)
         self._group = group
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
-        # Rank 0's own whole decodes (none when every session is split: a split decode ends on a follower).
-        whole_here = not split or self._split_alone
-        rows = decode_batch_rows(runner.pipeline)
-        self._local = DecodeStage(runner, on_done, lanes=1, batch=rows) if whole_here else None
+        # Rank 0's own whole decodes (none when sessions are split: a split decode ends on a follower).
+        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=rows)
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
@@ -135,8 +148,8 @@ class RankDecodeStage:
         if rank == 0:
             self._local.submit(session_id, chunk_index)
             return
-        if session_id in self._split_sessions:
-            self._front.submit((session_id, chunk_index, rank))
+        if self._split:
+            self._front.submit((session_id, chunk_index, rank, self._gather.arrived(session_id)))
             return
         value = self._hand_off(session_id, chunk_index, rank)
         if value is None:
@@ -147,10 +160,15 @@ class RankDecodeStage:
         except Exception as error:
             self._not_sent(rank, session_id, chunk_index, error)
 
+    def step_done(self, idle: bool) -> None:
+        """A micro-step ended (``idle``: none is queued after it): the front lane's
+        waiting chunks may go (``workers.decode_gather``)."""
+        self._gather.step_done(idle)
+
     def forget(self, session_id: str) -> None:
         """The session was released: its rank may take another."""
         self._rank_of.pop(session_id, None)
-        self._split_sessions.discard(session_id)
+        self._gather.forget(session_id)
         if self._local is not None:
             self._local.forget(session_id)
         with self._lock:
@@ -167,32 +185,86 @@ class RankDecodeStage:
             thread.join(2 * POLL_S + 1.0)
 
     def _place(self, session_id: str) -> int:
-        """Where ``session_id``'s decodes go: split (every session, or with
-        ``split_alone`` one placed while no other is decoding) to the follower
-        with the fewest sessions; else whole to the rank with the fewest, a
-        follower before rank 0 on a tie. A split session counts half on rank 0,
-        which runs its front, and half on its follower."""
-        load = [0.0] * self._group.world
-        for sid, rank in self._rank_of.items():
-            if sid in self._split_sessions:
-                load[0] += 0.5
-                load[rank] += 0.5
-            else:
-                load[rank] += 1.0
-        split = bool(self._split) and (not self._split_alone or not self._rank_of)
-        order = [*range(1, self._group.world)] + ([] if split else [0])
-        rank = min(order, key=lambda rank: load[rank])
-        if split:
-            self._split_sessions.add(session_id)
-        return rank
+        """Where ``session_id``'s decodes go: the rank with the fewest sessions,
+        a follower before rank 0 on a tie; split, a follower (rank 0 runs every
+        split session's front)."""
+        load = [0] * self._group.world
+        for rank in self._rank_of.values():
+            load[rank] += 1
+        order = [*range(1, self._group.world)] + ([] if self._split else [0])
+        return min(order, key=lambda rank: load[rank])
 
-    def _decode_front(self, item: tuple[str, int, int]) -> bool:
+    def _decode_front(self, item: tuple[str, int, int, int]) -> bool:
         """The front lane: a split chunk's front stages here, each latent frame's
         activation posted to ``rank`` as it is made, then the chunk's last frame."""
-        session_id, chunk_index, rank = item
+        session_id, chunk_index, rank, _ = item
         value = self._hand_off(session_id, chunk_index, rank)
-        if value is None:
-            return True
+        if value is not None:
+            self._send_front(session_id, chunk_index, rank, value)
+        return True
+
+    def _decode_fronts(self, items: list[tuple[str, int, int, int]]) -> bool:
+        """The split chunks waiting on the front lane (session, chunk, follower,
+        ``RoundGather.arrived``) once the gather lets them go, in rounds of
+        batches of at most ``_front_rows`` (``batch_rounds``: a session's chunks
+        in order); in each batch the chunks for one follower whose decoders are
+        at the same point (``pipeline.decode_groups``) go through the front as
+        one batch (``_send_fronts``), others alone."""
+        for batch in batch_rounds(items, self._front_rows):
+            handed = []
+            for session_id, chunk_index, rank, _ in batch:
+                value = self._hand_off(session_id, chunk_index, rank)
+                if value is not None:
+                    handed.append((session_id, chunk_index, rank, value))
+            for rank in dict.fromkeys(row[2] for row in handed):
+                rows = [row for row in handed if row[2] == rank]
+                states = [self._runner.states[row[0]] for row in rows]
+                for group in self._runner.pipeline.decode_groups(states, [row[3] for row in rows]):
+                    if len(group) == 1:
+                        self._send_front(*rows[group[0]])
+                    else:
+                        self._send_fronts(rank, [rows[row] for row in group])
+        return True
+
+    def _send_fronts(self, rank: int, rows: list[tuple[str, int, int, torch.Tensor]]) -> None:
+        """Split chunks of different sessions (session, chunk, ``rank``, clean
+        latent) through the front as one batch (``pipeline.decode_fronts``): each
+        latent frame's activation of every row in one ``DECODE`` frame with
+        ``rows`` and ``part``, then one last frame for the batch (``last``: its
+        front time, or that it was abandoned: every session in it is stopping).
+        When the batch raises, the last frame says ``retry`` (the follower drops
+        it unanswered) and each chunk goes through the front alone, so only a
+        chunk that fails on its own gets an error."""
+        ids = [row[0] for row in rows]
+        head = {"rows": [[row[0], row[1]] for row in rows], "split": self._split}
+        number = rows[0][1]
+        began = time.perf_counter()
+        end: dict = {"last": True}
+        try:
+            try:
+                with abandon_when(self._runner.stop_check(ids)):
+                    states = [self._runner.states[sid] for sid in ids]
+                    parts = self._runner.pipeline.decode_fronts(states, [row[3] for row in rows], self._split)
+                    for part, (header, activation) in enumerate(parts):
+                        message = Message({**head, **header, "part": part}, [activation])
+                        self._sockets.post(rank, DECODE, number, message)
+            except Abandoned:
+                end["cancelled"] = True
+            except Exception:  # the pipeline's, or the rank is gone (then the next post raises too)
+                log.warning("a batched decode front of %d chunks failed; each goes alone", len(rows), exc_info=True)
+                end["retry"] = True
+            end["front_ms"] = (time.perf_counter() - began) * 1000.0
+            self._sockets.post(rank, DECODE, number, Message({**head, **end}, []))
+        except Exception as error:
+            for sid, chunk_index, _, _ in rows:
+                self._not_sent(rank, sid, chunk_index, error)
+            return
+        if end.get("retry"):
+            for row in rows:
+                self._send_front(*row)
+
+    def _send_front(self, session_id: str, chunk_index: int, rank: int, value: torch.Tensor) -> None:
+        """One split chunk (its clean latent handed off) through the front."""
         head = {"session": session_id, "chunk": chunk_index, "split": self._split}
         began = time.perf_counter()
         end: dict = {"last": True}
@@ -212,7 +284,6 @@ class RankDecodeStage:
             self._sockets.post(rank, DECODE, chunk_index, Message({**head, **end}, []))
         except Exception as error:
             self._not_sent(rank, session_id, chunk_index, error)
-        return True
 
     def _not_sent(self, rank: int, session_id: str, chunk_index: int, error: BaseException) -> None:
         """A decode request could not be sent: the connection to ``rank`` is
@@ -308,6 +379,7 @@ class DecodeServer:
         self._rows = decode_batch_rows(pipeline) if hasattr(pipeline, "decode_latents") else 1
         self._cancelled: set[str] = set()
         self._split: dict[tuple[str, int], _SplitChunk] = {}  # split chunks whose last part has not come
+        self._split_batches: dict[tuple, _SplitBatch] = {}  # batches of them, by their (session, chunk) rows
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="decode", daemon=True)
         self._thread.start()
@@ -344,10 +416,16 @@ class DecodeServer:
         part or the end of the list."""
         whole: list[tuple[str, int, torch.Tensor]] = []
         for kind, message in requests:
-            sid = message.header["session"]
             if kind == CANCEL:
-                self._cancelled.add(sid)
+                self._cancelled.add(message.header["session"])
                 continue
+            if "rows" in message.header:  # a part of a batch of split chunks
+                self._decode_whole(whole)
+                whole = []
+                for reply in self._split_batch_part(message):
+                    self._sockets.post(0, DECODED, int(reply.header["chunk"]), reply)
+                continue
+            sid = message.header["session"]
             chunk_index = int(message.header["chunk"])
             if "split" not in message.header:
                 whole.append((sid, chunk_index, message.tensors[0]))
@@ -453,11 +531,64 @@ class DecodeServer:
         chunk.back_ms += (time.perf_counter() - began) * 1000.0
         return None
 
-    def _session(self, sid: str):
-        """This rank's copy of ``sid``; ``Abandoned`` once a cancel for it came."""
+    def _split_batch_part(self, message: Message) -> list[Message]:
+        """One part of a batch of split chunks (``rows``: session and chunk of
+        each): a latent frame's back stages for every row
+        (``pipeline.back_rows``), or the batch's last frame, which gets each
+        chunk's one reply (its frames, or that the batch was abandoned or
+        failed, here or on rank 0, or that a cancel came for its session). A
+        last frame that says ``retry`` is answered by nothing: rank 0 sends
+        each chunk again alone, and the sessions' caches here are as they were
+        before the batch. The batch is abandoned once every session in it is
+        cancelled; after a failure or once abandoned, parts are only counted off."""
+        header = message.header
+        rows = [(str(sid), int(chunk_index)) for sid, chunk_index in header["rows"]]
+        key = tuple(rows)
+        batch = self._split_batches.setdefault(key, _SplitBatch())
+        ids = [sid for sid, _ in rows]
+        if header.get("last"):
+            del self._split_batches[key]
+            if header.get("retry"):
+                return []
+            ms = (batch.back_ms + float(header.get("front_ms", 0.0))) / len(rows)
+            error, abandoned = batch.error, batch.cancelled or bool(header.get("cancelled"))
+            outputs: list[ChunkOutput | None] = [None] * len(rows)
+            if error is None and not abandoned and batch.back is not None:
+                try:
+                    outputs = batch.back.frames()
+                except Exception as failure:
+                    error = self._failed(failure)
+            self._cancel_arrived(ids[0])  # take the cancels that came
+            replies = []
+            for (sid, chunk_index), output in zip(rows, outputs, strict=True):
+                cancelled = abandoned or sid in self._cancelled
+                replies.append(_reply(sid, chunk_index, None if cancelled else output, ms, error, cancelled))
+            return replies
+        if batch.error is not None or batch.cancelled:
+            return []
+        began = time.perf_counter()
+        try:
+            if batch.back is None:
+                batch.back = self._pipeline.back_rows([self._held(sid) for sid in ids])
+            with abandon_when(lambda: self._cancel_arrived(ids[0]) and all(sid in self._cancelled for sid in ids)):
+                batch.back.decode(header, message.tensors[0], int(header["split"]))
+        except Abandoned:
+            batch.cancelled = True
+        except Exception as failure:
+            batch.error = self._failed(failure)
+        batch.back_ms += (time.perf_counter() - began) * 1000.0
+        return []
+
+    def _held(self, sid: str):
+        """This rank's copy of ``sid``; ``RuntimeError`` naming it when it has none."""
         session = self._states.get(sid)
         if session is None:
             raise RuntimeError(f"session {sid} is not open on rank {self._sockets.rank}")
+        return session
+
+    def _session(self, sid: str):
+        """This rank's copy of ``sid``; ``Abandoned`` once a cancel for it came."""
+        session = self._held(sid)
         if sid in self._cancelled or self._cancel_arrived(sid):
             raise Abandoned
         return session
@@ -474,6 +605,16 @@ class DecodeServer:
                 break
             self._cancelled.add(message.header["session"])
         return sid in self._cancelled
+
+
+class _SplitBatch:
+    """What a follower holds of a batch of split chunks until its last part."""
+
+    def __init__(self) -> None:
+        self.back = None  # the pipeline's BackRows, from the first part
+        self.back_ms = 0.0
+        self.error: str | None = None  # a part failed here
+        self.cancelled = False  # a part was abandoned here (every session's cancel came)
 
 
 class _SplitChunk:
