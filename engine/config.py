@@ -71,8 +71,8 @@ class EngineConfig:
     a time; ``spread``, each session on one rank, the sessions shared out;
     ``first``, rank 0 decodes every session, on a lane per rank; ``auto``, on
     a CPU (the ranks are processes sharing the cores) where the decoder can
-    be split, ``split`` for a session placed while no other session decodes
-    and ``spread`` for the sessions beside it, else ``spread``, and ``first``
+    be split, ``split`` (a round of the sessions' chunks decoded as one
+    batch), else ``spread``, and ``first``
     on GPUs (measured in docs/ENGINE.md)."""
     stream_batch: bool = False
     """Split over ranks: let a session's next chunk enter the pipeline while its

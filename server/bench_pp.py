@@ -13,8 +13,8 @@ micro-step. Configurations:
 - ``pp1-2t``: one rank, two threads (the honest baseline on two cores);
 - ``pp2``: two ranks, one thread each, the ring on the ranks' own sockets,
   decodes placed by ``pp_decode`` ``auto`` (on a CPU, where the decoder can
-  be split: a session decoding alone split over the two ranks, sessions
-  beside it whole, spread; else spread);
+  be split: every session's decoder split over the two ranks, a round of
+  their chunks decoded as one batch; else spread);
 - ``pp2-gloo``: the same over ``torch.distributed`` point-to-point (gloo;
   ``pp_transport`` ``torch``), side by side with ``pp2``;
 - ``pp2-decode-spread``: the same with each session decoded whole on one
