@@ -3,10 +3,10 @@
 Worker rank 0. A batched decode costs much less per chunk than decodes one by
 one (tiny preset on a CPU, one thread: a split decode took 27.3 ms per chunk
 alone and 19.0 ms in batches of four). But sessions' chunks commit at
-different micro-steps: on a pipeline ring of two ranks with one row per
-micro-step, four sessions' chunks of one round commit one micro-step apart. A
-lane that takes whatever waits the moment it is free mostly decodes them one
-or two at a time, the Python overhead of each decode paid again and again.
+different micro-steps (on a pipeline ring of two ranks, below, several
+micro-steps apart). A lane that takes whatever waits the moment it is free
+mostly decodes them one or two at a time, the Python overhead of each decode
+paid again and again.
 
 ``RoundGather`` holds a lane's waiting chunks until one of:
 
