@@ -128,6 +128,13 @@ class EngineConfig:
     cpu_threads: int | None = None
     """CPU threads for worker rank 0's kernels (``torch.set_num_threads``); None:
     torch's default (every core), or with pipeline ranks the cores shared out."""
+    decode_nice: int | None = None
+    """How many steps of ``nice`` below the worker's own priority its decode
+    threads run (Linux; 0 to 19): where the decode is a stage of its own, the
+    thread that runs the micro-steps (with pipeline ranks, the ring) then keeps
+    its core and the decodes take the cores' spare time. None: 10 on a CPU
+    (measured in docs/ENGINE.md), 0 on GPUs, whose decode threads mostly
+    launch kernels."""
     wedged_after_s: float = 10.0
     """The heartbeat's floor (``engine.heartbeat``): a worker whose loop has answered
     no probe for this long, or whose one forward has run past
@@ -164,6 +171,8 @@ class EngineConfig:
         _check(self.wedged_after_s > 0, "wedged_after_s", "must be > 0")
         _check(":" in self.worker_entry, "worker_entry", "must look like 'module:function'")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", "must be >= 1")
+        nice = self.decode_nice
+        _check(nice is None or 0 <= nice <= 19, "decode_nice", "must be 0 to 19")
         _check(self.orphan_after_s > 0, "orphan_after_s", "must be > 0")
         if self.worker_listen is not None:
             host, _, port = self.worker_listen.rpartition(":")

@@ -69,6 +69,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         group_chunk_steps=settings.group_chunk_steps,
         max_batch_rows=settings.max_batch_rows,
         overlap_decode=settings.overlap_decode,
+        decode_nice=settings.decode_nice,
         pp=settings.pp,
         pp_timeout_s=settings.pp_timeout_s,
         pp_transport=settings.pp_transport,

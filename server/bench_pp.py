@@ -29,6 +29,10 @@ micro-step. Configurations:
   while the chunk before it is still in the ring), against which the
   output's difference from the exact one (``pp1-1t``, the same session and
   seed) is measured: mean and largest absolute difference in pixel levels;
+- ``pp2-nice0`` and ``pp2-stream-nice0``: ``pp2`` (four sessions) and
+  ``pp2-stream`` with the decode threads at the ranks' own priority
+  (``decode_nice`` 0) instead of the CPU's default 10 steps below
+  (``workers.os_threads``), side by side with them;
 - ``pp1-batch4`` and ``pp1-serial``: four sessions batched in one forward
   (``max_batch_rows`` 4) against the same four run one after another, one
   thread each.
@@ -78,6 +82,7 @@ class Config:
     stream_batch: bool = False
     transport: str = "auto"  # EngineConfig.pp_transport
     decode: str = "auto"  # EngineConfig.pp_decode
+    decode_nice: int | None = None  # EngineConfig.decode_nice
 
 
 CONFIGS = (
@@ -86,10 +91,12 @@ CONFIGS = (
     Config("pp2", 2, None, 1),
     Config("pp2-decode-spread", 2, None, 1, decode="spread"),
     Config("pp2-stream", 2, None, 1, stream_batch=True),
+    Config("pp2-stream-nice0", 2, None, 1, stream_batch=True, decode_nice=0),
     Config("pp1-1t", 1, 1, 4),
     Config("pp1-2t", 1, 2, 4),
     Config("pp2", 2, None, 4),
     Config("pp2-gloo", 2, None, 4, transport="torch"),
+    Config("pp2-nice0", 2, None, 4, decode_nice=0),
     Config("pp2-decode-spread", 2, None, 4, decode="spread"),
     Config("pp2-decode-first", 2, None, 4, decode="first"),
     Config("pp2-batch2", 2, None, 4, max_batch_rows=2),
@@ -111,6 +118,7 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
         stream_batch=config.stream_batch,
         pp_transport=config.transport,
         pp_decode=config.decode,
+        decode_nice=config.decode_nice,
         max_batch_rows=config.max_batch_rows,
         max_sessions=max(4, config.sessions),
         startup_timeout_s=600,
@@ -225,6 +233,8 @@ RATIOS = {
     "batch4_vs_serial": (("pp1-batch4", 4), ("pp1-serial", 4)),
     "pp2_stream_vs_pp1_1t_1_session": (("pp2-stream", 1), ("pp1-1t", 1)),
     "pp2_stream_vs_pp2_1_session": (("pp2-stream", 1), ("pp2", 1)),
+    "pp2_stream_vs_pp2_stream_nice0_1_session": (("pp2-stream", 1), ("pp2-stream-nice0", 1)),
+    "pp2_vs_pp2_nice0_4_sessions": (("pp2", 4), ("pp2-nice0", 4)),
 }
 """Each ratio of the summary: (configuration, sessions) over (configuration, sessions)."""
 

@@ -102,6 +102,11 @@ class ServerSettings:
     """Decode each chunk on a stage of its own while the session's next chunk denoises
     (true), or in line after its commit (false); unset: where the model says it pays
     (causal Wan: on a GPU, not on a CPU). Frames are the same either way."""
+    decode_nice: int | None = None
+    """Steps of nice (0 to 19, Linux) the worker's decode threads run below it, so
+    the thread that runs the denoise steps (with --pp, the ranks' ring) keeps its
+    core and the decodes take the spare time; unset: 10 on a CPU, 0 on GPUs.
+    Frames are the same either way."""
     api_key: str | None = None
     """When set, the realtime WebSocket and every ``/v1/`` route need it (Bearer
     header, ``api_key`` query parameter, or the WebSocket subprotocol
@@ -179,7 +184,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            may_be_zero = f.name in ("port", "max_worker_restarts")
+            may_be_zero = f.name in ("port", "max_worker_restarts", "decode_nice")
             if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0 and not may_be_zero:
                 raise ValueError(f"{f.name} must be > 0, got {value}")
         if self.max_worker_restarts < 0:
@@ -194,6 +199,8 @@ class ServerSettings:
             raise ValueError(f"pp_transport must be {' or '.join(PP_TRANSPORTS)}, got {self.pp_transport!r}")
         if self.pp_port is not None and not 1 <= self.pp_port <= 65536 - self.pp:
             raise ValueError(f"pp_port must leave room for {self.pp} ports: 1 to {65536 - self.pp}, got {self.pp_port}")
+        if self.decode_nice is not None and not 0 <= self.decode_nice <= 19:
+            raise ValueError(f"decode_nice must be 0 to 19, got {self.decode_nice}")
         if self.pp_decode not in PP_DECODES:
             raise ValueError(f"pp_decode must be one of {', '.join(PP_DECODES)}, got {self.pp_decode!r}")
         if self.stream_batch and self.pp < 2:

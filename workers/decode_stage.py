@@ -51,10 +51,17 @@ def decode_batch_rows(pipeline) -> int:
 
 class DecodeStage:
     def __init__(
-        self, runner: ModelRunner, on_done: Callable[[DecodeResult], None], lanes: int = 1, batch: int = 1
+        self,
+        runner: ModelRunner,
+        on_done: Callable[[DecodeResult], None],
+        lanes: int = 1,
+        batch: int = 1,
+        nice: int = 0,
     ) -> None:
         """``on_done`` is called on a lane's thread with each result; a session's
-        in order. ``batch``: the most chunks one decoder batch takes (1: none)."""
+        in order. ``batch``: the most chunks one decoder batch takes (1: none).
+        ``nice``: steps of ``nice`` the lanes run below the worker
+        (``workers.os_threads``)."""
         if lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
         if batch < 1:
@@ -64,7 +71,7 @@ class DecodeStage:
         self._batch = batch
         together = self._decode_waiting if batch > 1 else None
         self._lanes: list[OrderedThread[tuple[str, int]]] = [
-            OrderedThread(f"decode-{lane}", self._decode, together) for lane in range(lanes)
+            OrderedThread(f"decode-{lane}", self._decode, together, nice=nice) for lane in range(lanes)
         ]
         self._lane_of: dict[str, int] = {}  # session -> its lane (touched by the submitting thread only)
         self._count_lock = threading.Lock()

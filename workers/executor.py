@@ -51,11 +51,13 @@ class LocalExecutor:
         decode_lanes: int = 1,
         batch_decodes: int = 1,
         decode_stage: Callable[[ModelRunner, Callable[[DecodeResult], None]], DecodeStage] | None = None,
+        decode_nice: int = 0,
     ) -> None:
         """``decode_stage``: builds the decode stage from the runner and the
         callback for its results (default: ``DecodeStage`` with ``decode_lanes``
         lanes, each decoding what waits on it in batches of at most
-        ``batch_decodes`` chunks); anything with its ``submit`` / ``forget`` /
+        ``batch_decodes`` chunks, ``decode_nice`` steps of ``nice`` below
+        the worker: ``workers.os_threads``); anything with its ``submit`` / ``forget`` /
         ``close`` and ``decodes`` (chunks decoded per rank, for ``rank_figures``)."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -75,7 +77,9 @@ class LocalExecutor:
         if threaded and overlap_decode:
             runner.defer_decode = True
             if decode_stage is None:
-                self._decoder = DecodeStage(runner, self._decoded, lanes=decode_lanes, batch=batch_decodes)
+                self._decoder = DecodeStage(
+                    runner, self._decoded, lanes=decode_lanes, batch=batch_decodes, nice=decode_nice
+                )
             else:
                 self._decoder = decode_stage(runner, self._decoded)
         self._thread: OrderedThread[MicroStep] | None = OrderedThread("executor", self._run) if threaded else None

@@ -46,6 +46,7 @@ from engine.transport import Endpoints, ResultSender
 from workers.calibrate import Calibration, calibrate
 from workers.decode_stage import decode_batch_rows
 from workers.executor import LocalExecutor
+from workers.os_threads import decode_nice
 from workers.parallel.group import decode_placement
 from workers.parallel.ring import RingRunner
 from workers.pipelines import build_pipeline, known_prompts
@@ -121,6 +122,7 @@ def run_worker(
         sender.send(message)
 
     overlap = _overlap_decode(config, pipeline)
+    nice = decode_nice(config.decode_nice, getattr(getattr(pipeline, "device", None), "type", "cpu"))
     # With pipeline ranks, rank 0's decode stage gets a lane per rank (its own thread mostly waits on the ring),
     # or the sessions' decodes are shared out over the ranks.
     lanes = config.pp if group is not None else 1
@@ -128,7 +130,7 @@ def run_worker(
     if placement != "first":
         from workers.parallel.rank_decode import RankDecodeStage
 
-        stage = functools.partial(RankDecodeStage, group=group, split=decoder_split)
+        stage = functools.partial(RankDecodeStage, group=group, split=decoder_split, nice=nice)
         if decoder_split:
             log.info("sessions' decoders split over two ranks, %d stages on rank 0", decoder_split)
         else:
@@ -141,6 +143,7 @@ def run_worker(
         decode_lanes=lanes,
         batch_decodes=decode_batch_rows(pipeline),
         decode_stage=stage,
+        decode_nice=nice,
     )
     loop = EngineLoop(
         config,

@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
+from workers.os_threads import lower_this_thread, name_this_thread
+
 Item = TypeVar("Item")
 
 
@@ -21,6 +23,7 @@ class OrderedThread(Generic[Item]):
         handle: Callable[[Item], bool],
         handle_all: Callable[[list[Item]], bool] | None = None,
         ready: Callable[[Sequence[Item]], bool] | None = None,
+        nice: int = 0,
     ) -> None:
         """``handle`` runs on the thread for each item; returning False stops the
         thread (what was submitted after it is not handled). With
@@ -28,7 +31,9 @@ class OrderedThread(Generic[Item]):
         thread turns to the queue, in submission order (one at least); with
         ``ready`` too, only once ``ready`` says the waiting items may go (it is
         asked with them, in order, whenever one is submitted and at
-        ``recheck``; closing takes them regardless)."""
+        ``recheck``; closing takes them regardless). ``nice``: steps of
+        ``nice`` the thread runs below the process's priority (0: the same).
+        The thread gives the kernel its name (``workers.os_threads``)."""
         if ready is not None and handle_all is None:
             raise ValueError("ready needs handle_all")
         self._handle = handle
@@ -37,6 +42,7 @@ class OrderedThread(Generic[Item]):
         self._lock = threading.Condition()
         self._queue: deque[Item] = deque()
         self._closing = False
+        self._nice = nice
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -66,6 +72,8 @@ class OrderedThread(Generic[Item]):
         self._thread.join()
 
     def _run(self) -> None:
+        name_this_thread()
+        lower_this_thread(self._nice)
         while True:
             with self._lock:
                 self._lock.wait_for(self._may_take)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -257,6 +258,35 @@ async def test_batched_rows_cross_the_ring_as_one_forward(one_rank, two_ranks):
         assert rows > steps / 2 if pp == 1 else rows > steps / 4  # rows shared forwards
     assert [len(one) for one in frames[1]] == [3, 3]
     assert frames[1] == frames[2]
+
+
+def threads_of(pid: int) -> dict[int, tuple[str, int]]:
+    """Every thread of process ``pid``: its kernel name and nice."""
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            stat = f.read()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        threads[int(tid)] = (name, int(stat[stat.rindex(")") + 2 :].split()[16]))  # nice: field 19 of proc(5)
+    return threads
+
+
+@SHARED
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread names and nice are Linux's")
+async def test_on_a_cpu_each_ranks_decode_thread_runs_ten_steps_below_its_ring(two_ranks):
+    """``decode_nice`` unset on a CPU: the decode thread of each rank (rank 0's
+    front lane, the follower's decode server: every decoder is split) runs at
+    nice 10 above the rank's once it has decoded, and the threads of the ring
+    (rank 0's executor, the follower's main thread) at the rank's own."""
+    got = await run_sessions(two_ranks, [start_of("n", 4, 2)])
+    assert isinstance(got["n"].end, SessionDone)
+    (follower,) = two_ranks.ready.pipeline_ranks
+    for pid, ring, decode in ((two_ranks.ready.pid, "executor", "decode-front"), (follower, None, "decode")):
+        threads = threads_of(pid)
+        base = os.getpriority(os.PRIO_PROCESS, pid)  # the rank's main thread: the follower's ring
+        by_name = {name: nice for name, nice in threads.values()}
+        assert by_name[decode] == min(19, base + 10), threads
+        assert ring is None or by_name[ring] == base, threads
 
 
 @SHARED

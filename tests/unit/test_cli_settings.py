@@ -131,3 +131,18 @@ def test_where_the_ranks_decode_reaches_the_engine_config_and_anything_else_is_r
         settings_from(parse("--pp-decode", "last"), {})
     with pytest.raises(ValueError, match="pp_decode must be one of auto, first, spread, split"):
         EngineConfig(pipeline=PipelineSpec("tiny", {}), pp_decode="all")
+
+
+def test_the_decode_threads_nice_reaches_the_engine_config_and_a_value_out_of_range_is_refused_by_name():
+    from engine.config import EngineConfig, PipelineSpec
+    from server.app import engine_config
+
+    assert engine_config(settings_from(parse(), {})).decode_nice is None
+    assert engine_config(settings_from(parse("--decode-nice", "0"), {})).decode_nice == 0
+    assert engine_config(settings_from(parse(), {"RTVIDEO_DECODE_NICE": "19"})).decode_nice == 19
+    with pytest.raises(SystemExit, match="decode_nice must be 0 to 19, got 20"):
+        settings_from(parse("--decode-nice", "20"), {})
+    with pytest.raises(SystemExit, match="decode_nice must be 0 to 19, got -1"):
+        settings_from(parse("--decode-nice", "-1"), {})
+    with pytest.raises(ValueError, match="EngineConfig.decode_nice must be 0 to 19"):
+        EngineConfig(pipeline=PipelineSpec("tiny", {}), decode_nice=25)

@@ -350,6 +350,7 @@ NOT_LIMITS = {
     "pipeline_options",
     "group_chunk_steps",
     "overlap_decode",
+    "decode_nice",
     "api_key",
     "pp",
     "slo_first_chunk_s",

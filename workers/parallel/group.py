@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.plan import MicroStep
+from workers.os_threads import decode_nice
 from workers.parallel.link import Message, RingLink
 from workers.parallel.sockets import RankSockets, advertised_host
 
@@ -330,7 +331,8 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     if decode_placement(config, pipeline) != "first":
         from workers.parallel.rank_decode import DecodeServer
 
-        follower.decoder = DecodeServer(pipeline, follower.states, sockets)
+        nice = decode_nice(config.decode_nice, device.type)
+        follower.decoder = DecodeServer(pipeline, follower.states, sockets, nice=nice)
     decoder = msgspec.msgpack.Decoder(MicroStep)
     log.info("rank %d of %d: blocks %d..%d", rank, world, blocks[0], blocks[1] - 1)
     try:

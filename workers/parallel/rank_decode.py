@@ -82,6 +82,7 @@ from engine.plan import ChunkOutput, DecodeResult
 from workers.decode_gather import RoundGather
 from workers.decode_stage import DecodeStage, batch_rounds, decode_batch_rows
 from workers.ordered_thread import OrderedThread
+from workers.os_threads import lower_this_thread, name_this_thread
 from workers.parallel.link import LinkTimeout, Message
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, RankSockets
 from workers.pipelines.base import Abandoned, abandon_when
@@ -108,10 +109,13 @@ class RankDecodeStage:
         on_done: Callable[[DecodeResult], None],
         group,
         split: int = 0,
+        nice: int = 0,
     ) -> None:
         """``group``: the ``RankGroup`` (its sockets, its world, ``on_death``).
         ``split``: 0, each session decodes whole on one rank (``spread``); else
-        every session's decoder is split, its first ``split`` stages on rank 0."""
+        every session's decoder is split, its first ``split`` stages on rank 0.
+        ``nice``: steps of ``nice`` rank 0's decode lanes run below the worker
+        (``workers.os_threads``)."""
         self._runner = runner
         self._split = split
         rows = decode_batch_rows(runner.pipeline)
@@ -119,15 +123,17 @@ class RankDecodeStage:
         self._front = None
         self._gather = RoundGather(self._front_rows)  # when the front lane's waiting chunks go together
         if split and self._front_rows > 1:
-            self._front = OrderedThread("decode-front", self._decode_front, self._decode_fronts, self._gather.ready)
+            self._front = OrderedThread(
+                "decode-front", self._decode_front, self._decode_fronts, self._gather.ready, nice=nice
+            )
             self._gather.watch(self._front.recheck)
         elif split:
-            self._front = OrderedThread("decode-front", self._decode_front)
+            self._front = OrderedThread("decode-front", self._decode_front, nice=nice)
         self._group = group
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
         # Rank 0's own whole decodes (none when sessions are split: a split decode ends on a follower).
-        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=rows)
+        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=rows, nice=nice)
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
@@ -370,8 +376,10 @@ class DecodeServer:
     """A follower's decode thread: the chunks rank 0 sends it, decoded with this
     rank's copy of each session."""
 
-    def __init__(self, pipeline, states: dict, sockets: RankSockets) -> None:
-        """``states``: the follower's sessions (``Follower.states``), read here."""
+    def __init__(self, pipeline, states: dict, sockets: RankSockets, nice: int = 0) -> None:
+        """``states``: the follower's sessions (``Follower.states``), read here.
+        ``nice``: steps of ``nice`` the thread runs below the rank
+        (``workers.os_threads``)."""
         self._pipeline = pipeline
         self._states = states
         self._sockets = sockets
@@ -381,6 +389,7 @@ class DecodeServer:
         self._split: dict[tuple[str, int], _SplitChunk] = {}  # split chunks whose last part has not come
         self._split_batches: dict[tuple, _SplitBatch] = {}  # batches of them, by their (session, chunk) rows
         self._closing = threading.Event()
+        self._nice = nice
         self._thread = threading.Thread(target=self._serve, name="decode", daemon=True)
         self._thread.start()
 
@@ -393,6 +402,8 @@ class DecodeServer:
         self._thread.join(2 * POLL_S + 1.0)
 
     def _serve(self) -> None:
+        name_this_thread()
+        lower_this_thread(self._nice)
         while not self._closing.is_set():
             try:
                 requests = [self._sockets.take(0, (DECODE, CANCEL), None, POLL_S, "decode request")]
