@@ -183,6 +183,17 @@ def test_split_decodes_of_several_streams_batch_with_each_streams_frames_and_cac
             )
     with pytest.raises(ValueError, match="decode_front_rows takes latents of one shape"):
         next(decoder.decode_front_rows([streams[0][:, :, :1], streams[1][:, :, 1:3]], fronts[:2], split))
+    # A stream at its first frame beside streams past it: their caches cannot stack, for a front or a back.
+    fresh = decoder.new_cache()
+    mixed = [latents[:, :, :1] for latents in streams]
+    with pytest.raises(ValueError, match="a batch's 2 streams hold decoder features of different shapes"):
+        next(decoder.decode_front_rows(mixed[:2], [fronts[0], fresh], split))
+    with pytest.raises(ValueError, match="a batch's 3 streams hold decoder features of different shapes"):
+        decoder.stacked([*backs[:2], fresh])
+    with pytest.raises(ValueError, match="a batch's 2 streams hold decoder features of different shapes"):
+        decoder.decode_rows(mixed[:2], [fresh, fronts[1]], first=False)
+    with pytest.raises(ValueError, match="needs one cache at least"):
+        decoder.stacked([])
 
 
 def test_a_400_chunk_stream_keeps_constant_memory_and_valid_positions(pipeline):

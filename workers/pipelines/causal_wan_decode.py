@@ -220,12 +220,9 @@ class BackRows:
     session's frames. The sessions' caches change only at ``frames``."""
 
     def __init__(self, pipeline: CausalWanDecoding, sessions: Sequence[CausalWanSession]) -> None:
-        decoder = pipeline.decoder
-        if len({decoder.cache_shape(session.vae_cache) for session in sessions}) > 1:
-            raise ValueError("a batch's sessions must hold decoder features of one shape")
         self._pipeline = pipeline
         self._sessions = list(sessions)
-        self._work = decoder.stacked([session.vae_cache for session in sessions])
+        self._work = pipeline.decoder.stacked([session.vae_cache for session in sessions])  # checks their shapes
         self._pixels: list[torch.Tensor] = []
 
     @torch.no_grad()

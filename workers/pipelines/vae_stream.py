@@ -221,22 +221,30 @@ class StreamingDecoder:
         self.unstack(work, caches)
         return list(pixels.split(1))
 
-    def _check_rows(self, latents: Sequence[torch.Tensor], caches: Sequence[list], method: str) -> None:
-        """A batch is a cache per latent, the latents of one shape, the caches of one ``cache_shape``."""
+    @staticmethod
+    def _check_rows(latents: Sequence[torch.Tensor], caches: Sequence[list], method: str) -> None:
+        """A batch is a cache per latent, the latents of one shape (``stacked``
+        checks the caches)."""
         if len(latents) != len(caches) or not latents:
             raise ValueError(f"{method} takes a cache per latent, got {len(latents)} and {len(caches)}")
-        shapes = {self.cache_shape(cache) for cache in caches}
-        if len(shapes) > 1 or len({tuple(latent.shape) for latent in latents}) > 1:
-            raise ValueError(f"{method} takes latents of one shape whose caches hold features of one shape")
+        if len({tuple(latent.shape) for latent in latents}) > 1:
+            raise ValueError(f"{method} takes latents of one shape, got {sorted({tuple(x.shape) for x in latents})}")
 
     @staticmethod
     def stacked(caches: Sequence[list]) -> list:
         """One feature cache for a batch of streams whose caches agree in
         ``cache_shape``: each slot's rows concatenated in order (a slot that
         holds no tensor, the same in every cache, as it is). A new list; for one
-        stream a copy of its list, whose tensors stay the cache's."""
+        stream a copy of its list, whose tensors stay the cache's. ``ValueError``
+        for no cache, or caches that disagree in ``cache_shape`` (streams at
+        different frame sizes, or one at its first frame beside one past it):
+        every batched decode builds its cache here, so none can mix them."""
+        if not caches:
+            raise ValueError("a batch of streams needs one cache at least")
         if len(caches) == 1:
             return list(caches[0])
+        if len({StreamingDecoder.cache_shape(cache) for cache in caches}) > 1:
+            raise ValueError(f"a batch's {len(caches)} streams hold decoder features of different shapes")
         return [torch.cat(slot) if isinstance(slot[0], torch.Tensor) else slot[0] for slot in zip(*caches, strict=True)]
 
     @staticmethod
