@@ -2,9 +2,11 @@
 
 Real worker processes over the given model (default: the tiny preset), side by
 side in one run: each configuration starts a fresh engine, runs ``sessions``
-concurrent sessions of ``chunks`` chunks at ``size`` x ``size``, and reports
-frames per second (every frame of every session over the wall time from the
-first start to the last chunk) and, from the worker's ``EngineStats``, every
+concurrent sessions of ``chunks`` chunks at ``size`` x ``size`` (a
+configuration of fewer sessions proportionally more each: ``session_chunks``),
+and reports frames per second (every frame of every session over the wall
+time from the first start to the last chunk) and, from the worker's
+``EngineStats``, every
 rank's busy and bubble fraction over the run (bubble: the share of its time
 inside micro-steps spent waiting on the ring) and the mean rows per
 micro-step. Configurations:
@@ -105,7 +107,20 @@ CONFIGS = (
 )
 
 
-async def run_config(options: PpBenchOptions, config: Config) -> dict:
+def session_chunks(options: PpBenchOptions, config: Config, configs=CONFIGS) -> int:
+    """Chunks each of ``config``'s sessions makes: ``options.chunks`` at the
+    most sessions of ``configs``, proportionally more with fewer (one session
+    of four: 4x), so that every configuration makes about as many chunks and
+    runs for about as long (one session's 24 chunks of the tiny preset took
+    under a second, shorter than this machine's swings in speed)."""
+    most = max(c.sessions for c in configs)
+    return options.chunks * max(1, most // config.sessions)
+
+
+async def run_config(options: PpBenchOptions, config: Config, chunks: int | None = None) -> dict:
+    """``config`` once on a fresh engine, its sessions ``chunks`` chunks each
+    (default ``options.chunks``)."""
+    chunks = options.chunks if chunks is None else chunks
     spec = (
         PipelineSpec(options.model, {"device": "cpu"})
         if options.model == "tiny"
@@ -138,7 +153,7 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
                 seed=i,
                 width=options.size,
                 height=options.size,
-                num_chunks=options.chunks,
+                num_chunks=chunks,
                 num_inference_steps=options.steps,
             )
             for i in range(config.sessions)
@@ -161,6 +176,7 @@ async def run_config(options: PpBenchOptions, config: Config) -> dict:
         "config": config.name,
         "sessions": config.sessions,
         "pp": config.pp,
+        "chunks_per_session": chunks,
         "fps": frames / wall,
         "wall_s": wall,
         "frames": frames,
@@ -248,7 +264,7 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int
     payloads: dict[str, list[bytes] | None] = {}
     for round_ in range(options.repeats):
         for config in configs:
-            result = asyncio.run(run_config(options, config))
+            result = asyncio.run(run_config(options, config, session_chunks(options, config, configs)))
             kept = result.pop("_payloads")
             if kept is not None and round_ == 0:
                 payloads[config.name] = kept

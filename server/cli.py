@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     realtime.set_defaults(func=_bench_realtime)
     pp = benches.add_parser("pp", help="temporal pipeline parallelism: 1 vs 2 ranks, 1 and 4 sessions, batching")
     pp.add_argument("--model", default="tiny", help="tiny, or a model directory")
-    pp.add_argument("--chunks", type=int, default=6, help="chunks per session")
+    pp.add_argument("--chunks", type=int, default=6, help="chunks per session of four (one session runs 4x as many)")
     pp.add_argument("--size", type=int, default=64, help="frame width and height")
     pp.add_argument("--steps", type=int, default=4, help="denoise steps per chunk")
     pp.add_argument(

@@ -13,19 +13,25 @@ def test_ratios_are_the_median_of_side_by_side_rounds(monkeypatch, capsys):
     fps = {  # the machine slows down between rounds: the ratio inside each round is what counts
         ("pp1-1t", 4): [100.0, 50.0, 80.0],
         ("pp2", 4): [150.0, 90.0, 160.0],
+        ("pp1-1t", 1): [90.0, 45.0, 70.0],
     }
     calls = []
 
-    async def run_config(options, config):
+    async def run_config(options, config, chunks):
         key = (config.name, config.sessions)
-        calls.append(key)
-        rate = fps[key][sum(1 for call in calls if call == key) - 1]
+        calls.append((key, chunks))
+        rate = fps[key][sum(1 for call, _ in calls if call == key) - 1]
         return {"config": config.name, "sessions": config.sessions, "fps": rate, "_payloads": None, "ranks": []}
 
     monkeypatch.setattr(bench_pp, "run_config", run_config)
-    configs = (bench_pp.Config("pp1-1t", 1, 1, 4), bench_pp.Config("pp2", 2, None, 4))
-    assert bench_pp.main(bench_pp.PpBenchOptions(repeats=3), as_json=True, configs=configs) == 0
-    assert calls == [("pp1-1t", 4), ("pp2", 4)] * 3  # round by round, not one configuration's runs in a row
+    configs = (
+        bench_pp.Config("pp1-1t", 1, 1, 4),
+        bench_pp.Config("pp2", 2, None, 4),
+        bench_pp.Config("pp1-1t", 1, 1, 1),
+    )
+    assert bench_pp.main(bench_pp.PpBenchOptions(chunks=6, repeats=3), as_json=True, configs=configs) == 0
+    # round by round, not one configuration's runs in a row; one session makes as many chunks as four together
+    assert calls == [(("pp1-1t", 4), 6), (("pp2", 4), 6), (("pp1-1t", 1), 24)] * 3
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["rounds"] == 3
     assert summary["ratios_per_round"]["pp2_vs_pp1_1t_4_sessions"] == [1.5, 1.8, 2.0]
