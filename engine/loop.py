@@ -478,7 +478,6 @@ class EngineLoop:
             self._fail(session, result.error)
         elif not session.decodes_dropped:
             self._emit_chunk(session, chunk, result.chunk, result.decode_ms)
-        self._say_failure_when_decoded(session)
 
     def _emit_chunk(self, session: EngineSession, chunk: ChunkInFlight, output: ChunkOutput, decode_ms: float) -> None:
         self.send(
@@ -512,10 +511,15 @@ class EngineLoop:
         session.chunks_done += 1
 
     def _end(self, sid: str) -> None:
-        """The runner released a finishing session: say so, with its replay log."""
+        """The runner released a finishing session: say so (``SessionDone`` with
+        its replay log, or ``SessionFailed``), so that a session's last message
+        always means the worker holds nothing of it any more."""
         session = self.sessions.pop(sid)
         if session.failure is not None:
-            return  # SessionFailed was its last word
+            message = f"the session failed before this interaction reached a chunk boundary: {session.failure}"
+            self._reject_leftovers(sid, "session_failed", message)
+            self.send(SessionFailed(session_id=sid, code="pipeline_error", message=session.failure))
+            return
         message = "the session ended before this interaction reached a chunk boundary"
         self._reject_leftovers(sid, "session_ended", message)
         reason = session.end_reason or "completed"
@@ -532,25 +536,15 @@ class EngineLoop:
 
     def _fail(self, session: EngineSession, error: str) -> None:
         """A pipeline call failed the session. Chunks it committed before are still
-        decoding: they are emitted first, then ``SessionFailed`` (its stream's last
-        message) goes out, and a micro-step frees its state (the runner freed it at
-        once when nothing was left to decode)."""
+        decoding: they are emitted first; once they are back a micro-step frees its
+        state (the runner freed it at once when nothing was left to decode), and
+        then ``SessionFailed``, its stream's last message, goes out (``_end``)."""
         if session.failure is None:
             session.failure = error
         for chunk in session.chunks.values():  # boundaries taken that no micro-step will report
             if chunk.boundary is not None:
                 self._report_boundary(session, chunk, error)
         session.finish("failed")
-        self._say_failure_when_decoded(session)
-
-    def _say_failure_when_decoded(self, session: EngineSession) -> None:
-        if session.failure is None or session.failure_said or session.decoding:
-            return
-        session.failure_said = True
-        sid = session.session_id
-        message = f"the session failed before this interaction reached a chunk boundary: {session.failure}"
-        self._reject_leftovers(sid, "session_failed", message)
-        self.send(SessionFailed(session_id=sid, code="pipeline_error", message=session.failure))
 
     def _reject_leftovers(self, sid: str, code: str, message: str) -> None:
         """Reject what the session's mailbox still holds; before the session's

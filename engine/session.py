@@ -124,8 +124,7 @@ class EngineSession:
     end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
     release_planned: bool = False  # FINISHING: the micro-step that frees its state was submitted
     decoding: dict[int, ChunkInFlight] = field(default_factory=dict)  # committed chunks the decode stage has
-    failure: str | None = None  # why it failed; said (SessionFailed) once its decodes came back
-    failure_said: bool = False
+    failure: str | None = None  # why it failed; said (SessionFailed) once its state was released
     decodes_dropped: bool = False  # a decode failed: later chunks would leave a gap, so none is emitted
     max_lead_seconds: float | None = None  # pacing budget; None: never held back for the playhead
     max_undelivered_seconds: float | None = None  # transport budget beyond what was written to the client
