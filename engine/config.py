@@ -132,9 +132,9 @@ class EngineConfig:
     """How many steps of ``nice`` below the worker's own priority its decode
     threads run (Linux; 0 to 19): where the decode is a stage of its own, the
     thread that runs the micro-steps (with pipeline ranks, the ring) then keeps
-    its core and the decodes take the cores' spare time. None: 10 on a CPU
-    (measured in docs/ENGINE.md), 0 on GPUs, whose decode threads mostly
-    launch kernels."""
+    its core and the decodes take the cores' spare time. None: 10 for
+    pipeline ranks on CPUs (measured in docs/ENGINE.md), 0 on one rank (no
+    ring to yield to) and on GPUs, whose decode threads mostly launch kernels."""
     wedged_after_s: float = 10.0
     """The heartbeat's floor (``engine.heartbeat``): a worker whose loop has answered
     no probe for this long, or whose one forward has run past

@@ -105,7 +105,8 @@ class ServerSettings:
     decode_nice: int | None = None
     """Steps of nice (0 to 19, Linux) the worker's decode threads run below it, so
     the thread that runs the denoise steps (with --pp, the ranks' ring) keeps its
-    core and the decodes take the spare time; unset: 10 on a CPU, 0 on GPUs.
+    core and the decodes take the spare time; unset: 10 with --pp 2 or more on
+    CPUs, else 0.
     Frames are the same either way."""
     api_key: str | None = None
     """When set, the realtime WebSocket and every ``/v1/`` route need it (Bearer

@@ -122,7 +122,7 @@ def run_worker(
         sender.send(message)
 
     overlap = _overlap_decode(config, pipeline)
-    nice = decode_nice(config.decode_nice, getattr(getattr(pipeline, "device", None), "type", "cpu"))
+    nice = decode_nice(config.decode_nice, getattr(getattr(pipeline, "device", None), "type", "cpu"), config.pp)
     # With pipeline ranks, rank 0's decode stage gets a lane per rank (its own thread mostly waits on the ring),
     # or the sessions' decodes are shared out over the ranks.
     lanes = config.pp if group is not None else 1

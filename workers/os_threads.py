@@ -16,7 +16,10 @@ Worker processes. Two things, both Linux's (elsewhere they do nothing):
   whenever it can run, and the decodes fill the time it waits. Threads a
   lowered thread starts (an OpenMP pool's, say) inherit its nice.
   ``EngineConfig.decode_nice`` says how many steps (None: ``DEFAULT_CPU_NICE``
-  on a CPU, none on GPUs, whose decode threads mostly launch kernels).
+  for pipeline ranks on CPUs, where it was measured to pay; none on one rank,
+  where a lowered decode would only lose the cores to every other process of
+  the machine, the API server's media encoders included; none on GPUs, whose
+  decode threads mostly launch kernels).
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ _LINUX = sys.platform.startswith("linux")
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if _LINUX else None
 
 
-def decode_nice(configured: int | None, device_type: str) -> int:
+def decode_nice(configured: int | None, device_type: str, ranks: int) -> int:
     """The steps of ``nice`` the decode threads take: as configured, else
     ``DEFAULT_CPU_NICE`` where the decodes run on the CPU (``device_type``
-    ``"cpu"``), else 0."""
+    ``"cpu"``) beside a pipeline ring (``ranks`` of 2 or more), else 0."""
     if configured is not None:
         return configured
-    return DEFAULT_CPU_NICE if device_type == "cpu" else 0
+    return DEFAULT_CPU_NICE if device_type == "cpu" and ranks >= 2 else 0
 
 
 def name_this_thread(name: str | None = None) -> None:

@@ -34,9 +34,10 @@ def on_a_thread(function):
 
 
 def test_the_default_is_ten_steps_on_a_cpu_and_none_on_a_gpu_unless_configured():
-    assert decode_nice(None, "cpu") == DEFAULT_CPU_NICE == 10
-    assert decode_nice(None, "cuda") == 0
-    assert decode_nice(3, "cuda") == 3 and decode_nice(0, "cpu") == 0
+    assert decode_nice(None, "cpu", 2) == DEFAULT_CPU_NICE == 10
+    assert decode_nice(None, "cpu", 1) == 0  # one rank: no ring to yield to
+    assert decode_nice(None, "cuda", 2) == 0
+    assert decode_nice(3, "cuda", 1) == 3 and decode_nice(0, "cpu", 2) == 0
 
 
 @linux_only

@@ -331,7 +331,7 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     if decode_placement(config, pipeline) != "first":
         from workers.parallel.rank_decode import DecodeServer
 
-        nice = decode_nice(config.decode_nice, device.type)
+        nice = decode_nice(config.decode_nice, device.type, config.pp)
         follower.decoder = DecodeServer(pipeline, follower.states, sockets, nice=nice)
     decoder = msgspec.msgpack.Decoder(MicroStep)
     log.info("rank %d of %d: blocks %d..%d", rank, world, blocks[0], blocks[1] - 1)
