@@ -38,16 +38,18 @@ async def test_the_demo_model_streams_a_known_prompt_and_a_switch(trained_server
     server, _ = trained_server
     async with open_realtime(server.ws) as ws:
         client = Realtime(ws)
-        start = {"type": "session.start", "prompt": "a red circle moving right", "num_chunks": 3, "format": "raw"}
-        await client.send(start)
+        # Endless, stopped once the switch is in: a session of a few chunks may end before it arrives.
+        await client.send({"type": "session.start", "prompt": "a red circle moving right", "format": "raw"})
         await client.until("video.start")
         await client.next()  # chunk 0
         await client.send(interaction("a blue square moving left", "switch"))
         queued = await client.until("session.interaction.queued")
         applied = await client.until("session.interaction.applied")
+        await client.send({"type": "session.stop"})
         got = await client.rest()
     assert_applied_as_promised(queued, applied)
-    assert [c.metadata["num_frames"] for c in got.chunks] == [9, 12, 12]
+    frames = [c.metadata["num_frames"] for c in got.chunks]
+    assert len(frames) >= 2 and frames[0] == 9 and set(frames[1:]) == {12}, frames
     assert all(len(c.payload) == c.metadata["num_frames"] * 32 * 32 * 3 for c in got.chunks)
 
 

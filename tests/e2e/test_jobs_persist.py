@@ -32,6 +32,14 @@ def wait_for(http: str, video_id: str, done, within: float = 30.0) -> httpx.Resp
     return answer
 
 
+def wait_until(done, within: float = 30.0) -> None:
+    """Poll ``done()`` until true; fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def status_is(*statuses: str):
     return lambda answer: answer.status_code == 200 and answer.json()["status"] in statuses
 
@@ -62,6 +70,8 @@ def test_jobs_survive_restarts_and_expire(tmp_path):
         assert httpx.get(f"{second.http}/v1/videos/{cut_id}/content").status_code == 409
         killed_id = httpx.post(f"{second.http}/v1/videos", json=LONG).json()["id"]
         wait_for(second.http, killed_id, status_is("in_progress"))
+        part = tmp_path / "media" / f"{killed_id}.part"
+        wait_until(lambda: part.exists() and part.stat().st_size > 0)  # its first chunk is on disk
         worker = second.health()["workers"][0]["pid"]
     finally:
         second.process.kill()  # no drain, no goodbye: as a crash
@@ -70,7 +80,7 @@ def test_jobs_survive_restarts_and_expire(tmp_path):
         os.kill(worker, signal.SIGKILL)  # its worker would notice its parent gone; do not wait for it
     except ProcessLookupError:
         pass
-    assert (tmp_path / "media" / f"{killed_id}.part").exists()  # its video so far, left behind
+    assert part.exists()  # its video so far, left behind
 
     last = start_server(*data, "--job-ttl-s", "3", pipeline=STUB)
     try:
