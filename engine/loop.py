@@ -530,7 +530,8 @@ class EngineLoop:
                 frames=session.frames_done,
                 stopped=reason != "completed",
                 reason=reason,
-                applied=tuple(session.applied),
+                # The delivered chunks' log: a stopped session may have begun chunks it never emitted.
+                applied=tuple(a for a in session.applied if a.at_chunk < session.chunks_done),
             )
         )
 

@@ -352,7 +352,11 @@ class SessionDone(_Wire, tag="session_done"):
 
     ``reason``: completed; else the reason given to ``StopSession`` (stopped by
     default) or to ``Shutdown`` (shutdown by default, parent_exited when the
-    worker saw its parent die). ``applied`` is the replay log.
+    worker saw its parent die). ``applied`` is the replay log of the chunks it
+    delivered (``chunks``, from 0): the same start with these as scheduled
+    interactions and ``num_chunks=chunks`` regenerates them. A prompt applied at
+    a chunk that was begun but never delivered (the session stopped while it
+    was in the pipeline) is not in it: it changed nothing that was delivered.
     """
 
     session_id: str

@@ -36,8 +36,8 @@ SHARED = pytest.mark.asyncio(loop_scope="module")  # the tests that run on the m
 
 async def start_engine(pp: int, **config) -> EngineClient:
     spec = PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1})
-    config = {**PINNED_LIMITS, **config}
-    client = EngineClient(EngineConfig(pipeline=spec, pp=pp, startup_timeout_s=120, max_sessions=6, **config))
+    config = {**PINNED_LIMITS, "max_sessions": 6, **config}
+    client = EngineClient(EngineConfig(pipeline=spec, pp=pp, startup_timeout_s=120, **config))
     await client.start()
     return client
 
