@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
@@ -469,6 +469,14 @@ class EngineLoop:
         if session is None:
             return
         chunk = session.decoding.pop(result.chunk_index)
+        if result.cancelled and not self.control.is_stopping(session.session_id):
+            # Only a stop abandons a decode: anything else dropping a chunk would leave the session
+            # making chunks nobody gets, so it fails, naming what happened.
+            result = replace(
+                result,
+                cancelled=False,
+                error=f"the decode of chunk {chunk.index} was abandoned, but the session was not stopping",
+            )
         if result.cancelled:  # the session is stopping: this chunk and the ones after it are not emitted
             session.decodes_dropped = True
             geometry = session.geometry

@@ -345,3 +345,26 @@ def test_where_each_session_decodes(pipelines, split, steps, expected):
         for rank in ranks:
             rank.close()
     assert placed == expected
+
+
+def test_a_cancel_that_outlives_its_session_does_not_cancel_the_next_of_that_id(pipelines, served):
+    """The stop's cancel can reach the follower after the session's last chunk
+    came back and it was released (the plans travel on another connection):
+    rank 0 then says the session ended, after the cancel on the same
+    connection, and a new session of the same id decodes; its own stop still
+    cancels it."""
+    rank0, states, _ = served
+    states["s"] = open_on(pipelines[1], "s")
+    try:
+        assert ask(rank0, "s", 0, torch.zeros(states["s"].latent_shape)).header["frames"] is not None
+        rank0.post(1, CANCEL, 0, Message({"session": "s"}, []))  # late: s has nothing out any more
+        pipelines[1].release(states.pop("s"))  # released
+        rank0.post(1, CANCEL, 0, Message({"session": "s", "ended": True}, []))  # RankDecodeStage.forget
+        states["s"] = open_on(pipelines[1], "s")  # a new session, the same id
+        reply = ask(rank0, "s", 0, torch.zeros(states["s"].latent_shape))
+        assert reply.header["frames"] is not None and not reply.header["cancelled"]
+        rank0.post(1, CANCEL, 0, Message({"session": "s"}, []))  # and its own stop
+        assert ask(rank0, "s", 1, torch.zeros(states["s"].latent_shape)).header["cancelled"]
+    finally:
+        for state in states.values():
+            pipelines[1].release(state)

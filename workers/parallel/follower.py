@@ -152,8 +152,6 @@ class Follower:
 
     def _release(self, sid: str) -> None:
         self.failed.pop(sid, None)
-        if self.decoder is not None:
-            self.decoder.forget(sid)
         session = self.states.pop(sid, None)
         if session is not None:
             try:

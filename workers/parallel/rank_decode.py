@@ -31,7 +31,9 @@ frames and hands each ``DecodeResult`` on, as a local lane would. A
 session's chunks decode on one rank, in order, and come back in order on one
 connection. While a session that is stopping has decodes out on a rank, a
 ``CANCEL`` frame tells that rank, which abandons the decode between latent
-frames, as a local lane does.
+frames, as a local lane does; once the session is released, a ``CANCEL``
+that says ``ended`` follows it on the same connection, so a cancel that
+reached the follower late never outlives its session (``forget``).
 
 A split decode: rank 0's front lane takes the chunk's clean latent, runs the
 front stages of each latent frame (``pipeline.decode_front``) and sends each
@@ -172,13 +174,22 @@ class RankDecodeStage:
         self._gather.step_done(idle)
 
     def forget(self, session_id: str) -> None:
-        """The session was released: its rank may take another."""
-        self._rank_of.pop(session_id, None)
+        """The session was released: its rank may take another. A follower that
+        was sent a cancel for it is told the session ended, on the connection
+        the cancel went on and after it (``DecodeServer``: a later session of
+        the same id must not inherit the cancel)."""
+        rank = self._rank_of.pop(session_id, None)
         self._gather.forget(session_id)
         if self._local is not None:
             self._local.forget(session_id)
         with self._lock:
+            cancelled = session_id in self._cancelled
             self._cancelled.discard(session_id)
+        if cancelled and rank:
+            try:
+                self._sockets.post(rank, CANCEL, 0, Message({"session": session_id, "ended": True}, []))
+            except Exception:  # the rank is gone: the group ends, and its receiver says so
+                pass
 
     def close(self) -> None:
         """Decode what rank 0 has, stop waiting for the others (the group is ending)."""
@@ -393,10 +404,6 @@ class DecodeServer:
         self._thread = threading.Thread(target=self._serve, name="decode", daemon=True)
         self._thread.start()
 
-    def forget(self, session_id: str) -> None:
-        """The session was released (the follower's thread)."""
-        self._cancelled.discard(session_id)  # (its split chunks all ended: the engine waited for them)
-
     def close(self) -> None:
         self._closing.set()
         self._thread.join(2 * POLL_S + 1.0)
@@ -406,14 +413,7 @@ class DecodeServer:
         lower_this_thread(self._nice)
         while not self._closing.is_set():
             try:
-                requests = [self._sockets.take(0, (DECODE, CANCEL), None, POLL_S, "decode request")]
-                while self._rows > 1:  # what came meanwhile, without waiting: its whole decodes batch
-                    try:
-                        requests.append(self._sockets.take(0, (DECODE, CANCEL), None, 0.0, "decode request"))
-                    except LinkTimeout:
-                        break
-            except LinkTimeout:
-                continue
+                requests = self._requests()
             except Exception:  # rank 0 is gone: this process ends with it
                 return
             try:
@@ -421,15 +421,34 @@ class DecodeServer:
             except Exception:  # a reply could not be sent: rank 0 is gone
                 return
 
-    def _handle(self, requests: list[tuple[int, Message]]) -> None:
-        """Requests in the order they came: cancels, split parts, and whole
+    def _requests(self) -> list[Message]:
+        """The decode requests that came: the next one (waiting up to
+        ``POLL_S``; none by then: an empty list) and, where whole decodes batch,
+        those that came meanwhile. A ``CANCEL`` is applied as it is taken, here
+        as in ``_cancel_arrived``: taken ahead and applied later, a cancel could
+        land after the end of its session that ``_cancel_arrived`` took
+        meanwhile, and outlive it."""
+        requests: list[Message] = []
+        wait = POLL_S
+        while True:
+            try:
+                kind, message = self._sockets.take(0, (DECODE, CANCEL), None, wait, "decode request")
+            except LinkTimeout:
+                return requests
+            if kind == CANCEL:
+                self._note_cancel(message.header)
+                continue
+            requests.append(message)
+            if self._rows <= 1:
+                return requests
+            wait = 0.0  # what came meanwhile, without waiting: its whole decodes batch
+
+    def _handle(self, requests: list[Message]) -> None:
+        """Decode requests in the order they came: split parts, and whole
         decodes, which wait to go together (``_decode_whole``) until a split
         part or the end of the list."""
         whole: list[tuple[str, int, torch.Tensor]] = []
-        for kind, message in requests:
-            if kind == CANCEL:
-                self._cancelled.add(message.header["session"])
-                continue
+        for message in requests:
             if "rows" in message.header:  # a part of a batch of split chunks
                 self._decode_whole(whole)
                 whole = []
@@ -614,8 +633,20 @@ class DecodeServer:
                 _, message = self._sockets.take(0, (CANCEL,), None, 0.0, "cancel")
             except LinkTimeout:
                 break
-            self._cancelled.add(message.header["session"])
+            self._note_cancel(message.header)
         return sid in self._cancelled
+
+    def _note_cancel(self, header: dict) -> None:
+        """A ``CANCEL`` frame: the session is stopping (its chunks here are
+        answered cancelled), or, with ``ended``, it was released and the cancel
+        is over. Both come from rank 0 on this one connection and are taken in
+        the order sent, so a cancel that arrives after its session was released
+        is always followed by its end, before a later session of the same id
+        sends anything."""
+        if header.get("ended"):
+            self._cancelled.discard(header["session"])
+        else:
+            self._cancelled.add(header["session"])
 
 
 class _SplitBatch:
