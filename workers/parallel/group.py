@@ -51,7 +51,7 @@ from engine.config import EngineConfig
 from engine.plan import MicroStep
 from workers.os_threads import decode_nice
 from workers.parallel.link import Message, RingLink
-from workers.parallel.sockets import RankSockets, advertised_host
+from workers.parallel.sockets import PeerClosed, RankSockets, advertised_host
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +341,9 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
         link.wait_sent()
         if follower.decoder is not None:
             follower.decoder.close()
+    except PeerClosed as gone:  # another rank died: the group ends, and rank 0's side says why
+        log.warning("pipeline rank %d ends with its group: %s", rank, gone)
+        os._exit(2)
     except Exception:
         log.exception("pipeline rank %d failed", rank)
         os._exit(2)
