@@ -38,11 +38,14 @@ async def test_stop_mid_chunk_frees_the_session(make_engine):
     engine = await make_engine(gates=[gate])
     handle = await engine.start_session(StartSession(session_id="s", prompt="p", num_inference_steps=4))
     await wait_reached(gate)  # inside a grouped invocation, between steps of chunk 1
+    seen = Collected()
+    # Chunk 0 decodes on the decode stage beside the held step; a stop before its
+    # decode ran would rightly cancel it, so the stop waits until it is out.
+    await read_until(handle, ChunkReady, seen)
     await handle.stop()
     # Control is handled in order: once an interaction sent after the stop is
     # refused as "session_ended", the worker has seen the stop.
     await handle.interact("probe", Interaction(prompt="after the stop"))
-    seen = Collected()
     refused = await read_until(handle, InteractionRejected, seen)
     assert refused.code == "session_ended"
     gate.release.set()
