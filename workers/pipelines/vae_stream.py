@@ -151,8 +151,18 @@ class StreamingDecoder:
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
         self.temporal_ratio = 2 ** sum(config.temperal_downsample)
+        # Read once (the VAE is cast before it is wrapped): diffusers'
+        # ``ModelMixin.dtype`` walks every parameter, 0.6 ms a call for the
+        # tiny preset's VAE on a CPU, and every decode needs it.
+        self.dtype = vae.dtype
         self._stage_modules = self._stage_list()
         self._layout = self._probe_layout()  # so cache_bytes is arithmetic (describe() calls it)
+
+    def _unnormalised(self, latents: torch.Tensor) -> torch.Tensor:
+        """``latents`` as the VAE takes them: in its dtype, the latent
+        normalisation undone."""
+        dtype = self.dtype
+        return latents.to(dtype) * self.std.to(latents.device, dtype) + self.mean.to(latents.device, dtype)
 
     def new_cache(self) -> list:
         """A fresh per-session feature cache."""
@@ -190,7 +200,7 @@ class StreamingDecoder:
         """Pixels in [-1, 1], ``[batch, 3, frames, height, width]``, for normalised
         ``latents`` ``[batch, 16, latent_frames, h, w]``; ``cache`` carries over."""
         vae = self.vae
-        z = latents.to(vae.dtype) * self.std.to(latents.device, vae.dtype) + self.mean.to(latents.device, vae.dtype)
+        z = self._unnormalised(latents)
         x = vae.post_quant_conv(z)
         outputs = []
         for i in range(x.shape[2]):
@@ -287,7 +297,7 @@ class StreamingDecoder:
         over. A decode may be abandoned before each frame (and in its stages)."""
         self._check_split(split)
         vae = self.vae
-        z = latents.to(vae.dtype) * self.std.to(latents.device, vae.dtype) + self.mean.to(latents.device, vae.dtype)
+        z = self._unnormalised(latents)
         x = vae.post_quant_conv(z)
         for i in range(x.shape[2]):
             abandon_point()
@@ -333,7 +343,7 @@ class StreamingDecoder:
         best = [float("inf")] * self.stages
         for _ in range(2):
             seconds = [0.0] * self.stages
-            x = self.vae.post_quant_conv(latents.to(self.vae.dtype))
+            x = self.vae.post_quant_conv(latents.to(self.dtype))
             for i in range(latent_frames):
                 slot, hidden = [0], x[:, :, i : i + 1]
                 for stage in range(self.stages):
@@ -369,5 +379,5 @@ class StreamingDecoder:
     def reference_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """A one-shot decode through diffusers' own path (for tests)."""
         vae = self.vae
-        z = latents.to(vae.dtype) * self.std.to(latents.device, vae.dtype) + self.mean.to(latents.device, vae.dtype)
+        z = self._unnormalised(latents)
         return vae.decode(z, return_dict=False)[0]
