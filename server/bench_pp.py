@@ -9,7 +9,11 @@ time from the first start to the last chunk) and, from the worker's
 ``EngineStats``, every
 rank's busy and bubble fraction over the run (bubble: the share of its time
 inside micro-steps spent waiting on the ring) and the mean rows per
-micro-step. Configurations:
+micro-step; and where the CPU went (``cpu``, from ``/proc``, Linux only):
+each rank's threads' CPU seconds over the same wall time, by thread name,
+this process's (the client receiving the chunks), their total and the cores
+it kept busy. With the cores full, the total against one rank's is what
+caps the ratio of frames per second. Configurations:
 
 - ``pp1-1t``: one rank, one CPU thread (the baseline the issue's targets use);
 - ``pp1-2t``: one rank, two threads (the honest baseline on two cores);
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -62,6 +67,7 @@ from dataclasses import dataclass
 from engine.client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import ChunkReady, EngineStats, SessionDone, SessionFailed, StartSession
+from server import thread_cpu
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,9 @@ async def run_config(options: PpBenchOptions, config: Config, chunks: int | None
             )
             for i in range(config.sessions)
         ]
+        ranks = [client.worker_pid(), *(client.ready.pipeline_ranks if client.ready else ())]
+        watched = [os.getpid(), *ranks]
+        cpu_before = thread_cpu.sample(watched)
         began = time.perf_counter()
         payloads: dict[str, list[bytes]] = {start.session_id: [] for start in starts}
         frames = 0
@@ -168,6 +177,7 @@ async def run_config(options: PpBenchOptions, config: Config, chunks: int | None
             runs = (_run(client, start, payloads[start.session_id]) for start in starts)
             frames = sum(await asyncio.gather(*runs))
         wall = time.perf_counter() - began
+        cpu_after = thread_cpu.sample(watched)
         await client.probe()
         after = client.stats
     finally:
@@ -181,6 +191,7 @@ async def run_config(options: PpBenchOptions, config: Config, chunks: int | None
         "wall_s": wall,
         "frames": frames,
         **_figures(before, after),
+        "cpu": _cpu(cpu_before, cpu_after, ranks, wall),
         "_payloads": payloads["bench-0"] if config.sessions == 1 else None,
     }
 
@@ -212,6 +223,24 @@ def _figures(before: EngineStats | None, after: EngineStats | None) -> dict:
     steps = after.micro_steps - (before.micro_steps if before else 0)
     rows = after.rows - (before.rows if before else 0)
     return {"micro_steps": steps, "mean_rows": rows / steps if steps else 0.0, "ranks": ranks}
+
+
+def _cpu(before: thread_cpu.Sample, after: thread_cpu.Sample, ranks: list[int], wall: float) -> dict | None:
+    """Where the run's CPU went (``server.thread_cpu``; None where it cannot be
+    read): each rank's threads' CPU seconds by name, this process's (the
+    client, receiving the chunks), their total, and the cores that total kept
+    busy over the wall time."""
+    if not after:
+        return None
+    per_rank = [thread_cpu.spent(before, after, [pid]) for pid in ranks]
+    api = thread_cpu.spent(before, after, [os.getpid()])
+    total = sum(sum(threads.values()) for threads in [*per_rank, api])
+    return {
+        "ranks": [{name: round(s, 3) for name, s in threads.items()} for threads in per_rank],
+        "api_s": round(sum(api.values()), 3),
+        "total_s": round(total, 3),
+        "cores_busy": round(total / wall, 3) if wall > 0 else None,
+    }
 
 
 def stream_difference(exact: list[bytes] | None, streamed: list[bytes] | None) -> dict | None:
@@ -271,6 +300,9 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int
             runs.setdefault((config.name, config.sessions), []).append(result)
             if not as_json:
                 bubbles = ", ".join(f"rank {r['rank']} bubble {r['bubble']:.0%}" for r in result.get("ranks", []))
+                cpu = result.get("cpu")
+                if cpu:
+                    bubbles += f"; {cpu['total_s']:.2f} s of CPU, {cpu['cores_busy']:.2f} cores"
                 line = f"{result['config']:>17} x{result['sessions']}: {result['fps']:7.1f} fps  ({bubbles})"
                 print(f"round {round_ + 1}: {line}" if options.repeats > 1 else line, flush=True)
     results = []
