@@ -164,7 +164,7 @@ async def run_config(options: PpBenchOptions, config: Config, chunks: int | None
             )
             for i in range(config.sessions)
         ]
-        ranks = [client.worker_pid(), *(client.ready.pipeline_ranks if client.ready else ())]
+        ranks = [client.worker_pid, *(client.ready.pipeline_ranks if client.ready else ())]
         watched = [os.getpid(), *ranks]
         cpu_before = thread_cpu.sample(watched)
         began = time.perf_counter()

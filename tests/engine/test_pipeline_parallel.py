@@ -196,8 +196,11 @@ async def test_a_stop_mid_pipeline_frees_the_session_others_go_on_and_recache_is
 
 
 def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
-    """``rtvideo bench pp`` on a small run: frames per second, and each rank's
-    figures as the worker's EngineStats carried them round the ring."""
+    """``rtvideo bench pp`` on a small run: frames per second, each rank's
+    figures as the worker's EngineStats carried them round the ring, and where
+    the CPU went: each rank's threads by name (rank 0's ring runs on its
+    executor thread, the follower's in its main thread, and each decodes half
+    of every chunk on a thread of its own)."""
     from server import bench_pp
 
     options = bench_pp.PpBenchOptions(chunks=2, size=32, steps=2)
@@ -210,6 +213,13 @@ def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
         assert rank["busy_s"] > 0 and 0 <= rank["bubble"] < 1
     assert result["micro_steps"] >= 2 * 2 * 3  # 2 chunks of 2 steps and a commit, 2 ranks each
     assert 0 < result["mean_rows"] <= 1
+    if sys.platform.startswith("linux"):
+        cpu = result["cpu"]
+        rank0, rank1 = cpu["ranks"]
+        assert rank0["executor"] > 0 and rank1["main"] > 0
+        assert rank0["decode-front"] > 0 and rank1["decode"] > 0
+        assert cpu["total_s"] >= sum(rank0.values()) + sum(rank1.values()) - 0.01 > 0  # figures rounded to 1 ms
+        assert cpu["cores_busy"] > 0
 
 
 @SHARED
