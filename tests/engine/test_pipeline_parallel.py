@@ -216,10 +216,11 @@ def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
     if sys.platform.startswith("linux"):
         cpu = result["cpu"]
         rank0, rank1 = cpu["ranks"]
-        assert rank0["executor"] > 0 and rank1["main"] > 0
-        assert rank0["decode-front"] > 0 and rank1["decode"] > 0
-        assert cpu["total_s"] >= sum(rank0.values()) + sum(rank1.values()) - 0.01 > 0  # figures rounded to 1 ms
-        assert cpu["cores_busy"] > 0
+        # every thread by its name (a short run may cost a thread less than a clock tick: >= 0)
+        assert {"executor", "decode-front", "main"} <= set(rank0) and {"main", "decode"} <= set(rank1)
+        assert all(seconds >= 0 for seconds in [*rank0.values(), *rank1.values()])
+        assert cpu["total_s"] >= sum(rank0.values()) + sum(rank1.values()) - 0.01  # figures rounded to 1 ms
+        assert cpu["total_s"] > 0 and cpu["cores_busy"] > 0
 
 
 @SHARED
