@@ -46,6 +46,20 @@ def outcome(server, name: str) -> float:
     return 0.0
 
 
+def never_closed(server) -> str:
+    """The failure message of a stalled client that was not closed in time: what
+    the server had delivered, held and logged, so that a failure says where it
+    stuck."""
+    delivered = [
+        sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{server.http}/metrics").text)
+        for sample in family.samples
+        if sample.name == "rtvideo_chunks_delivered_total"
+    ]
+    tail = "\n".join(server.log[-30:])
+    return f"the stalled client was never closed: chunks delivered {delivered}, health {server.health()}; log:\n{tail}"
+
+
 def wait_ready(server, within: float = 30.0) -> dict:
     deadline = time.monotonic() + within
     while (health := httpx.get(f"{server.http}/health")).status_code != 200:
@@ -135,7 +149,7 @@ async def test_a_client_whose_socket_takes_nothing_is_closed(make_server):
         await client.until("video.start")
         deadline = time.monotonic() + 30
         while outcome(server, "slow_client") != 1.0:  # the client reads nothing meanwhile
-            assert time.monotonic() < deadline, "the stalled client was never closed"
+            assert time.monotonic() < deadline, never_closed(server)
         server.released()
         got = await client.rest(timeout=10)  # reading now: what was queued, then the close
     assert got.close_code == 1008, (got.close_code, got.close_reason)
@@ -166,7 +180,7 @@ async def test_a_client_whose_backlog_passes_the_byte_limit_is_closed_and_memory
         deadline = time.monotonic() + 30
         while outcome(server, "slow_client") != 1.0:
             peak = max(peak, api.memory_info().rss)
-            assert time.monotonic() < deadline, "the stalled client was never closed"
+            assert time.monotonic() < deadline, never_closed(server)
         server.released()
         got = await client.rest(timeout=10)
     assert got.close_code == 1008 and got.close_reason.startswith("slow_client: "), got.close_reason
