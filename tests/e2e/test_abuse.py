@@ -37,25 +37,26 @@ RAW = {"type": "session.start", "prompt": "a lantern", "format": "raw", "width":
 JOB = {"prompt": "a windmill", "format": "raw", "width": 32, "height": 32, "num_chunks": 1}
 
 
+def samples(server, name: str, **labels: str) -> list[float]:
+    """The values on ``/metrics`` now of the samples ``name`` with ``labels``."""
+    return [
+        sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{server.http}/metrics").text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(key) == value for key, value in labels.items())
+    ]
+
+
 def outcome(server, name: str) -> float:
     """``rtvideo_sessions_total{outcome=name}`` now."""
-    for family in text_string_to_metric_families(httpx.get(f"{server.http}/metrics").text):
-        for sample in family.samples:
-            if sample.name == "rtvideo_sessions_total" and sample.labels.get("outcome") == name:
-                return sample.value
-    return 0.0
+    return next(iter(samples(server, "rtvideo_sessions_total", outcome=name)), 0.0)
 
 
 def never_closed(server) -> str:
     """The failure message of a stalled client that was not closed in time: what
     the server had delivered, held and logged, so that a failure says where it
     stuck."""
-    delivered = [
-        sample.value
-        for family in text_string_to_metric_families(httpx.get(f"{server.http}/metrics").text)
-        for sample in family.samples
-        if sample.name == "rtvideo_chunks_delivered_total"
-    ]
+    delivered = samples(server, "rtvideo_chunks_delivered_total")
     tail = "\n".join(server.log[-30:])
     return f"the stalled client was never closed: chunks delivered {delivered}, health {server.health()}; log:\n{tail}"
 
