@@ -126,8 +126,10 @@ class EngineConfig:
     """Import path of the worker entry point; resolved in the child process only,
     so the API process never imports ``workers``."""
     cpu_threads: int | None = None
-    """CPU threads for worker rank 0's kernels (``torch.set_num_threads``); None:
-    torch's default (every core), or with pipeline ranks the cores shared out."""
+    """CPU threads for the worker's kernels (``torch.set_num_threads``) with one
+    rank; None: on a CPU, the count that ran a chunk fastest on a thread as the
+    executor's, measured at start (``workers.cpu_threads``), elsewhere torch's
+    default. Pipeline ranks on CPUs each take the cores shared out instead."""
     decode_nice: int | None = None
     """How many steps of ``nice`` below the worker's own priority its decode
     threads run (Linux; 0 to 19): where the decode is a stage of its own, the

@@ -230,6 +230,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     chunk_costs: tuple[ChunkCostSample, ...] = ()  # what a chunk cost at start, by frame area; () if not measured
     max_realtime_load: float | None = None  # admission by chunk cost (EngineConfig.max_realtime_load); None: off
     prompts: tuple[str, ...] = ()  # prompts the model knows, for clients to suggest (a demo model's); () if none
+    cpu_threads: int | None = None  # CPU threads rank 0's kernels run on (workers.cpu_threads); None: not on a CPU
 
 
 class WorkerHello(_Wire, tag="worker_hello"):

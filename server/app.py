@@ -70,6 +70,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         max_batch_rows=settings.max_batch_rows,
         overlap_decode=settings.overlap_decode,
         decode_nice=settings.decode_nice,
+        cpu_threads=settings.cpu_threads,
         pp=settings.pp,
         pp_timeout_s=settings.pp_timeout_s,
         pp_transport=settings.pp_transport,
@@ -233,7 +234,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
             {
                 "status": "ok",
                 "model": engine.ready.pipeline,
-                "workers": [{"rank": 0, "pid": engine.worker_pid, "alive": True, "restarts": engine.restarts}],
+                "workers": [
+                    {
+                        "rank": 0,
+                        "pid": engine.worker_pid,
+                        "alive": True,
+                        "restarts": engine.restarts,
+                        "cpu_threads": engine.ready.cpu_threads,
+                    }
+                ],
                 "sessions": len(engine.open_sessions()),
                 "max_sessions": settings.max_sessions,
                 "runner_sessions": list(probe.runner_sessions) if probe else [],

@@ -80,6 +80,7 @@ def run_worker(
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
             group = _spawn_ranks(config, pipeline, sender, ending, site)
         warm_up_s = warm_up(pipeline)
+        cpu_threads = _cpu_threads(config, pipeline, warm_up_s)
         calibration = _calibrate(config, pipeline)  # before the budget: its peak is part of the transient
         budget = config.session_memory_bytes
         if budget is None:
@@ -189,6 +190,7 @@ def run_worker(
             chunk_costs=calibration.samples,
             max_realtime_load=config.max_realtime_load,
             prompts=known_prompts(config.pipeline),
+            cpu_threads=cpu_threads,
         )
     )
     exit_code, why = 0, "shut down"
@@ -271,6 +273,32 @@ def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> 
         return msgspec.structs.replace(limits, max_pixels=config.max_pixels, max_pixels_derived=False)
     derived = calibration.realtime_pixels
     return msgspec.structs.replace(limits, max_pixels=derived, max_pixels_derived=derived is not None)
+
+
+def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None:
+    """The CPU threads rank 0's kernels run on: with pipeline ranks, the cores
+    shared out (``_start_ranks`` sets them); else as configured (set before
+    the pipeline was built), or, unset, measured on a thread as the
+    executor's (``workers.cpu_threads``) and applied here, before the
+    executor and decode threads start. None on a GPU."""
+    import torch
+
+    if getattr(getattr(pipeline, "device", None), "type", None) != "cpu":
+        return None
+    if config.pp > 1:
+        from workers.parallel.group import rank_threads
+
+        return rank_threads(config.pp)
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    from workers.cpu_threads import measure_cpu_threads
+
+    shapes = 2 if pipeline.max_batch_rows > 1 else 1  # the warm-up's chunks: alone, then batched (workers.warmup)
+    chosen, _ = measure_cpu_threads(pipeline, warm_up_s / max(1, shapes * getattr(pipeline, "warm_up_chunks", 1)))
+    if chosen is None:
+        return torch.get_num_threads()
+    torch.set_num_threads(chosen)
+    return chosen
 
 
 def _overlap_decode(config: EngineConfig, pipeline) -> bool:

@@ -7,13 +7,16 @@ at the chunk the server names."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from tests.e2e.client import Chunk, Realtime, assert_applied_as_promised, interaction, open_realtime
 from tests.e2e.conftest import start_server, stop_server, train_tiny_demo
+from workers.cpu_threads import candidates
 from workers.demo.classify import dominant_colour
 
 
@@ -78,6 +81,17 @@ async def test_the_shipped_demo_model_draws_red_then_blue_from_the_applied_chunk
     assert at >= 1 and len(colours) >= at + 3
     assert all(colours[i] == "red" for i in range(at)), colours
     assert all(colours[i] == "blue" for i in colours if i >= at), colours
+
+
+def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured(demo_server):
+    """``rtvideo serve`` as a newcomer runs it, no thread count given: on a CPU
+    the worker measured its kernels' threads at start (``workers.cpu_threads``)
+    and /health says the count it keeps."""
+    workers = httpx.get(f"{demo_server.http}/health").json()["workers"]
+    if torch.cuda.is_available():
+        assert workers[0]["cpu_threads"] is None, workers  # on a GPU there is no count to choose
+    else:
+        assert workers[0]["cpu_threads"] in candidates(os.cpu_count() or 1), workers
 
 
 def test_the_shipped_demo_models_card_lists_what_it_knows(demo_server):

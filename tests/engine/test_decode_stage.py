@@ -27,6 +27,7 @@ async def test_the_next_chunk_denoises_while_a_chunk_decodes(make_engine):
     step_1 = make_gate(chunk=1, step=0)
     engine = await make_engine(gates=[decode_0, step_1])  # the stub says overlapping pays
     assert engine.ready.overlap_decode is True
+    assert engine.ready.cpu_threads is None  # the stub runs no kernels: no thread count to choose
     handle = await engine.start_session(_start())
     await wait_reached(decode_0)  # chunk 0 is committed, and its decode is held
     await wait_reached(step_1)  # chunk 1 denoises meanwhile (in line, the decode would hold it back)

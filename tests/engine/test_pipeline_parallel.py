@@ -29,6 +29,8 @@ from engine.messages import (
 )
 from tests.conftest import PINNED_LIMITS
 from tests.support import Collected, collect, free_ports, read_until
+from workers.cpu_threads import candidates
+from workers.parallel.group import rank_threads
 
 SIZE = {"width": 32, "height": 32}
 SHARED = pytest.mark.asyncio(loop_scope="module")  # the tests that run on the module's engines
@@ -119,6 +121,9 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
     ]
     two = two_ranks
     assert two.ready.blocks_per_rank == (1, 1) and len(two.ready.pipeline_ranks) == 1
+    # one rank measured its thread count; ranks take the cores shared out (workers.cpu_threads)
+    assert one_rank.ready.cpu_threads in candidates(os.cpu_count() or 1)
+    assert two.ready.cpu_threads == rank_threads(2)
     got = await run_sessions(two, starts, stagger=1)
     interacted = await interact_once(two, start_of("s", 5, None))
     probe = await two.probe()

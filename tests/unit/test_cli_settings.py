@@ -54,6 +54,16 @@ def test_engine_options_reach_the_engine_config():
         settings_from(parse("--max-batch-rows", "0"), {})
 
 
+def test_the_cpu_thread_count_is_measured_unless_given():
+    from server.app import engine_config
+
+    assert engine_config(settings_from(parse(), {})).cpu_threads is None  # the worker measures it
+    assert engine_config(settings_from(parse("--cpu-threads", "3"), {})).cpu_threads == 3
+    assert engine_config(settings_from(parse(), {"RTVIDEO_CPU_THREADS": "2"})).cpu_threads == 2
+    with pytest.raises(SystemExit, match="cpu_threads must be > 0"):
+        settings_from(parse("--cpu-threads", "0"), {})
+
+
 def test_frame_area_and_realtime_load_reach_the_engine_and_none_turns_the_check_off():
     from server.app import engine_config
 

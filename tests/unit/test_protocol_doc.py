@@ -351,6 +351,7 @@ NOT_LIMITS = {
     "group_chunk_steps",
     "overlap_decode",
     "decode_nice",
+    "cpu_threads",
     "api_key",
     "pp",
     "slo_first_chunk_s",
