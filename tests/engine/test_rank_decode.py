@@ -1,4 +1,4 @@
-"""A follower's decode thread (``workers.parallel.rank_decode.DecodeServer``):
+"""A follower's decode thread (``workers.parallel.decode_server.DecodeServer``):
 the tiny model's real streaming decoder, behind real sockets on loopback, as
 rank 0 reaches it (``DECODE`` frames out, ``DECODED`` frames back).
 
@@ -33,8 +33,8 @@ import torch
 from engine.config import PipelineSpec
 from engine.messages import StartSession
 from tests.engine.test_rank_sockets import joined
+from workers.parallel.decode_server import DecodeServer
 from workers.parallel.link import LinkTimeout, Message
-from workers.parallel.rank_decode import DecodeServer
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, DECODES
 from workers.pipelines import build_pipeline
 

@@ -27,8 +27,9 @@ from engine.plan import MicroStep
 from tests.engine.test_rank_sockets import joined
 from tests.model.test_batched_decode_stage import SEEDS, _committed_runner
 from tests.model.test_causal_wan import open_session, release, run_chunk
+from workers.parallel.decode_server import DecodeServer
 from workers.parallel.link import Message
-from workers.parallel.rank_decode import DecodeServer, RankDecodeStage
+from workers.parallel.rank_decode import RankDecodeStage
 from workers.parallel.sockets import CANCEL, DECODE, DECODED
 from workers.pipelines.causal_wan import build
 

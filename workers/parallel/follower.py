@@ -39,7 +39,7 @@ class Follower:
         self.failed: dict[str, str] = {}  # sessions that failed on this rank, until released
         self.busy_s = 0.0
         self.wall_s = 0.0
-        self.decoder = None  # workers.parallel.rank_decode.DecodeServer, where this rank decodes sessions
+        self.decoder = None  # workers.parallel.decode_server.DecodeServer, where this rank decodes sessions
 
     @property
     def last(self) -> bool:

@@ -329,7 +329,7 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     link = ring_link(config, rank, sockets)
     follower = Follower(pipeline, link, range(*blocks))
     if decode_placement(config, pipeline) != "first":
-        from workers.parallel.rank_decode import DecodeServer
+        from workers.parallel.decode_server import DecodeServer
 
         nice = decode_nice(config.decode_nice, device.type, config.pp)
         follower.decoder = DecodeServer(pipeline, follower.states, sockets, nice=nice)
