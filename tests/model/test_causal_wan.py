@@ -140,39 +140,6 @@ def test_the_decoder_split_anywhere_gives_the_whole_decoders_frames_bit_for_bit(
     assert len(seconds) == decoder.stages and all(s > 0 for s in seconds)
 
 
-def test_a_split_that_moves_between_chunks_keeps_the_whole_decoders_frames(pipeline):
-    """A stream whose split moves from chunk to chunk (more stages in front,
-    fewer, back again: as the rows of a batch change), the moved stages'
-    cache slots handed from one copy of the cache to the other before the
-    chunk (``move_stages``): every chunk's frames are the whole decoder's bit
-    for bit, and each copy holds only the slots of the stages its side ran
-    last."""
-    decoder = pipeline.decoder
-    torch.manual_seed(3)
-    latents = torch.randn(1, 16, 9, 8, 8)
-    pieces = [(latents[:, :, :1], True)] + [(latents[:, :, i : i + 2], False) for i in range(1, 9, 2)]
-    cache = decoder.new_cache()
-    whole = [decoder.decode(piece, cache, first=first) for piece, first in pieces]
-    front, back = decoder.new_cache(), decoder.new_cache()
-    layout = None
-    for (piece, _), expected, split in zip(pieces, whole, [8, 9, 11, 3, 8], strict=True):
-        if layout is not None and split > layout:
-            decoder.move_stages(back, front, range(layout, split))
-        elif layout is not None and split < layout:
-            decoder.move_stages(front, back, range(split, layout))
-        layout = split
-        parts = list(decoder.decode_front(piece, front, split))
-        made = torch.cat([decoder.decode_back(part, back, split) for part in parts], dim=2)
-        assert torch.equal(made, expected), f"split {split} differs"
-        held = [{i for i, entry in enumerate(c) if entry is not None} for c in (front, back)]
-        assert held[0] <= set(decoder.stage_slots(range(0, split)))
-        assert held[1] <= set(decoder.stage_slots(range(split, decoder.stages))) and held[0] and held[1]
-    assert decoder.stage_slots(range(0, decoder.stages)) == range(0, max(held[0] | held[1]) + 1)
-    assert decoder.stage_slots(range(4, 4)) == range(0)
-    with pytest.raises(ValueError, match="contiguous range within 0..13"):
-        decoder.stage_slots(range(5, 14))
-
-
 def test_split_decodes_of_several_streams_batch_with_each_streams_frames_and_caches(pipeline):
     """Three streams' chunks through the split decoder as one batch
     (``decode_front_rows`` on rank 0's copies of their caches, ``decode_back``

@@ -21,12 +21,7 @@ runs the first ``split`` stages of each latent frame and hands the activation
 on with the cache slot it stopped at; the back runs the rest. A session's
 two parts each fill only their own slots, so two processes can each hold
 one, and frame f's back runs while frame f+1's front does: the result is bit
-for bit the whole decoder's (``tests/model/test_decode_stage.py``). The split
-may move between latent frames: the slots of the stages that change sides
-go with them (``stage_slots``, ``move_stages``), and the frames stay the
-whole decoder's (``tests/model/test_causal_wan.py``), so a split can follow
-the rows of a batch, whose best split differs (batched, the early stages
-cost a fraction of their one-row time per row, the late ones as much).
+for bit the whole decoder's (``tests/model/test_decode_stage.py``).
 
 ``StreamingDecoder`` also makes two CPU hot spots of the tiny preset's decode
 fast, computing the same functions (``use_fast_cpu_kernels``):
@@ -162,7 +157,6 @@ class StreamingDecoder:
         self.dtype = vae.dtype
         self._stage_modules = self._stage_list()
         self._layout = self._probe_layout()  # so cache_bytes is arithmetic (describe() calls it)
-        self._stage_slots = self._probe_stage_slots()
 
     def _unnormalised(self, latents: torch.Tensor) -> torch.Tensor:
         """``latents`` as the VAE takes them: in its dtype, the latent
@@ -360,42 +354,6 @@ class StreamingDecoder:
                     seconds[stage] += time.perf_counter() - began
             best = [min(a, b) for a, b in zip(best, seconds, strict=True)]
         return best
-
-    def stage_slots(self, stages: range) -> range:
-        """The feature-cache slots the causal convolutions of ``stages`` (a
-        contiguous range of them) use: what a rank that starts or stops running
-        those stages of a stream takes over from the one that ran them."""
-        if not stages:
-            return range(0)
-        if stages.step != 1 or not 0 <= stages.start < stages.stop <= self.stages:
-            raise ValueError(f"decoder stages must be a contiguous range within 0..{self.stages}, got {stages}")
-        return range(self._stage_slots[stages.start].start, self._stage_slots[stages.stop - 1].stop)
-
-    def move_stages(self, source: list, target: list, stages: range) -> None:
-        """Hand the cache slots of ``stages`` of one stream from ``source`` (the
-        copy of its cache of the rank that ran them) to ``target`` (the rank
-        that runs them from the stream's next latent frame on), and empty them
-        in ``source``: a split that moves between latent frames leaves the
-        frames bit for bit the whole decoder's, each copy holding only the
-        slots of the stages its rank runs."""
-        for index in self.stage_slots(stages):
-            target[index], source[index] = source[index], None
-
-    @torch.no_grad()
-    def _probe_stage_slots(self) -> list[range]:
-        """Each stage's cache slots, read from one 2x2 latent frame run stage by
-        stage through a throwaway cache (the slots a frame uses do not depend on
-        its size or on the frames before it)."""
-        if not self.stages:
-            return []
-        parameter = next(self.vae.parameters())
-        latents = torch.zeros(1, self.vae.config.z_dim, 1, 2, 2, device=parameter.device, dtype=self.dtype)
-        hidden, cache, slot, slots = self.vae.post_quant_conv(latents), self.new_cache(), [0], []
-        for stage in range(self.stages):
-            start = slot[0]
-            hidden = self._stage(stage, hidden, cache, slot)
-            slots.append(range(start, slot[0]))
-        return slots
 
     def _check_split(self, split: int) -> None:
         if not 1 <= split < self.stages:
