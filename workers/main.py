@@ -280,7 +280,9 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
     shared out (``_start_ranks`` sets them); else as configured (set before
     the pipeline was built), or, unset, measured on a thread as the
     executor's (``workers.cpu_threads``) and applied here, before the
-    executor and decode threads start. None on a GPU."""
+    executor and decode threads start; torch's default where the pipeline
+    runs no warm-up (a chunk would take minutes: a model directory on a
+    CPU). None on a GPU."""
     import torch
 
     if getattr(getattr(pipeline, "device", None), "type", None) != "cpu":
@@ -291,10 +293,13 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
         return rank_threads(config.pp)
     if config.cpu_threads is not None:
         return config.cpu_threads
+    chunks = getattr(pipeline, "warm_up_chunks", 0)
+    if chunks <= 0:
+        return torch.get_num_threads()
     from workers.cpu_threads import measure_cpu_threads
 
     shapes = 2 if pipeline.max_batch_rows > 1 else 1  # the warm-up's chunks: alone, then batched (workers.warmup)
-    chosen, _ = measure_cpu_threads(pipeline, warm_up_s / max(1, shapes * getattr(pipeline, "warm_up_chunks", 1)))
+    chosen, _ = measure_cpu_threads(pipeline, warm_up_s / (shapes * chunks))
     if chosen is None:
         return torch.get_num_threads()
     torch.set_num_threads(chosen)

@@ -54,3 +54,28 @@ def test_a_pipeline_error_on_the_measuring_thread_reaches_the_caller(pipeline, m
         measure_cpu_threads(pipeline, warm_chunk_s=0.1, cores=2)
     monkeypatch.undo()
     assert pipeline.held_sessions() == ()
+
+
+def test_a_worker_measures_only_what_it_warmed_up(monkeypatch):
+    """The worker's choice (``workers.main._cpu_threads``): a pipeline that runs
+    no warm-up (a chunk would take minutes: a model directory on a CPU) is not
+    measured either, and keeps torch's default; a count given is kept; with
+    ranks, the cores shared out; a pipeline that warmed up is measured."""
+    from engine.config import EngineConfig, PipelineSpec
+    from workers import cpu_threads
+    from workers.main import _cpu_threads
+    from workers.parallel.group import rank_threads
+
+    measured = []
+    monkeypatch.setattr(cpu_threads, "measure_cpu_threads", lambda pipeline, s: measured.append(s) or (1, {}))
+    config = EngineConfig(pipeline=PipelineSpec("tiny"))
+    cold = build("tiny", device="cpu", max_batch_rows=1, warm_up_chunks=0)
+    assert _cpu_threads(config, cold, 0.0) == torch.get_num_threads() and measured == []
+    assert _cpu_threads(EngineConfig(pipeline=PipelineSpec("tiny"), cpu_threads=3), cold, 0.0) == 3
+    assert _cpu_threads(EngineConfig(pipeline=PipelineSpec("tiny"), pp=2), cold, 0.0) == rank_threads(2)
+    warm = build("tiny", device="cpu", max_batch_rows=1, warm_up_chunks=2)
+    before = torch.get_num_threads()
+    try:
+        assert _cpu_threads(config, warm, 0.4) == 1 and measured == [0.2]  # the warm-up's seconds per chunk
+    finally:
+        torch.set_num_threads(before)
