@@ -112,8 +112,8 @@ class ServerSettings:
     """CPU threads the worker's kernels run on (torch's intra-op threads), with one
     rank on a CPU; unset: the worker measures a chunk at 1, 2, 4 ... threads up to
     the core count at start and keeps the fastest (fewer within 10%; a model
-    whose chunks are too slow to warm up keeps torch's default): the count is
-    on /health. With --pp each rank takes the cores shared out."""
+    whose chunks are too slow to warm up keeps torch's default, as does
+    OMP_NUM_THREADS set): the count is on /health. With --pp each rank takes the cores shared out."""
     api_key: str | None = None
     """When set, the realtime WebSocket and every ``/v1/`` route need it (Bearer
     header, ``api_key`` query parameter, or the WebSocket subprotocol

@@ -280,9 +280,9 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
     shared out (``_start_ranks`` sets them); else as configured (set before
     the pipeline was built), or, unset, measured on a thread as the
     executor's (``workers.cpu_threads``) and applied here, before the
-    executor and decode threads start; torch's default where the pipeline
-    runs no warm-up (a chunk would take minutes: a model directory on a
-    CPU). None on a GPU."""
+    executor and decode threads start; torch's count where ``OMP_NUM_THREADS``
+    set it (the operator's), or where the pipeline runs no warm-up (a chunk
+    would take minutes: a model directory on a CPU). None on a GPU."""
     import torch
 
     if getattr(getattr(pipeline, "device", None), "type", None) != "cpu":
@@ -294,7 +294,7 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
     if config.cpu_threads is not None:
         return config.cpu_threads
     chunks = getattr(pipeline, "warm_up_chunks", 0)
-    if chunks <= 0:
+    if chunks <= 0 or os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     from workers.cpu_threads import measure_cpu_threads
 

@@ -59,8 +59,9 @@ def test_a_pipeline_error_on_the_measuring_thread_reaches_the_caller(pipeline, m
 def test_a_worker_measures_only_what_it_warmed_up(monkeypatch):
     """The worker's choice (``workers.main._cpu_threads``): a pipeline that runs
     no warm-up (a chunk would take minutes: a model directory on a CPU) is not
-    measured either, and keeps torch's default; a count given is kept; with
-    ranks, the cores shared out; a pipeline that warmed up is measured."""
+    measured either, and keeps torch's default; a count given is kept, and so
+    is ``OMP_NUM_THREADS``'s; with ranks, the cores shared out; a pipeline
+    that warmed up is measured."""
     from engine.config import EngineConfig, PipelineSpec
     from workers import cpu_threads
     from workers.main import _cpu_threads
@@ -74,6 +75,9 @@ def test_a_worker_measures_only_what_it_warmed_up(monkeypatch):
     assert _cpu_threads(EngineConfig(pipeline=PipelineSpec("tiny"), cpu_threads=3), cold, 0.0) == 3
     assert _cpu_threads(EngineConfig(pipeline=PipelineSpec("tiny"), pp=2), cold, 0.0) == rank_threads(2)
     warm = build("tiny", device="cpu", max_batch_rows=1, warm_up_chunks=2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the operator's count is kept
+    assert _cpu_threads(config, warm, 0.4) == torch.get_num_threads() and measured == []
+    monkeypatch.delenv("OMP_NUM_THREADS")
     before = torch.get_num_threads()
     try:
         assert _cpu_threads(config, warm, 0.4) == 1 and measured == [0.2]  # the warm-up's seconds per chunk
