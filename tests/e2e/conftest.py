@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -42,8 +43,10 @@ class RunningServer:
 
 
 def start_server(
-    *flags: str, pipeline: dict | None = None, model: str = "stub", timeout: float = 120.0
+    *flags: str, pipeline: dict | None = None, model: str = "stub", timeout: float = 120.0, unset: tuple[str, ...] = ()
 ) -> RunningServer:
+    """``rtvideo serve`` as a subprocess on a free port; ``unset``: environment
+    variables it starts without."""
     command = [
         sys.executable,
         "-m",
@@ -68,7 +71,8 @@ def start_server(
     if "--max-realtime-load" not in flags:
         command += ["--max-realtime-load", "none"]
     # uvicorn logs to stderr and its access log to stdout: keep both, in order.
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {name: value for name, value in os.environ.items() if name not in unset}
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log: list[str] = []
     found = threading.Event()
     url: list[str] = []

@@ -83,15 +83,23 @@ async def test_the_shipped_demo_model_draws_red_then_blue_from_the_applied_chunk
     assert all(colours[i] == "blue" for i in colours if i >= at), colours
 
 
-def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured(demo_server):
-    """``rtvideo serve`` as a newcomer runs it, no thread count given: on a CPU
-    the worker measured its kernels' threads at start (``workers.cpu_threads``)
-    and /health says the count it keeps."""
-    workers = httpx.get(f"{demo_server.http}/health").json()["workers"]
-    if torch.cuda.is_available():
-        assert workers[0]["cpu_threads"] is None, workers  # on a GPU there is no count to choose
-    else:
-        assert workers[0]["cpu_threads"] in candidates(os.cpu_count() or 1), workers
+def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured():
+    """``rtvideo serve`` as a newcomer runs it, no thread count given (and no
+    ``OMP_NUM_THREADS``, which the test runner sets for its own processes): on
+    a CPU the worker measured its kernels' threads at start
+    (``workers.cpu_threads``), says so in its log, and /health says the count
+    it keeps."""
+    server = start_server(model="demo", unset=("OMP_NUM_THREADS",))
+    try:
+        workers = server.health()["workers"]
+        if torch.cuda.is_available():
+            assert workers[0]["cpu_threads"] is None, workers  # on a GPU there is no count to choose
+        else:
+            assert workers[0]["cpu_threads"] in candidates(os.cpu_count() or 1), workers
+            measured = [line for line in server.log if "CPU threads for the kernels" in line]
+            assert measured and f"kernels: {workers[0]['cpu_threads']} (" in measured[0], measured
+    finally:
+        stop_server(server)
 
 
 def test_the_shipped_demo_models_card_lists_what_it_knows(demo_server):
