@@ -54,6 +54,12 @@ class Drainer:
                 with contextlib.suppress(EngineDeadError, UnknownSessionError):
                     await self.engine.stop(session_id, "shutdown")
             await self._wait_for_sessions(loop.time() + 10.0)
+        log.info(
+            "drained in %.1f s: %d sessions open, %d connections delivering; stopping",
+            loop.time() - (deadline - self.grace_s),
+            len(self.engine.open_sessions()),
+            self.delivering,
+        )
 
     async def _wait_for_sessions(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -71,6 +77,7 @@ class DrainingServer(uvicorn.Server):
         self._drain = drain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._drain_task: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -84,7 +91,11 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = self.force_exit or (self._draining and sig == signal.SIGINT)
             return
         self._draining = True
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain_then_exit()))
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        # The loop keeps only a weak reference to a task: hold this one until it is done.
+        self._drain_task = self._loop.create_task(self._drain_then_exit(), name="drain")
 
     async def _drain_then_exit(self) -> None:
         try:

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 
 import httpx
+import pytest
 
 from tests.e2e.client import Realtime, open_realtime
 from tests.engine.test_lifecycle import wait_gone
+
+
+def exit_code(server, within: float = 30.0) -> int:
+    """The server's exit code once it exits; a server still running after
+    ``within`` seconds fails the test with the tail of its log (the drain's
+    and the shutdown's lines say where it stands)."""
+    try:
+        return server.process.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        tail = "".join(server.log[-40:])
+        pytest.fail(f"the server had not exited {within:g} s after its sessions ended; its log ends:\n{tail}")
 
 
 async def test_sigterm_ends_live_sessions_cleanly_and_exits_0(make_server):
@@ -42,7 +55,7 @@ async def test_sigterm_ends_live_sessions_cleanly_and_exits_0(make_server):
     done = got.of("session.done")
     assert done and done[0]["reason"] == "shutdown" and done[0]["stopped"] is True
     assert got.close_code == 1000
-    assert server.process.wait(timeout=30) == 0
+    assert exit_code(server) == 0
     wait_gone(worker, within=10.0)
 
 
@@ -55,7 +68,7 @@ async def test_sigterm_lets_a_finite_session_finish_within_the_grace(make_server
         server.process.send_signal(signal.SIGTERM)
         got = await client.rest(timeout=30)
     assert got.of("session.done")[0]["reason"] == "completed" and len(got.chunks) == 12
-    assert server.process.wait(timeout=30) == 0
+    assert exit_code(server) == 0
 
 
 async def test_a_session_stopped_while_draining_hears_its_end_before_the_exit(make_server):
@@ -75,4 +88,4 @@ async def test_a_session_stopped_while_draining_hears_its_end_before_the_exit(ma
         got = await client.rest(timeout=30)
     done = got.of("session.done")
     assert done and done[0]["reason"] == "stopped" and got.close_code == 1000
-    assert server.process.wait(timeout=30) == 0
+    assert exit_code(server) == 0
