@@ -44,7 +44,8 @@ class Drainer:
     async def drain(self) -> None:
         self.draining = True
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.grace_s
+        began = loop.time()
+        deadline = began + self.grace_s
         log.info("draining: %d sessions open, %g s grace", len(self.engine.open_sessions()), self.grace_s)
         await self._wait_for_sessions(deadline)
         left = self.engine.open_sessions()
@@ -56,7 +57,7 @@ class Drainer:
             await self._wait_for_sessions(loop.time() + 10.0)
         log.info(
             "drained in %.1f s: %d sessions open, %d connections delivering; stopping",
-            loop.time() - (deadline - self.grace_s),
+            loop.time() - began,
             len(self.engine.open_sessions()),
             self.delivering,
         )

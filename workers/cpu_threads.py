@@ -63,7 +63,7 @@ def pick_threads(seconds: Mapping[int, Sequence[float]], tolerance: float = TOLE
     count's measurements, read by their best): the fewest threads whose best
     is within ``tolerance`` of the fastest count's. ``ValueError`` for no
     measurements."""
-    best = {count: min(times) for count, times in seconds.items() if times}
+    best = _best(seconds)
     if not best:
         raise ValueError("no thread count was measured")
     fastest = min(best.values())
@@ -73,9 +73,14 @@ def pick_threads(seconds: Mapping[int, Sequence[float]], tolerance: float = TOLE
 def contenders_of(seconds: Mapping[int, Sequence[float]], margin: float = CONTENDER) -> list[int]:
     """The counts worth measuring again: those whose best is within ``margin``
     times the fastest's (one far behind stays behind)."""
-    best = {count: min(times) for count, times in seconds.items() if times}
+    best = _best(seconds)
     fastest = min(best.values())
     return sorted(count for count, time_s in best.items() if time_s <= fastest * margin)
+
+
+def _best(seconds: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    """Each measured count's best time (counts not measured left out)."""
+    return {count: min(times) for count, times in seconds.items() if times}
 
 
 def measure_cpu_threads(pipeline, warm_chunk_s: float, cores: int | None = None) -> tuple[int | None, dict]:
