@@ -40,8 +40,9 @@ def decode_batch_rows(pipeline) -> int:
     GPU ``max_batch_rows``, the rows its memory was planned for; on a CPU at
     least ``CPU_DECODE_ROWS``: there a batch costs only a little host memory
     and runs the decoder's many small kernels once for all its rows
-    (measured with the tiny preset on 2 cores, one thread: 24.7 ms a chunk
-    alone, 20 in batches of 2, 17.5 in batches of 4)."""
+    (measured with the tiny preset at 64x64 on 2 cores, one thread, a busy
+    afternoon: 44-50 ms a chunk alone, 29-37 in batches of 2, 28-31 in
+    batches of 4, 26 in batches of 8; ``workers.pipelines.cpu_kernels``)."""
     if not hasattr(pipeline, "decode_batch"):
         return 1
     if getattr(getattr(pipeline, "device", None), "type", None) == "cpu":

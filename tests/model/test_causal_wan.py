@@ -434,7 +434,7 @@ def test_rope_helper_matches_diffusers_rotation():
 def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias):
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
-    from workers.pipelines.vae_stream import FastRMSNorm, use_fast_cpu_kernels
+    from workers.pipelines.cpu_kernels import FastRMSNorm, use_fast_cpu_kernels
 
     torch.manual_seed(0)
     reference = WanRMS_norm(8, channel_first=channel_first, images=images, bias=bias)
@@ -513,7 +513,7 @@ def test_sessions_interleaved_step_by_step_equal_each_alone(pipeline):
 def test_onednn_causal_conv_equals_diffusers_conv(stride):
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
-    from workers.pipelines.vae_stream import OneDnnCausalConv3d, use_fast_cpu_kernels
+    from workers.pipelines.cpu_kernels import OneDnnCausalConv3d, use_fast_cpu_kernels
 
     torch.manual_seed(0)
     reference = WanCausalConv3d(4, 6, 3, stride=stride, padding=1)

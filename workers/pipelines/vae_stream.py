@@ -23,23 +23,13 @@ two parts each fill only their own slots, so two processes can each hold
 one, and frame f's back runs while frame f+1's front does: the result is bit
 for bit the whole decoder's (``tests/model/test_decode_stage.py``).
 
-``StreamingDecoder`` also makes two CPU hot spots of the tiny preset's decode
-fast, computing the same functions (``use_fast_cpu_kernels``):
-
-- RMS norms become ``FastRMSNorm``, ``x * rsqrt(sum(x^2))`` instead of
-  ``F.normalize``, whose channel-dim reduction was half the decode time;
-- causal 3-D convolutions become ``OneDnnCausalConv3d``, and the 2-D ones
-  (the up-samplers' and the attention's) ``OneDnnConv2d``, which on a CPU in
-  fp32 call the oneDNN convolution directly: torch's backend heuristic
-  sends batch-1 inputs with few channels (all of the tiny VAE's) to its
-  unvectorised ``slow_conv3d`` / ``slow_conv2d``, about 9x slower, and those
-  round differently by batch size; oneDNN's convolution computes each batch
-  row as it computes it alone. Elsewhere (GPU, bf16) the usual dispatch runs.
+``StreamingDecoder`` swaps the VAE's norms and convolutions for faster CPU
+kernels that compute the same functions (``workers.pipelines.cpu_kernels``).
 
 Several sessions' chunks decode as one batch (``decode_rows``) where their
 caches hold features of the same shapes (``cache_shape``): on a CPU the frames
 are bit for bit each session's own decode (every kernel above is
-batch-invariant there; ``tests/model/test_batched_rows.py``).
+batch-invariant there, the grouped form of ``cpu_kernels`` only where it is; ``tests/model/test_batched_rows.py``).
 """
 
 from __future__ import annotations
@@ -50,68 +40,10 @@ from typing import NamedTuple
 
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import (
-    CACHE_T,
-    WanCausalConv3d,
-    WanDecoder3d,
-    WanRMS_norm,
-    WanUpBlock,
-)
+from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanDecoder3d, WanUpBlock
 
 from workers.pipelines.base import abandon_point
-
-
-class FastRMSNorm(WanRMS_norm):
-    """``WanRMS_norm`` with the normalisation written as a sum of squares and an
-    rsqrt (in fp32 for half-precision inputs, as the original does); same
-    parameters, same result to float rounding."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        squares = work.square().sum(dim=1 if self.channel_first else -1, keepdim=True)
-        normalized = (work * torch.rsqrt(squares.clamp_min(1e-24))).to(x.dtype)  # F.normalize's eps is 1e-12
-        return normalized * self.scale * self.gamma + self.bias
-
-
-class OneDnnCausalConv3d(WanCausalConv3d):
-    """``WanCausalConv3d`` whose CPU fp32 convolution always goes to oneDNN."""
-
-    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and self.padding_mode == "zeros" and _ONEDNN:
-            return torch.mkldnn_convolution(
-                x.contiguous(), weight, bias, self.padding, self.stride, self.dilation, self.groups
-            )
-        return super()._conv_forward(x, weight, bias)
-
-
-class OneDnnConv2d(torch.nn.Conv2d):
-    """``nn.Conv2d`` whose CPU fp32 convolution always goes to oneDNN."""
-
-    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and self.padding_mode == "zeros" and _ONEDNN:
-            padding = self.padding
-            if isinstance(padding, str):  # "same" / "valid": let torch work the numbers out
-                return super()._conv_forward(x, weight, bias)
-            return torch.mkldnn_convolution(
-                x.contiguous(), weight, bias, padding, self.stride, self.dilation, self.groups
-            )
-        return super()._conv_forward(x, weight, bias)
-
-
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch, "mkldnn_convolution")
-_FAST = {WanRMS_norm: FastRMSNorm, WanCausalConv3d: OneDnnCausalConv3d, torch.nn.Conv2d: OneDnnConv2d}
-
-
-def use_fast_cpu_kernels(vae: torch.nn.Module) -> int:
-    """Swap ``vae``'s RMS norms and causal convolutions for the subclasses above
-    (in place, weights kept); returns how many modules were swapped."""
-    swapped = 0
-    for module in vae.modules():
-        fast = _FAST.get(type(module))
-        if fast is not None:
-            module.__class__ = fast
-            swapped += 1
-    return swapped
+from workers.pipelines.cpu_kernels import use_fast_cpu_kernels
 
 
 def _cached_conv(conv: WanCausalConv3d, x: torch.Tensor, cache: list, slot: list[int]) -> torch.Tensor:
