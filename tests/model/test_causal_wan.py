@@ -113,9 +113,10 @@ def test_streaming_decode_equals_one_shot_decode(pipeline):
 
 
 def test_a_chunk_in_one_pass_gives_the_frames_of_a_frame_at_a_time_bit_for_bit(pipeline, monkeypatch):
-    """On a CPU a chunk's latent frames go through Wan's decoder in one pass
-    (the stream's first frame alone); a frame at a time, as on a GPU, gives
-    the same bits, chunk after chunk, one stream and a batch of two."""
+    """On a CPU a chunk's latent frames go through Wan's decoder in passes of
+    several (the stream's first frame alone; as many as fit ``CPU_PASS_BYTES``);
+    a frame at a time, as on a GPU, gives the same bits, chunk after chunk,
+    one stream and a batch of two."""
     decoder = pipeline.decoder
     torch.manual_seed(4)
     streams = [torch.randn(1, 16, 9, 8, 8) for _ in range(2)]
@@ -123,6 +124,9 @@ def test_a_chunk_in_one_pass_gives_the_frames_of_a_frame_at_a_time_bit_for_bit(p
     x = torch.zeros(1, 16, 3, 2, 2)
     assert decoder.decoder_passes(x, first=True) == [slice(0, 1), slice(1, 3)]
     assert decoder.decoder_passes(x, first=False) == [slice(0, 3)]
+    large = torch.zeros(2, 16, 3, 16, 16)  # 128x128, two rows: 2 MiB a latent frame at the widest stage
+    assert decoder.decoder_passes(large, first=False) == [slice(0, 2), slice(2, 3)]
+    assert decoder.decoder_passes(large[:, :, :1], first=False) == [slice(0, 1)]
 
     def decode_all():
         caches, one = [decoder.new_cache() for _ in streams], decoder.new_cache()
