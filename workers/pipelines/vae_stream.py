@@ -36,8 +36,9 @@ kernels that compute the same functions (``workers.pipelines.cpu_kernels``).
 
 Several sessions' chunks decode as one batch (``decode_rows``) where their
 caches hold features of the same shapes (``cache_shape``): on a CPU the frames
-are bit for bit each session's own decode (every kernel above is
-batch-invariant there, the grouped form of ``cpu_kernels`` only where it is; ``tests/model/test_batched_rows.py``).
+are bit for bit each session's own decode (``cpu_kernels``' convolutions
+compute each row as they compute it alone, and run rows grouped only where
+that gives the same bits; ``tests/model/test_batched_rows.py``).
 """
 
 from __future__ import annotations
