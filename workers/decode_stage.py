@@ -42,9 +42,7 @@ def decode_batch_rows(pipeline) -> int:
     and runs the decoder's many small kernels once for all its rows
     (measured with the tiny preset at 64x64 on 2 cores, one thread, a busy
     afternoon: 44-50 ms a chunk alone, 29-37 in batches of 2, 28-31 in
-    batches of 4, 26 in batches of 8, with ``workers.pipelines.cpu_kernels``;
-    then with a chunk's latent frames in one decoder pass, 36.5 alone and
-    23.8 in batches of 4)."""
+    batches of 4, 26 in batches of 8; ``workers.pipelines.cpu_kernels``)."""
     if not hasattr(pipeline, "decode_batch"):
         return 1
     if getattr(getattr(pipeline, "device", None), "type", None) == "cpu":

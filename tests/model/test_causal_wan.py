@@ -112,36 +112,6 @@ def test_streaming_decode_equals_one_shot_decode(pipeline):
     assert (torch.cat(parts, dim=2) - whole).abs().max().item() <= 1e-6
 
 
-def test_a_chunk_in_one_pass_gives_the_frames_of_a_frame_at_a_time_bit_for_bit(pipeline, monkeypatch):
-    """On a CPU a chunk's latent frames go through Wan's decoder in passes of
-    several (the stream's first frame alone; as many as fit ``CPU_PASS_BYTES``);
-    a frame at a time, as on a GPU, gives the same bits, chunk after chunk,
-    one stream and a batch of two."""
-    decoder = pipeline.decoder
-    torch.manual_seed(4)
-    streams = [torch.randn(1, 16, 9, 8, 8) for _ in range(2)]
-    chunks = [(slice(0, 3), True), (slice(3, 6), False), (slice(6, 9), False)]
-    x = torch.zeros(1, 16, 3, 2, 2)
-    assert decoder.decoder_passes(x, first=True) == [slice(0, 1), slice(1, 3)]
-    assert decoder.decoder_passes(x, first=False) == [slice(0, 3)]
-    large = torch.zeros(2, 16, 3, 16, 16)  # 128x128, two rows: 2 MiB a latent frame at the widest stage
-    assert decoder.decoder_passes(large, first=False) == [slice(0, 2), slice(2, 3)]
-    assert decoder.decoder_passes(large[:, :, :1], first=False) == [slice(0, 1)]
-
-    def decode_all():
-        caches, one = [decoder.new_cache() for _ in streams], decoder.new_cache()
-        frames = []
-        for piece, first in chunks:
-            frames.append(decoder.decode(streams[0][:, :, piece], one, first))
-            frames += decoder.decode_rows([s[:, :, piece] for s in streams], caches, first)
-        return frames
-
-    passes = decode_all()
-    monkeypatch.setattr(decoder, "decoder_passes", lambda x, first: [slice(i, i + 1) for i in range(x.shape[2])])
-    per_frame = decode_all()
-    assert all(torch.equal(a, b) for a, b in zip(passes, per_frame, strict=True))
-
-
 def test_the_decoder_split_anywhere_gives_the_whole_decoders_frames_bit_for_bit(pipeline):
     """The decoder in two parts (``decode_front`` on one copy of the cache,
     ``decode_back`` on another, as two ranks hold them), chunk after chunk:
@@ -159,7 +129,7 @@ def test_the_decoder_split_anywhere_gives_the_whole_decoders_frames_bit_for_bit(
         made = []
         for piece, _ in pieces:
             parts = list(decoder.decode_front(piece, front, split))
-            assert len(parts) == 1  # on a CPU a piece is one pass (the stream's first frame is a piece of its own)
+            assert len(parts) == piece.shape[2]
             made.append(torch.cat([decoder.decode_back(part, back, split) for part in parts], dim=2))
         assert all(torch.equal(a, b) for a, b in zip(whole, made, strict=True)), f"split {split} differs"
         held = [{i for i, entry in enumerate(c) if entry is not None} for c in (front, back)]

@@ -3,33 +3,25 @@
 Worker process. ``vae.decode`` clears the causal convolutions' feature cache
 on every call, so decoding chunk by chunk that way leaves seams and drops
 frames. Here each session owns its feature cache (a list the decoder fills),
-and a chunk's latent frames go through the decoder in passes
-(``decoder_passes``), the very first frame of the stream alone and marked
-``first_chunk``: the frames equal a one-shot decode of all the latents so
-far. On a GPU a pass is one latent frame (a whole chunk's activations at
-full size would multiply the decode's memory peak). On a CPU, with Wan's
-decoder, a pass is as many of the chunk's frames as keep its largest
-activation within ``CPU_PASS_BYTES``: all three at 64x64, one at 256x256.
-The causal convolutions and temporal up-samplers compute every frame as
-they do one at a time, bit for bit, and fewer calls cost less: 36 ms
-against 54 a chunk of the tiny preset at 64x64, 24 against 27 a session in
-batches of four. Two sessions never share a cache. A decode may be abandoned
-(``workers.pipelines.base.abandon_point``) before each pass and before each
-of the decoder's stages (its middle block, each residual block and
-up-sampler), so a stop waits for a fraction of a chunk's decode; the cache
-is then part-way through the chunk and must not be decoded from again.
+and latent frames go through the decoder one at a time, the very first of the
+stream marked ``first_chunk``: the frames equal a one-shot decode of all the
+latents so far. Two sessions never share a cache. A decode may be abandoned
+(``workers.pipelines.base.abandon_point``) before each latent frame and before
+each of the decoder's up-sampling stages, so a stop waits for a fraction of a
+frame's decode, not a chunk's; the cache is then part-way through the chunk
+and must not be decoded from again.
 
 The decoder also runs in two parts (``decode_front`` and ``decode_back``),
 for a decode split over two pipeline ranks: Wan's decoder is a chain of
 stages (the input convolution and middle block, each up-sampling block's
 residual blocks and up-sampler, the output head: 13 for Wan2.1's and the
-tiny preset's), each pass goes through them in order, and each stage's
+tiny preset's), each latent frame goes through them in order, and each stage's
 causal convolutions keep their own slots of the feature cache. The front
-runs the first ``split`` stages of each pass and hands the activation on
-with the cache slot it stopped at; the back runs the rest. A session's two
-parts each fill only their own slots, so two processes can each hold one,
-and pass p's back runs while pass p+1's front does: the result is bit for
-bit the whole decoder's (``tests/model/test_decode_stage.py``).
+runs the first ``split`` stages of each latent frame and hands the activation
+on with the cache slot it stopped at; the back runs the rest. A session's
+two parts each fill only their own slots, so two processes can each hold
+one, and frame f's back runs while frame f+1's front does: the result is bit
+for bit the whole decoder's (``tests/model/test_decode_stage.py``).
 
 ``StreamingDecoder`` swaps the VAE's norms and convolutions for faster CPU
 kernels that compute the same functions (``workers.pipelines.cpu_kernels``).
@@ -73,17 +65,8 @@ def _abandon_point_hook(module: torch.nn.Module, args: tuple) -> None:
     abandon_point()
 
 
-CPU_PASS_BYTES = 4 << 20
-"""The most bytes a decoder pass's largest activation holds on a CPU. A pass of
-several latent frames makes fewer, larger calls; past about this size they
-leave the caches. Measured with the tiny preset, one thread, a chunk's three
-latent frames in one pass against one at a time: 27 against 43 ms at 64x64
-(0.75 MiB), 112 against 119 at 128x128 (3 MiB), 693 against 467 at 256x256
-(12 MiB)."""
-
-
 class FrontPart(NamedTuple):
-    """One pass's latent frames after the decoder's first stages (``decode_front``)."""
+    """One latent frame after the decoder's first stages (``decode_front``)."""
 
     activation: torch.Tensor
     slot: int  # the feature-cache slot the back's first convolution uses
@@ -93,12 +76,10 @@ class StreamingDecoder:
     def __init__(self, vae: AutoencoderKLWan) -> None:
         self.vae = vae
         use_fast_cpu_kernels(vae)
-        decoder = vae.decoder  # Wan's: a stop point before its middle and each up-sampling stage's parts
-        for block in getattr(decoder, "up_blocks", ()):
-            for part in (*getattr(block, "resnets", ()), *(getattr(block, "upsamplers", None) or ())):
-                part.register_forward_pre_hook(_abandon_point_hook)
-        if getattr(decoder, "mid_block", None) is not None:
-            decoder.mid_block.register_forward_pre_hook(_abandon_point_hook)
+        decoder = vae.decoder  # Wan's: a stop point before its middle and each up-sampling stage
+        for stage in (getattr(decoder, "mid_block", None), *getattr(decoder, "up_blocks", ())):
+            if stage is not None:
+                stage.register_forward_pre_hook(_abandon_point_hook)
         config = vae.config
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
@@ -109,14 +90,6 @@ class StreamingDecoder:
         self.dtype = vae.dtype
         self._stage_modules = self._stage_list()
         self._layout = self._probe_layout()  # so cache_bytes is arithmetic (describe() calls it)
-        # A decoder activation's bytes per latent pixel of a pixel frame, the widest stage's.
-        self._widest_bytes_per_pixel = max(
-            (
-                round(channels * scale_h * scale_w) * itemsize
-                for channels, _, scale_h, scale_w, itemsize in self._layout
-            ),
-            default=1,
-        )
 
     def _unnormalised(self, latents: torch.Tensor) -> torch.Tensor:
         """``latents`` as the VAE takes them: in its dtype, the latent
@@ -163,26 +136,12 @@ class StreamingDecoder:
         z = self._unnormalised(latents)
         x = vae.post_quant_conv(z)
         outputs = []
-        for frames in self.decoder_passes(x, first):
+        for i in range(x.shape[2]):
             abandon_point()
             outputs.append(
-                vae.decoder(x[:, :, frames], feat_cache=cache, feat_idx=[0], first_chunk=frames.start == 0 and first)
+                vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=first and i == 0)
             )
         return torch.clamp(torch.cat(outputs, dim=2), -1.0, 1.0)
-
-    def decoder_passes(self, x: torch.Tensor, first: bool) -> list[slice]:
-        """The latent frames of ``x`` (``[rows, channels, frames, h, w]``) each pass
-        through the decoder takes (see the module docstring; ``first``: ``x``
-        begins the stream, and its first frame is a pass of its own). On a CPU
-        with Wan's decoder as many frames as keep the pass's largest activation
-        (all its rows) within ``CPU_PASS_BYTES``, at least one; elsewhere one."""
-        frames = x.shape[2]
-        if frames == 1 or x.device.type != "cpu" or not self.stages:
-            return [slice(i, i + 1) for i in range(frames)]
-        start = 1 if first else 0
-        per_frame = x.shape[0] * self.temporal_ratio * x.shape[3] * x.shape[4] * self._widest_bytes_per_pixel
-        width = max(1, CPU_PASS_BYTES // per_frame)
-        return [slice(0, 1)] * start + [slice(i, min(i + width, frames)) for i in range(start, frames, width)]
 
     @staticmethod
     def cache_shape(cache: list) -> tuple:
@@ -266,18 +225,17 @@ class StreamingDecoder:
 
     @torch.no_grad()
     def decode_front(self, latents: torch.Tensor, cache: list, split: int) -> Iterator[FrontPart]:
-        """The first ``split`` stages of the latent frames of ``latents`` (as
-        ``decode`` takes them), a pass at a time (``decoder_passes``; the stream
-        begins where ``cache`` holds nothing yet); ``cache``'s front slots carry
-        over. A decode may be abandoned before each pass (and in its stages)."""
+        """The first ``split`` stages of each latent frame of ``latents`` (as
+        ``decode`` takes them), a frame at a time; ``cache``'s front slots carry
+        over. A decode may be abandoned before each frame (and in its stages)."""
         self._check_split(split)
         vae = self.vae
         z = self._unnormalised(latents)
         x = vae.post_quant_conv(z)
-        for frames in self.decoder_passes(x, first=cache[0] is None):
+        for i in range(x.shape[2]):
             abandon_point()
             slot = [0]
-            hidden = x[:, :, frames]
+            hidden = x[:, :, i : i + 1]
             for stage in range(split):
                 hidden = self._stage(stage, hidden, cache, slot)
             yield FrontPart(hidden, slot[0])
@@ -286,9 +244,9 @@ class StreamingDecoder:
         self, latents: Sequence[torch.Tensor], caches: Sequence[list], split: int
     ) -> Iterator[FrontPart]:
         """``decode_front`` of several streams as one batch (one row each, of one
-        shape, their caches of one ``cache_shape``): each pass's
+        shape, their caches of one ``cache_shape``): each latent frame's
         activation holds every row, in order. The caches change only once the
-        last pass is made: a batch abandoned or failed part-way leaves each as
+        last frame is made: a batch abandoned or failed part-way leaves each as
         it was."""
         self._check_rows(latents, caches, "decode_front_rows")
         work = self.stacked(caches)
@@ -297,7 +255,7 @@ class StreamingDecoder:
 
     @torch.no_grad()
     def decode_back(self, part: FrontPart, cache: list, split: int) -> torch.Tensor:
-        """The remaining stages of one pass's latent frames: their pixels in [-1, 1],
+        """The remaining stages of one latent frame: its pixels in [-1, 1],
         ``[batch, 3, frames, height, width]``; ``cache``'s back slots carry over."""
         self._check_split(split)
         slot = [part.slot]
@@ -319,8 +277,8 @@ class StreamingDecoder:
         for _ in range(2):
             seconds = [0.0] * self.stages
             x = self.vae.post_quant_conv(latents.to(self.dtype))
-            for frames in self.decoder_passes(x, first=False):
-                slot, hidden = [0], x[:, :, frames]
+            for i in range(latent_frames):
+                slot, hidden = [0], x[:, :, i : i + 1]
                 for stage in range(self.stages):
                     began = time.perf_counter()
                     hidden = self._stage(stage, hidden, cache, slot)
@@ -335,7 +293,7 @@ class StreamingDecoder:
             raise ValueError(f"a decoder split must be 1..{self.stages - 1} stages in front, got {split}")
 
     def _stage(self, stage: int, x: torch.Tensor, cache: list, slot: list[int]) -> torch.Tensor:
-        """Stage ``stage`` (``_stage_list``) on one pass's latent frames. A decode may be
+        """Stage ``stage`` (``_stage_list``) on one latent frame. A decode may be
         abandoned before each stage. (Where the stream begins is the cache's
         to say: Wan2.1's up-sampling blocks take no ``first_chunk``; their
         temporal up-samplers make one frame of the first latent frame by their
