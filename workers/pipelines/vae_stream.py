@@ -7,9 +7,24 @@ and latent frames go through the decoder one at a time, the very first of the
 stream marked ``first_chunk``: the frames equal a one-shot decode of all the
 latents so far. Two sessions never share a cache. A decode may be abandoned
 (``workers.pipelines.base.abandon_point``) before each latent frame and before
-each of the decoder's up-sampling stages, so a stop waits for a fraction of a
-frame's decode, not a chunk's; the cache is then part-way through the chunk
-and must not be decoded from again.
+each of the decoder's stages (its middle block, each residual block and
+up-sampler), so a stop waits for a fraction of a frame's decode, not a
+chunk's; the cache is then part-way through the chunk and must not be
+decoded from again.
+
+On a CPU a chunk's latent frames after the stream's first may instead go
+through Wan's decoder in one pass: fewer, larger calls, 36 against 54 ms a
+chunk of the tiny preset at 64x64. oneDNN may pick another kernel for the
+longer input and round differently (at 32x32 it does), so ``decode`` decides
+per input shape, the first time it meets one (``_PassChoice``): it decodes
+the chunk both ways from copies of the cache, and keeps the pass only if its
+frames and the cache it leaves are bit for bit the frame-at-a-time ones, and
+it is the faster (best of two of each). Either way a chunk's frames are the
+bits of a frame at a time, which is what the split decode below computes,
+so one rank and two agree. Passes whose widest activation would be over
+``CPU_PASS_BYTES`` are not tried (at 256x256 a pass was 693 against 467 ms),
+and on a GPU a pass stays one frame (a chunk's activations at full size would
+multiply the decode's memory peak).
 
 The decoder also runs in two parts (``decode_front`` and ``decode_back``),
 for a decode split over two pipeline ranks: Wan's decoder is a chain of
@@ -44,7 +59,14 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanDecoder3d, WanUpBlock
 
 from workers.pipelines.base import abandon_point
-from workers.pipelines.cpu_kernels import use_fast_cpu_kernels
+from workers.pipelines.cpu_kernels import best_of_two, use_fast_cpu_kernels
+
+CPU_PASS_BYTES = 4 << 20
+"""The most bytes a one-pass decode's widest activation may hold on a CPU (past
+about this size the calls leave the caches). Measured with the tiny preset,
+one thread, a chunk's three latent frames in one pass against one at a time:
+27 against 43 ms at 64x64 (0.75 MiB), 112 against 119 at 128x128 (3 MiB),
+693 against 467 at 256x256 (12 MiB)."""
 
 
 def _cached_conv(conv: WanCausalConv3d, x: torch.Tensor, cache: list, slot: list[int]) -> torch.Tensor:
@@ -76,10 +98,12 @@ class StreamingDecoder:
     def __init__(self, vae: AutoencoderKLWan) -> None:
         self.vae = vae
         use_fast_cpu_kernels(vae)
-        decoder = vae.decoder  # Wan's: a stop point before its middle and each up-sampling stage
-        for stage in (getattr(decoder, "mid_block", None), *getattr(decoder, "up_blocks", ())):
-            if stage is not None:
-                stage.register_forward_pre_hook(_abandon_point_hook)
+        decoder = vae.decoder  # Wan's: a stop point before its middle and each up-sampling stage's parts
+        for block in getattr(decoder, "up_blocks", ()):
+            for part in (*getattr(block, "resnets", ()), *(getattr(block, "upsamplers", None) or ())):
+                part.register_forward_pre_hook(_abandon_point_hook)
+        if getattr(decoder, "mid_block", None) is not None:
+            decoder.mid_block.register_forward_pre_hook(_abandon_point_hook)
         config = vae.config
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
@@ -89,7 +113,11 @@ class StreamingDecoder:
         # tiny preset's VAE on a CPU, and every decode needs it.
         self.dtype = vae.dtype
         self._stage_modules = self._stage_list()
+        self._passes: _PassChoice | None = None  # none while the layout is probed
         self._layout = self._probe_layout()  # so cache_bytes is arithmetic (describe() calls it)
+        # A decoder activation's bytes per latent pixel of a pixel frame, the widest stage's.
+        widest = max((round(c * sh * sw) * size for c, _, sh, sw, size in self._layout), default=0)
+        self._passes = _PassChoice(self, widest) if self.stages and widest else None
 
     def _unnormalised(self, latents: torch.Tensor) -> torch.Tensor:
         """``latents`` as the VAE takes them: in its dtype, the latent
@@ -132,16 +160,34 @@ class StreamingDecoder:
     def decode(self, latents: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
         """Pixels in [-1, 1], ``[batch, 3, frames, height, width]``, for normalised
         ``latents`` ``[batch, 16, latent_frames, h, w]``; ``cache`` carries over."""
-        vae = self.vae
         z = self._unnormalised(latents)
-        x = vae.post_quant_conv(z)
+        x = self.vae.post_quant_conv(z)
+        start = 1 if first else 0
+        outputs = [self.frame_by_frame(x[:, :, :1], cache, first=True)] if first else []
+        if x.shape[2] > start:
+            rest = x[:, :, start:]
+            if self._passes is None or rest.shape[2] == 1:
+                outputs.append(self.frame_by_frame(rest, cache))
+            else:
+                outputs.append(self._passes.decode(rest, cache))
+        return torch.clamp(torch.cat(outputs, dim=2), -1.0, 1.0)
+
+    def frame_by_frame(self, x: torch.Tensor, cache: list, first: bool = False) -> torch.Tensor:
+        """Wan's decoder over ``x`` (after ``post_quant_conv``) a latent frame at a
+        time (``first``: ``x`` begins the stream); unclamped."""
         outputs = []
         for i in range(x.shape[2]):
             abandon_point()
             outputs.append(
-                vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=first and i == 0)
+                self.vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=first and i == 0)
             )
-        return torch.clamp(torch.cat(outputs, dim=2), -1.0, 1.0)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+    def one_pass(self, x: torch.Tensor, cache: list) -> torch.Tensor:
+        """Wan's decoder over all of ``x``'s latent frames (past the stream's first)
+        in one call; unclamped."""
+        abandon_point()
+        return self.vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=False)
 
     @staticmethod
     def cache_shape(cache: list) -> tuple:
@@ -314,3 +360,64 @@ class StreamingDecoder:
         vae = self.vae
         z = self._unnormalised(latents)
         return vae.decode(z, return_dict=False)[0]
+
+
+class _PassChoice:
+    """Per input shape, whether a chunk's latent frames (past the stream's first)
+    go through the decoder in one pass (see the module's docstring)."""
+
+    def __init__(self, decoder: StreamingDecoder, widest_bytes_per_pixel: int) -> None:
+        self._decoder = decoder
+        self._widest = widest_bytes_per_pixel
+        self.one_pass: dict[tuple, bool] = {}  # (shape, dtype) -> decided
+
+    def decode(self, x: torch.Tensor, cache: list) -> torch.Tensor:
+        """``x``'s frames (unclamped), in one pass where that was decided; the
+        first time a shape comes, decided on this call."""
+        key = (tuple(x.shape), x.dtype)
+        choice = self.one_pass.get(key)
+        if choice is None:
+            if x.device.type != "cpu" or self._bytes(x) > CPU_PASS_BYTES:
+                choice = self.one_pass[key] = False
+            else:
+                return self._decide(key, x, cache)
+        decoder = self._decoder
+        return decoder.one_pass(x, cache) if choice else decoder.frame_by_frame(x, cache)
+
+    def _bytes(self, x: torch.Tensor) -> int:
+        """The widest activation of a pass over ``x`` (every row and frame)."""
+        rows, _, frames, height, width = x.shape
+        return rows * frames * self._decoder.temporal_ratio * height * width * self._widest
+
+    def _decide(self, key: tuple, x: torch.Tensor, cache: list) -> torch.Tensor:
+        """Decode ``x`` both ways from copies of ``cache`` (the decoder replaces a
+        slot's tensor, never writes into it: a copy of the list is a snapshot),
+        keep the frame-at-a-time result, and remember whether the pass gave the
+        same bits, frames and cache, and was faster. Abandoned part-way, ``cache``
+        is as it was and nothing is decided."""
+        decoder = self._decoder
+        reference, passed = list(cache), list(cache)
+        expected = decoder.frame_by_frame(x, reference)
+        exact = torch.equal(decoder.one_pass(x, passed), expected) and _same_cache(reference, passed)
+        if exact:
+            exact = best_of_two(lambda: decoder.one_pass(x, list(cache))) < best_of_two(
+                lambda: decoder.frame_by_frame(x, list(cache))
+            )
+        self.one_pass[key] = exact
+        cache[:] = reference
+        return expected
+
+
+def _same_cache(a: list, b: list) -> bool:
+    """Two feature caches hold the same bits in every slot (tensors equal, markers the same)."""
+    if len(a) != len(b):
+        return False
+    for left, right in zip(a, b, strict=True):
+        if isinstance(left, torch.Tensor) != isinstance(right, torch.Tensor):
+            return False
+        if isinstance(left, torch.Tensor):
+            if left.shape != right.shape or not torch.equal(left, right):
+                return False
+        elif left != right:
+            return False
+    return True
