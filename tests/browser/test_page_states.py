@@ -119,7 +119,10 @@ def test_a_session_shows_each_state_the_clock_and_a_clear_stop(browser):
         stopped = wait_state(page, "stopped")
         clock, time_now = page.evaluate("[document.getElementById('clock').textContent, video.currentTime]")
         shown_s, frame, shown_chunk = re.fullmatch(r"(\d+\.\d\d) s · frame (\d+) · chunk (\d+)", clock).groups()
-        assert shown_s == f"{time_now:.2f}" and int(frame) == int(time_now * 16 + 1e-6), (clock, time_now)
+        made = int(re.search(r"(\d+) frames", stopped["detail"]).group(1))
+        # playback may have run a little past the last frame's start (stopped while buffering): that frame is shown
+        assert shown_s == f"{time_now:.2f}", (clock, time_now)
+        assert int(frame) == min(int(time_now * 16 + 1e-6), made - 1), (clock, time_now, made)
         assert float(shown_s) >= float(seconds) and int(shown_chunk) >= int(chunk), (clock, seconds, chunk)
         assert page.text_content("#onscreen") == f"“a calm sunny sea” since {seconds} s"
 
