@@ -1,7 +1,8 @@
 """A chunk's latent frames through Wan's decoder in one pass
 (``workers.pipelines.vae_stream._PassChoice``): only where that gives the
-frames and the cache of a frame at a time bit for bit, each shape decided
-once, and whatever was decided a chunk decodes to a frame at a time's bits."""
+frames and the cache of a frame at a time bit for bit, kept only where it
+was the faster in its trial, each shape decided once, and whatever was
+decided (or while on trial) a chunk decodes to a frame at a time's bits."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ def tiny_decoder() -> StreamingDecoder:
     return StreamingDecoder(AutoencoderKLWan(**TINY_VAE).eval())
 
 
-def streams(rows: int, side: int, frames: int = 9, seed: int = 4) -> list[torch.Tensor]:
+def streams(rows: int, side: int, frames: int = 21, seed: int = 4) -> list[torch.Tensor]:
     torch.manual_seed(seed)
     return [torch.randn(1, 16, frames, side, side) for _ in range(rows)]
 
 
-CHUNKS = [(slice(0, 3), True), (slice(3, 6), False), (slice(6, 9), False)]
+# the stream's first chunk, one that checks the three-frame shape, TRIALS x 2 on trial, two after the decision
+CHUNKS = [(slice(0, 3), True)] + [(slice(start, start + 3), False) for start in range(3, 21, 3)]
 
 
 def frame_at_a_time(decoder: StreamingDecoder, latents: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
@@ -39,7 +41,8 @@ def frame_at_a_time(decoder: StreamingDecoder, latents: torch.Tensor, cache: lis
 @pytest.mark.parametrize("side", [4, 8])  # 32x32 (where the pass rounds differently) and 64x64 frames
 def test_whatever_was_decided_a_chunk_decodes_to_the_bits_of_a_frame_at_a_time(side):
     """Chunk after chunk, one stream and a batch of two: ``decode`` and
-    ``decode_rows`` give the frames a frame at a time gives."""
+    ``decode_rows`` give the frames a frame at a time gives, through the
+    check, the trial and after the decision."""
     decoder = tiny_decoder()
     rows = streams(2, side)
     one, batch = decoder.new_cache(), [decoder.new_cache() for _ in rows]
@@ -50,9 +53,12 @@ def test_whatever_was_decided_a_chunk_decodes_to_the_bits_of_a_frame_at_a_time(s
         got_rows = decoder.decode_rows([r[:, :, piece] for r in rows], batch, first)
         for latents, cache, row in zip(rows, plain_batch, got_rows, strict=True):
             assert torch.equal(row, frame_at_a_time(decoder, latents[:, :, piece], cache, first))
-    # the stream's first frame went alone; its chunk's other two frames, and later chunks' three, were decided
+    # the stream's first frame went alone; the three-frame shape was checked, tried and decided
     decided = {shape[:3] for shape, _ in decoder._passes.one_pass}
-    assert decided == {(1, 16, 2), (1, 16, 3), (2, 16, 2), (2, 16, 3)}
+    assert decided == {(1, 16, 3), (2, 16, 3)} | {(1, 16, 2), (2, 16, 2)} - {
+        shape[:3] for shape, _ in decoder._passes.trials
+    }  # the two-frame shape (the first chunk's) comes once: checked, and on trial if exact
+    assert all(len(seconds) <= 1 for trial in decoder._passes.trials.values() for seconds in trial.values())
 
 
 def test_a_pass_that_rounds_differently_is_tried_once_and_never_used(monkeypatch):
@@ -73,39 +79,51 @@ def test_a_pass_that_rounds_differently_is_tried_once_and_never_used(monkeypatch
             frame_at_a_time(decoder, latents[:, :, piece], plain, first),
         )
     assert sorted(calls) == [(1, 16, 2, 8, 8), (1, 16, 3, 8, 8)]  # the check, once per shape
+    assert decoder._passes.trials == {}
     assert not any(decoder._passes.one_pass.values())
 
 
-def test_an_exact_faster_pass_is_kept_and_used_without_deciding_again(monkeypatch):
-    """With the timings made to favour the pass, the shape is decided for it
-    once, and later chunks of that shape take one call each."""
+@pytest.mark.parametrize(("pass_s", "frames_s", "kept"), [(0.001, 0.002, True), (0.003, 0.002, False)])
+def test_an_exact_pass_is_tried_in_turn_with_a_frame_at_a_time_and_the_faster_kept(monkeypatch, pass_s, frames_s, kept):
+    """Checked once (a frame at a time kept, the pass on a copy of the cache),
+    then each of the next chunks of that shape decoded once, the pass and a
+    frame at a time in turn, ``TRIALS`` each; the faster decides, and later
+    chunks take it without timing. A clock the forms advance makes the pass
+    the faster, or a frame at a time."""
     decoder = tiny_decoder()
-    timings = iter([0.001, 0.002] * 4)  # pass, then frame at a time, per decision
-    monkeypatch.setattr(vae_stream, "best_of_two", lambda call: next(timings))
+    now = [0.0]
+    decoder._passes._clock = lambda: now[0]
     real_pass, real_frames = decoder.one_pass, decoder.frame_by_frame
-    calls = {"pass": 0, "frames": 0}
+    calls = []
 
-    def counted_pass(x, cache):
-        calls["pass"] += 1
+    def timed_pass(x, cache):
+        calls.append("pass")
+        now[0] += pass_s
         return real_pass(x, cache)
 
-    def counted_frames(x, cache, first=False):
-        calls["frames"] += 1
+    def timed_frames(x, cache, first=False):
+        calls.append("frames")
+        now[0] += frames_s
         return real_frames(x, cache, first)
 
-    monkeypatch.setattr(decoder, "one_pass", counted_pass)
-    monkeypatch.setattr(decoder, "frame_by_frame", counted_frames)
+    monkeypatch.setattr(decoder, "one_pass", timed_pass)
+    monkeypatch.setattr(decoder, "frame_by_frame", timed_frames)
     (latents,) = streams(1, 8)
     cache = decoder.new_cache()
-    decoder.decode(latents[:, :, 0:3], cache, True)  # first frame alone; the other two: the decision
-    decoder.decode(latents[:, :, 3:6], cache, False)  # three frames: the decision
-    assert decoder._passes.one_pass == {
-        ((1, 16, 2, 8, 8), torch.float32): True,
-        ((1, 16, 3, 8, 8), torch.float32): True,
-    }
-    calls.update(dict.fromkeys(calls, 0))
-    decoder.decode(latents[:, :, 6:9], cache, False)
-    assert calls == {"pass": 1, "frames": 0}
+    decoder.decode(latents[:, :, 0:1], cache, True)
+    calls.clear()
+    decoder.decode(latents[:, :, 1:4], cache, False)
+    assert calls == ["frames", "pass"]  # the check
+    key = ((1, 16, 3, 8, 8), torch.float32)
+    assert decoder._passes.trials == {key: {True: [], False: []}}
+    for chunk in range(2 * vae_stream.TRIALS):
+        calls.clear()
+        decoder.decode(latents[:, :, 4 + 3 * chunk : 7 + 3 * chunk], cache, False)
+        assert calls == ["pass" if chunk % 2 == 0 else "frames"]
+    assert decoder._passes.one_pass == {key: kept} and decoder._passes.trials == {}
+    calls.clear()
+    decoder.decode(latents[:, :, 16:19], cache, False)
+    assert calls == ["pass" if kept else "frames"]
 
 
 def test_passes_too_large_for_the_cpus_caches_are_not_tried(monkeypatch):

@@ -98,12 +98,11 @@ class _RowGrouping:
         if not torch.equal(grouped(), expected):
             self.grouped[key] = False
             return expected
-        self.grouped[key] = best_of_two(grouped) < best_of_two(batched)
+        self.grouped[key] = _best_of_two(grouped) < _best_of_two(batched)
         return expected
 
 
-def best_of_two(call: Callable[[], object]) -> float:
-    """The faster of two timed calls of ``call``, in seconds."""
+def _best_of_two(call: Callable[[], torch.Tensor]) -> float:
     best = float("inf")
     for _ in range(2):
         began = time.perf_counter()

@@ -16,12 +16,15 @@ On a CPU a chunk's latent frames after the stream's first may instead go
 through Wan's decoder in one pass: fewer, larger calls, 36 against 54 ms a
 chunk of the tiny preset at 64x64. oneDNN may pick another kernel for the
 longer input and round differently (at 32x32 it does), so ``decode`` decides
-per input shape, the first time it meets one (``_PassChoice``): it decodes
-the chunk both ways from copies of the cache, and keeps the pass only if its
-frames and the cache it leaves are bit for bit the frame-at-a-time ones, and
-it is the faster (best of two of each). Either way a chunk's frames are the
-bits of a frame at a time, which is what the split decode below computes,
-so one rank and two agree. Passes whose widest activation would be over
+per input shape (``_PassChoice``). The first time it meets one, it decodes
+the chunk both ways from copies of the cache; a pass whose frames or cache
+are not bit for bit the frame-at-a-time ones is never used. An exact one is
+then on trial: the next chunks of that shape go through it and a frame at a
+time in turn, ``TRIALS`` each, timed, and the faster form is kept. Each of
+those chunks is decoded once (exact, either form gives the same bits), so
+deciding costs one extra decode. Either way a chunk's frames are the bits of
+a frame at a time, which is what the split decode below computes, so one
+rank and two agree. Passes whose widest activation would be over
 ``CPU_PASS_BYTES`` are not tried (at 256x256 a pass was 693 against 467 ms),
 and on a GPU a pass stays one frame (a chunk's activations at full size would
 multiply the decode's memory peak).
@@ -50,6 +53,7 @@ that gives the same bits; ``tests/model/test_batched_rows.py``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -59,7 +63,9 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanDecoder3d, WanUpBlock
 
 from workers.pipelines.base import abandon_point
-from workers.pipelines.cpu_kernels import best_of_two, use_fast_cpu_kernels
+from workers.pipelines.cpu_kernels import use_fast_cpu_kernels
+
+log = logging.getLogger(__name__)
 
 CPU_PASS_BYTES = 4 << 20
 """The most bytes a one-pass decode's widest activation may hold on a CPU (past
@@ -67,6 +73,10 @@ about this size the calls leave the caches). Measured with the tiny preset,
 one thread, a chunk's three latent frames in one pass against one at a time:
 27 against 43 ms at 64x64 (0.75 MiB), 112 against 119 at 128x128 (3 MiB),
 693 against 467 at 256x256 (12 MiB)."""
+
+TRIALS = 2
+"""Chunks of a shape decoded each way, timed, once the pass is found exact; the
+faster form's best then decides."""
 
 
 def _cached_conv(conv: WanCausalConv3d, x: torch.Tensor, cache: list, slot: list[int]) -> torch.Tensor:
@@ -366,44 +376,62 @@ class _PassChoice:
     """Per input shape, whether a chunk's latent frames (past the stream's first)
     go through the decoder in one pass (see the module's docstring)."""
 
-    def __init__(self, decoder: StreamingDecoder, widest_bytes_per_pixel: int) -> None:
+    def __init__(self, decoder: StreamingDecoder, widest_bytes_per_pixel: int, clock=time.perf_counter) -> None:
         self._decoder = decoder
         self._widest = widest_bytes_per_pixel
+        self._clock = clock
         self.one_pass: dict[tuple, bool] = {}  # (shape, dtype) -> decided
+        self.trials: dict[tuple, dict[bool, list[float]]] = {}  # exact, not decided: the forms' seconds so far
 
     def decode(self, x: torch.Tensor, cache: list) -> torch.Tensor:
-        """``x``'s frames (unclamped), in one pass where that was decided; the
-        first time a shape comes, decided on this call."""
+        """``x``'s frames (unclamped), in one pass where that was decided. The
+        first time a shape comes, the pass is checked against a frame at a
+        time; while an exact pass is on trial, the chunk takes the form with
+        fewer timings, timed (either gives the same bits)."""
         key = (tuple(x.shape), x.dtype)
-        choice = self.one_pass.get(key)
-        if choice is None:
-            if x.device.type != "cpu" or self._bytes(x) > CPU_PASS_BYTES:
-                choice = self.one_pass[key] = False
-            else:
-                return self._decide(key, x, cache)
         decoder = self._decoder
-        return decoder.one_pass(x, cache) if choice else decoder.frame_by_frame(x, cache)
+        choice = self.one_pass.get(key)
+        if choice is None and (x.device.type != "cpu" or self._bytes(x) > CPU_PASS_BYTES):
+            choice = self.one_pass[key] = False
+        if choice is not None:
+            return decoder.one_pass(x, cache) if choice else decoder.frame_by_frame(x, cache)
+        trial = self.trials.get(key)
+        if trial is None:
+            return self._check(key, x, cache)
+        form = min(trial, key=lambda passes: len(trial[passes]))  # the pass first, then turn about
+        began = self._clock()
+        out = decoder.one_pass(x, cache) if form else decoder.frame_by_frame(x, cache)
+        trial[form].append(self._clock() - began)
+        if all(len(seconds) >= TRIALS for seconds in trial.values()):
+            self.one_pass[key] = min(trial[True]) < min(trial[False])
+            self.trials.pop(key, None)
+            log.info(
+                "decoder passes for latents %s: %s (best %.1f ms in one pass, %.1f a frame at a time)",
+                "x".join(map(str, key[0])),
+                "one pass" if self.one_pass[key] else "a frame at a time",
+                min(trial[True]) * 1e3,
+                min(trial[False]) * 1e3,
+            )
+        return out
 
     def _bytes(self, x: torch.Tensor) -> int:
         """The widest activation of a pass over ``x`` (every row and frame)."""
         rows, _, frames, height, width = x.shape
         return rows * frames * self._decoder.temporal_ratio * height * width * self._widest
 
-    def _decide(self, key: tuple, x: torch.Tensor, cache: list) -> torch.Tensor:
+    def _check(self, key: tuple, x: torch.Tensor, cache: list) -> torch.Tensor:
         """Decode ``x`` both ways from copies of ``cache`` (the decoder replaces a
         slot's tensor, never writes into it: a copy of the list is a snapshot),
-        keep the frame-at-a-time result, and remember whether the pass gave the
-        same bits, frames and cache, and was faster. Abandoned part-way, ``cache``
-        is as it was and nothing is decided."""
+        keep the frame-at-a-time result, and put the pass on trial if it gave
+        the same bits, frames and cache, else decide against it. Abandoned
+        part-way, ``cache`` is as it was and nothing is noted."""
         decoder = self._decoder
         reference, passed = list(cache), list(cache)
         expected = decoder.frame_by_frame(x, reference)
-        exact = torch.equal(decoder.one_pass(x, passed), expected) and _same_cache(reference, passed)
-        if exact:
-            exact = best_of_two(lambda: decoder.one_pass(x, list(cache))) < best_of_two(
-                lambda: decoder.frame_by_frame(x, list(cache))
-            )
-        self.one_pass[key] = exact
+        if torch.equal(decoder.one_pass(x, passed), expected) and _same_cache(reference, passed):
+            self.trials[key] = {True: [], False: []}
+        else:
+            self.one_pass[key] = False
         cache[:] = reference
         return expected
 
