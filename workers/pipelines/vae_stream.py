@@ -437,15 +437,8 @@ class _PassChoice:
 
 
 def _same_cache(a: list, b: list) -> bool:
-    """Two feature caches hold the same bits in every slot (tensors equal, markers the same)."""
-    if len(a) != len(b):
-        return False
-    for left, right in zip(a, b, strict=True):
-        if isinstance(left, torch.Tensor) != isinstance(right, torch.Tensor):
-            return False
-        if isinstance(left, torch.Tensor):
-            if left.shape != right.shape or not torch.equal(left, right):
-                return False
-        elif left != right:
-            return False
-    return True
+    """Two feature caches hold the same bits in every slot: the same
+    ``cache_shape`` (each slot's shape, or its marker), and equal tensors."""
+    return StreamingDecoder.cache_shape(a) == StreamingDecoder.cache_shape(b) and all(
+        torch.equal(left, right) for left, right in zip(a, b, strict=True) if isinstance(left, torch.Tensor)
+    )
