@@ -129,6 +129,13 @@ class SessionState(Generic[C]):
     start: StartSession
     geometry: SessionGeometry
     chunks: dict[int, C] = field(default_factory=dict)
+    """Two threads change it while a decode stage runs beside the micro-steps:
+    a boundary adds a chunk (the micro-step thread) while a decode removes an
+    earlier one (the decode thread). So the checks below read a snapshot of it
+    (``tuple(...)``, which CPython takes without letting another thread run),
+    never iterate the dict itself: a change mid-iteration raises, failing the
+    session. What a snapshot may miss cannot change a check: a decode removes
+    only committed chunks, and a boundary adds only a later one."""
     lookahead: int = 1
     """Chunks it may have in flight before the earliest is committed: 1 is exact
     (a chunk is prepared and run only after every chunk before it is committed);
@@ -173,7 +180,7 @@ class SessionState(Generic[C]):
         if chunk is None or not chunk.committed:
             state = "not prepared" if chunk is None else "not committed"
             raise ChunkOrderError(f"session {self.session_id}: cannot decode chunk {index}: it is {state}")
-        earlier = [i for i in self.chunks if i < index]
+        earlier = [i for i in tuple(self.chunks) if i < index]
         if earlier:
             raise ChunkOrderError(
                 f"session {self.session_id}: chunk {index} cannot be decoded before chunk {min(earlier)}"
@@ -188,7 +195,7 @@ class SessionState(Generic[C]):
         as committed)."""
         pending = sorted(
             i
-            for i, chunk in self.chunks.items()
+            for i, chunk in tuple(self.chunks.items())
             if i < index and not chunk.committed and not (committing_counts and chunk.committing)
         )
         if len(pending) > allowed:
