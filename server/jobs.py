@@ -396,6 +396,7 @@ class JobManager:
                         else:
                             job.status = "cancelled"
                     elif isinstance(message, SessionFailed):
+                        log.warning("job %s failed: %s: %s", job.id, message.code, message.message)
                         self._fail(job, message.code, message.message)
         except TimeoutError:
             await self.engine.stop(job.id, "max_duration")

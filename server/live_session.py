@@ -357,6 +357,7 @@ class LiveSession:
         elif isinstance(message, InteractionApplied | InteractionSuperseded):
             self._to_controllers(event)
         elif isinstance(message, SessionFailed):
+            log.warning("session %s failed: %s: %s", self.request_id, message.code, message.message)
             self._end("failed", event, CLOSE_ERROR, "generation failed")
         elif isinstance(message, SessionDone):
             self._end(message.reason, event, CLOSE_NORMAL, "session done")

@@ -1,6 +1,7 @@
 """A server's log stays clean through every way a session ends: no "Task
 exception was never retrieved", no traceback, from the first request to the
-last line uvicorn writes after SIGTERM."""
+last line uvicorn writes after SIGTERM; and a session or job whose generation
+fails is named in one warning line with the engine's code and message."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def wait_for_line(log: list[str], text: str, within: float = 30.0) -> None:
 
 
 async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(make_server):
-    server = make_server("--shutdown-grace-s", "0.5", pipeline={"step_time_s": 0.002})
+    pipeline = {"step_time_s": 0.002, "fail_prompt": "a broken prompt", "fail_chunk": 1}
+    server = make_server("--shutdown-grace-s", "0.5", pipeline=pipeline)
 
     async with open_realtime(server.ws) as ws:  # ends by itself: its length is reached
         client = Realtime(ws)
@@ -44,6 +46,14 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
         await client.send(START)
         await client.until("video.start")
         await client.next()
+    async with open_realtime(server.ws) as ws:  # its generation fails: one line says which and why
+        client = Realtime(ws)
+        await client.send({**START, "prompt": "a broken prompt"})
+        started = await client.until("video.start")
+        failed = await client.rest()
+        assert failed.close_code == 1011 and failed.of("error")[0]["code"] == "pipeline_error"
+        said = f"session {started['request_id']} failed: pipeline_error: forward failed: RuntimeError: stub pipeline"
+        wait_for_line(server.log, said)
     async with open_realtime(server.ws) as ws:  # refused before it starts
         refused = Realtime(ws)
         await refused.send({"type": "session.dance"})
@@ -52,6 +62,10 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
     job = httpx.post(f"{server.http}/v1/videos", json={"prompt": "p", "num_chunks": 2, "format": "raw"}).json()
     while httpx.get(f"{server.http}/v1/videos/{job['id']}").json()["status"] != "completed":
         await asyncio.sleep(0.02)
+    broken = {"prompt": "a broken prompt", "num_chunks": 3, "format": "raw"}
+    job = httpx.post(f"{server.http}/v1/videos", json=broken).json()
+    wait_for_line(server.log, f"job {job['id']} failed: pipeline_error: forward failed: RuntimeError: stub pipeline")
+    assert httpx.get(f"{server.http}/v1/videos/{job['id']}").json()["error"]["code"] == "pipeline_error"
 
     async with open_realtime(server.ws) as ws:  # still open at SIGTERM: ended by the drain
         client = Realtime(ws)
