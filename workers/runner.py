@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Iterable
 from time import perf_counter
 from typing import Any, NamedTuple
@@ -138,6 +139,7 @@ class ModelRunner:
             cancelled = True
         except Exception as error:
             failure = error
+            _log_failure("decode", session_id, error)
         finally:
             self.decode_returned(session_id)
         self._sync("decode")
@@ -207,6 +209,7 @@ class ModelRunner:
             else:
                 return self.pipeline.decode_input(self.states[session_id], chunk_index)
         except Exception as error:
+            _log_failure("decode", session_id, error)
             self._report(session_id, "decode", 0.0, error)
             result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {type(error).__name__}: {error}")
         self.decode_returned(session_id)
@@ -423,6 +426,7 @@ class ModelRunner:
             value = _CANCELLED
         except Exception as error:
             failure = error
+            _log_failure(stage, session_id, error)
             row = result.row(session_id, chunk_index)
             row.error = f"{stage} failed: {type(error).__name__}: {error}"
             with self._decodes_lock:
@@ -471,3 +475,12 @@ class ModelRunner:
         session = self.states.pop(session_id, None)
         if session is not None:
             self.pipeline.release(session)
+
+
+def _log_failure(stage: str, session_id: str, error: BaseException) -> None:
+    """One warning line for a pipeline call that failed a session: the stage,
+    the session, the exception and where it was raised (the innermost frame),
+    which the error the client gets does not say; no traceback in the log."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    log.warning("%s of session %s failed%s: %s: %s", stage, session_id, where, type(error).__name__, error)

@@ -1,19 +1,22 @@
 """A server's log stays clean through every way a session ends: no "Task
 exception was never retrieved", no traceback, from the first request to the
 last line uvicorn writes after SIGTERM; and a session or job whose generation
-fails is named in one warning line with the engine's code and message."""
+fails is named in one warning line with the engine's code and message (and
+the worker's line says where the pipeline raised)."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import httpx
 
 from tests.e2e.client import Realtime, open_realtime
 
 START = {"type": "session.start", "prompt": "a quiet harbour", "format": "fmp4"}
+STUB = Path(__file__).resolve().parents[2] / "workers" / "pipelines" / "stub.py"
 DIRTY = ("never retrieved", "Traceback", "Exception in ASGI", "Task was destroyed but it is pending")
 
 
@@ -54,6 +57,11 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
         assert failed.close_code == 1011 and failed.of("error")[0]["code"] == "pipeline_error"
         said = f"session {started['request_id']} failed: pipeline_error: forward failed: RuntimeError: stub pipeline"
         wait_for_line(server.log, said)
+        where = f"forward of session {started['request_id']} failed at {STUB}:"  # the worker's line says where
+        wait_for_line(server.log, where)
+        assert "in forward: RuntimeError: stub pipeline: injected failure at chunk 1" in next(
+            line for line in server.log if where in line
+        )
     async with open_realtime(server.ws) as ws:  # refused before it starts
         refused = Realtime(ws)
         await refused.send({"type": "session.dance"})
