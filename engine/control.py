@@ -141,7 +141,8 @@ class ControlPlane:
         if (why := self._over_load(start, geometry)) is not None:
             return self._reject(sid, "server_full", why)
         mailbox = InteractionMailbox(start.transition_chunks, start.scheduled, time.monotonic())
-        self._sessions[sid] = SessionControl(start, geometry, mailbox)
+        delivered = 0.0 if start.reports_delivery else None  # a reported session: nothing written until it says
+        self._sessions[sid] = SessionControl(start, geometry, mailbox, delivered_s=delivered)
         self._send(SessionStarted(session_id=sid, geometry=geometry))
         self._to_inbox(start)
 

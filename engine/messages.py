@@ -136,6 +136,9 @@ class StartSession(_Wire, tag="start_session"):
     prompt_change: str = "soft"  # soft / recache / reset: what a prompt change does to the model's cache
     max_lead_seconds: float | None = None  # pacing: how far generation may run ahead of the playhead
     scheduled: tuple[ScheduledInteraction, ...] = ()
+    # The API process reports ``Delivered`` after each chunk it wrote to the client (a live session): until its
+    # first report nothing counts as written, so ``max_undelivered_seconds`` holds the session from its start.
+    reports_delivery: bool = False
 
 
 class SubmitInteraction(_Wire, tag="submit_interaction"):

@@ -476,6 +476,7 @@ def resolve(
         prompt_change=request.prompt_change,
         max_lead_seconds=request.max_lead_seconds if paced else None,
         scheduled=tuple(scheduled),
+        reports_delivery=paced,  # a live session's server reports each chunk it wrote; a job's has no client
     )
     config = EffectiveConfig(
         model=model,

@@ -9,7 +9,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
-from engine.messages import ChunkReady, Playback, SessionGeometry, StartSession
+from engine.messages import ChunkReady, Delivered, Playback, SessionGeometry, StartSession
 from engine.pacing import EPSILON_S, lead_seconds, playhead_seconds, wait_seconds
 from engine.session import EngineSession, Phase
 from tests.support import inline_loop
@@ -201,3 +201,37 @@ def test_a_client_that_takes_no_media_holds_its_session_paced_or_not():
         assert wait_seconds(s, None, now=100.0) == 0.0  # nothing delivered yet, nothing to hold on
         s.phase = Phase.DENOISING
         assert wait_seconds(s, None, now=100.0, delivered=0.0) == 0.0  # a chunk in progress is never held
+
+
+def test_a_session_whose_server_reports_delivery_is_held_before_the_first_report():
+    """A live session (``reports_delivery``) counts nothing as written until its
+    server's first report: a client that takes nothing from the start holds it
+    after ``max_undelivered_seconds``, however late that report comes; a session
+    no one reports on (a job) runs on."""
+    for reports, held_after in ((True, [0, 1]), (False, [0, 1, 2, 3, 4, 5])):
+        sent: list = []
+        config = EngineConfig(max_undelivered_seconds=2 * CHUNK_S)
+        runner = ModelRunner(StubPipeline())
+        control = ControlPlane(config, runner.describe, sent.append)
+        loop = inline_loop(config, control, runner, sent.append, grouping=True, max_rows=1, clock=FakeClock(100.0))
+        start = StartSession(session_id="s", prompt="p", num_inference_steps=1, reports_delivery=reports)
+        control.handle(start)
+        for _ in held_after:  # one chunk a turn (a held turn would wait for a report)
+            loop.run_once()
+        assert _chunks(sent) == held_after, reports
+        if not reports:
+            assert not loop.plan(control.pacing_state()[1])[0].is_empty()  # runs on
+        else:
+            assert _held(loop) is None  # only a report frees it
+            control.handle(Delivered(session_id="s", media_seconds=CHUNK_S))  # one chunk taken: frees one
+            loop.run_once()
+            assert _held(loop) is None and _chunks(sent) == [0, 1, 2]
+
+
+def test_a_live_start_says_its_server_reports_delivery_and_a_job_start_does_not():
+    from server.schemas import JobRequest, resolve
+    from server.settings import ServerSettings
+
+    for paced in (True, False):  # a live session's start is paced; a job's is not
+        start, _ = resolve(JobRequest(prompt="p", num_chunks=2), "s", GEOMETRY, ServerSettings(), "stub", paced=paced)
+        assert start.reports_delivery is paced
