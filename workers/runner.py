@@ -139,7 +139,6 @@ class ModelRunner:
             cancelled = True
         except Exception as error:
             failure = error
-            _log_failure("decode", session_id, error)
         finally:
             self.decode_returned(session_id)
         self._sync("decode")
@@ -209,7 +208,6 @@ class ModelRunner:
             else:
                 return self.pipeline.decode_input(self.states[session_id], chunk_index)
         except Exception as error:
-            _log_failure("decode", session_id, error)
             self._report(session_id, "decode", 0.0, error)
             result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {type(error).__name__}: {error}")
         self.decode_returned(session_id)
@@ -426,7 +424,6 @@ class ModelRunner:
             value = _CANCELLED
         except Exception as error:
             failure = error
-            _log_failure(stage, session_id, error)
             row = result.row(session_id, chunk_index)
             row.error = f"{stage} failed: {type(error).__name__}: {error}"
             with self._decodes_lock:
@@ -467,6 +464,9 @@ class ModelRunner:
             self._synchronize(stage)
 
     def _report(self, session_id: str, stage: str, ms: float, error: BaseException | None) -> None:
+        """A pipeline call's outcome, to the stage observer; one that failed is logged too."""
+        if error is not None:
+            _log_failure(stage, session_id, error)
         if self._on_stage is not None:
             self._on_stage(StageCall(session_id, stage, ms, error))
 
