@@ -126,9 +126,9 @@ class FakeClock:
         return self.now
 
 
-def _loop(clock: FakeClock) -> tuple[EngineLoop, ControlPlane, list]:
+def _loop(clock: FakeClock, config: EngineConfig | None = None) -> tuple[EngineLoop, ControlPlane, list]:
     sent: list = []
-    config = EngineConfig()
+    config = config or EngineConfig()
     runner = ModelRunner(StubPipeline())
     control = ControlPlane(config, runner.describe, sent.append)
     loop = inline_loop(config, control, runner, sent.append, grouping=True, max_rows=1, clock=clock)
@@ -209,11 +209,7 @@ def test_a_session_whose_server_reports_delivery_is_held_before_the_first_report
     after ``max_undelivered_seconds``, however late that report comes; a session
     no one reports on (a job) runs on."""
     for reports, held_after in ((True, [0, 1]), (False, [0, 1, 2, 3, 4, 5])):
-        sent: list = []
-        config = EngineConfig(max_undelivered_seconds=2 * CHUNK_S)
-        runner = ModelRunner(StubPipeline())
-        control = ControlPlane(config, runner.describe, sent.append)
-        loop = inline_loop(config, control, runner, sent.append, grouping=True, max_rows=1, clock=FakeClock(100.0))
+        loop, control, sent = _loop(FakeClock(100.0), EngineConfig(max_undelivered_seconds=2 * CHUNK_S))
         start = StartSession(session_id="s", prompt="p", num_inference_steps=1, reports_delivery=reports)
         control.handle(start)
         for _ in held_after:  # one chunk a turn (a held turn would wait for a report)
