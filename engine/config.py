@@ -12,6 +12,7 @@ from typing import Any
 
 PP_TRANSPORTS = ("auto", "torch")  # EngineConfig.pp_transport
 PP_DECODES = ("auto", "first", "spread", "split")  # EngineConfig.pp_decode
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # EngineConfig.log_level
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,10 @@ class EngineConfig:
     its core and the decodes take the cores' spare time. None: 10 for
     pipeline ranks on CPUs (measured in docs/ENGINE.md), 0 on one rank (no
     ring to yield to) and on GPUs, whose decode threads mostly launch kernels."""
+    log_level: str = "info"
+    """How much the worker processes log, by Python logging level name (one of
+    ``LOG_LEVELS``); ``debug`` adds the traceback to the line that says where a
+    pipeline call that failed a session raised (``workers.runner``)."""
     wedged_after_s: float = 10.0
     """The heartbeat's floor (``engine.heartbeat``): a worker whose loop has answered
     no probe for this long, or whose one forward has run past
@@ -155,6 +160,7 @@ class EngineConfig:
             f"must leave room for {self.pp} ports: 1 to {65536 - self.pp}",
         )
         _check(self.pp_decode in PP_DECODES, "pp_decode", f"must be one of {', '.join(PP_DECODES)}")
+        _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         _check(not self.stream_batch or self.pp >= 2, "stream_batch", "needs pp >= 2 (pipeline ranks to fill)")
         in_flight = self.max_chunks_in_flight
         _check(in_flight is None or in_flight >= 1, "max_chunks_in_flight", "must be >= 1")

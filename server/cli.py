@@ -129,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.drain import DrainingServer
+    from server.logs import logging_config
     from server.ws_protocol import RealtimeWebSocketProtocol
 
     settings = settings_from(args, dict(os.environ))
@@ -141,7 +142,8 @@ def _serve(args: argparse.Namespace) -> int:
         ws=RealtimeWebSocketProtocol,  # uvicorn's, and a slow client can be closed without waiting on it
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout
-        log_level=args.log_level,
+        log_config=logging_config(settings.log_level),  # applied here, before the app starts
+        log_level=settings.log_level,
         timeout_graceful_shutdown=10,  # sessions were drained before uvicorn stops
         backlog=2048,
     )
@@ -232,7 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=_field_type(f.name).__name__.upper(),
             help=f"{text} (default: {default!r}; env RTVIDEO_{f.name.upper()})".lstrip(),
         )
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
 
     convert = commands.add_parser(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from engine.config import PP_DECODES, PP_TRANSPORTS
+from engine.config import LOG_LEVELS, PP_DECODES, PP_TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,11 @@ class ServerSettings:
     10 x the slowest chunk measured at that size; until one is measured, the
     worker startup timeout), is killed: its sessions fail with ``worker_wedged``,
     a fresh worker starts under ``max_worker_restarts``."""
+    log_level: str = "info"
+    """How much the server logs, the API process and its workers alike: critical,
+    error, warning, info or debug. Every line is timestamped and says which
+    process wrote it (api, worker[rank]); debug adds, to the line that says where
+    a model call that failed a session raised, its whole traceback."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long running sessions and jobs may go on before they are ended."""
     resume_grace_s: float = 30.0
@@ -210,5 +215,7 @@ class ServerSettings:
             raise ValueError(f"decode_nice must be 0 to 19, got {self.decode_nice}")
         if self.pp_decode not in PP_DECODES:
             raise ValueError(f"pp_decode must be one of {', '.join(PP_DECODES)}, got {self.pp_decode!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.stream_batch and self.pp < 2:
             raise ValueError(f"stream_batch needs pp >= 2 (pipeline ranks to fill), got pp={self.pp}")

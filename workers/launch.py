@@ -38,6 +38,7 @@ import zmq
 from engine.config import EngineConfig, config_from_wire, config_to_wire
 from engine.messages import AttachWorker, WorkerHello
 from engine.transport import Endpoints, ResultSender, decode_control
+from workers import process_log
 
 log = logging.getLogger("rtvideo.launch")
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attach-timeout-s", type=float, default=600.0, help="how long to wait for the API process")
     args = parser.parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s launch[{rank}] %(levelname)s %(message)s")
+    process_log.configure(f"launch[{rank}]")  # at info until the API process says (run_worker, follow)
     store = rendezvous_store(rank, world, args.attach_timeout_s) if world > 1 else None
     if rank != 0:
         from workers.parallel.group import follow

@@ -43,6 +43,7 @@ from engine.messages import (
 )
 from engine.receiver import ControlReceiver
 from engine.transport import Endpoints, ResultSender
+from workers import process_log
 from workers.calibrate import Calibration, calibrate
 from workers.decode_stage import decode_batch_rows
 from workers.executor import LocalExecutor
@@ -66,7 +67,7 @@ def run_worker(
     ``WorkerExiting`` before it exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
+    process_log.configure(f"worker[{rank}]", config.log_level)
     context = zmq.Context()
     sender = ResultSender(endpoints.results)
     group = None

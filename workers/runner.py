@@ -480,7 +480,13 @@ class ModelRunner:
 def _log_failure(stage: str, session_id: str, error: BaseException) -> None:
     """One warning line for a pipeline call that failed a session: the stage,
     the session, the exception and where it was raised (the innermost frame),
-    which the error the client gets does not say; no traceback in the log."""
+    which the error the client gets does not say. The whole traceback follows
+    it only where the worker logs at debug (``EngineConfig.log_level``): a
+    failing model call is the model's to fix, and one per chunk would fill
+    the log."""
     frames = traceback.extract_tb(error.__traceback__)
     where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-    log.warning("%s of session %s failed%s: %s: %s", stage, session_id, where, type(error).__name__, error)
+    detail = error if log.isEnabledFor(logging.DEBUG) else None
+    log.warning(
+        "%s of session %s failed%s: %s: %s", stage, session_id, where, type(error).__name__, error, exc_info=detail
+    )

@@ -2,7 +2,9 @@
 exception was never retrieved", no traceback, from the first request to the
 last line uvicorn writes after SIGTERM; and a session or job whose generation
 fails is named in one warning line with the engine's code and message (and
-the worker's line says where the pipeline raised)."""
+the worker's line says where the pipeline raised). Every line says when and
+which process wrote it; at ``--log-level debug`` the worker's line about a
+failed pipeline call carries its traceback."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
     async with open_realtime(server.ws) as ws:  # ends by itself: its length is reached
         client = Realtime(ws)
         await client.send({**START, "num_chunks": 2})
+        started = await client.until("video.start")
         assert (await client.rest()).of("session.done")[0]["reason"] == "completed"
+    wait_for_line(server.log, f" api INFO session {started['request_id']} ended: completed")  # the API process's own
 
     async with open_realtime(server.ws) as ws:  # stopped by its client
         client = Realtime(ws)
@@ -56,9 +60,9 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
         failed = await client.rest()
         assert failed.close_code == 1011 and failed.of("error")[0]["code"] == "pipeline_error"
         said = f"session {started['request_id']} failed: pipeline_error: forward failed: RuntimeError: stub pipeline"
-        wait_for_line(server.log, said)
+        wait_for_line(server.log, f" api WARNING {said}")
         where = f"forward of session {started['request_id']} failed at {STUB}:"  # the worker's line says where
-        wait_for_line(server.log, where)
+        wait_for_line(server.log, f" worker[0] WARNING {where}")
         assert "in forward: RuntimeError: stub pipeline: injected failure at chunk 1" in next(
             line for line in server.log if where in line
         )
@@ -87,3 +91,23 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
 
     dirty = [line for line in server.log if any(mark in line for mark in DIRTY)]
     assert dirty == [], "".join(server.log)
+
+
+async def test_at_debug_the_worker_logs_the_traceback_of_a_failed_pipeline_call(make_server):
+    pipeline = {"step_time_s": 0.002, "fail_prompt": "a broken prompt", "fail_chunk": 1}
+    server = make_server("--log-level", "debug", pipeline=pipeline)
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({**START, "prompt": "a broken prompt"})
+        started = await client.until("video.start")
+        assert (await client.rest()).close_code == 1011
+    where = f"forward of session {started['request_id']} failed at {STUB}:"
+    wait_for_line(server.log, where)
+    warning = next(i for i, line in enumerate(server.log) if where in line)
+    raised_in = f'File "{STUB}", line '  # the traceback's last frame: the stub's forward, which raised
+    deadline = time.monotonic() + 30
+    while not any(raised_in in line and "in forward" in line for line in server.log[warning:]):
+        assert time.monotonic() < deadline, "no traceback after the warning:\n" + "".join(server.log[warning:])
+        time.sleep(0.02)
+    # The API process's lines may come between the worker's (each writes its own to the one stream).
+    assert any(line.startswith("Traceback (most recent call last)") for line in server.log[warning:])

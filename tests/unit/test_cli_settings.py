@@ -156,3 +156,51 @@ def test_the_decode_threads_nice_reaches_the_engine_config_and_a_value_out_of_ra
         settings_from(parse("--decode-nice", "-1"), {})
     with pytest.raises(ValueError, match="EngineConfig.decode_nice must be 0 to 19"):
         EngineConfig(pipeline=PipelineSpec("tiny", {}), decode_nice=25)
+
+
+def test_the_log_level_reaches_the_workers_and_anything_else_is_refused_by_name():
+    from engine.config import EngineConfig, PipelineSpec
+    from server.app import engine_config
+    from server.logs import logging_config
+
+    assert engine_config(settings_from(parse(), {})).log_level == "info"
+    assert engine_config(settings_from(parse("--log-level", "debug"), {})).log_level == "debug"
+    assert engine_config(settings_from(parse(), {"RTVIDEO_LOG_LEVEL": "warning"})).log_level == "warning"
+    with pytest.raises(SystemExit, match="log_level must be one of critical, error, warning, info, debug, got 'loud'"):
+        settings_from(parse("--log-level", "loud"), {})
+    with pytest.raises(ValueError, match="EngineConfig.log_level must be one of"):
+        EngineConfig(pipeline=PipelineSpec("tiny", {}), log_level="INFO")
+    with pytest.raises(ValueError, match="log level must be one of"):
+        logging_config("verbose")
+
+
+def test_the_api_process_logs_its_own_lines_at_the_level_and_other_libraries_only_their_warnings(capsys):
+    import logging
+    import logging.config
+
+    from server.logs import logging_config
+
+    root = logging.getLogger()
+    named = [logging.getLogger(name) for name in ("server", "engine", "uvicorn", "uvicorn.error", "uvicorn.access")]
+    saved = root.handlers[:], root.level, [(one, one.handlers[:], one.level, one.propagate) for one in named]
+    try:
+        logging.config.dictConfig(logging_config("debug"))
+        logging.getLogger("server.live_session").debug("session s1 resumed")
+        logging.getLogger("engine.client").info("worker is ready")
+        logging.getLogger("httpx").info("a dependency's detail")
+        logging.getLogger("httpx").warning("a dependency's warning")
+        logging.config.dictConfig(logging_config("warning"))
+        logging.getLogger("server.drain").info("draining: 0 sessions open")
+        logging.getLogger("server.jobs").warning("job j1 failed")
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+        for one, handlers, level, propagate in saved[2]:  # nothing left writing to this test's captured stderr
+            one.handlers[:], one.level, one.propagate = handlers, level, propagate
+    lines = capsys.readouterr().err.splitlines()
+    said = [line.split(" ", 2)[2] for line in lines]  # past the date and the time
+    assert said == [
+        "api DEBUG session s1 resumed",
+        "api INFO worker is ready",
+        "api WARNING a dependency's warning",
+        "api WARNING job j1 failed",
+    ], lines

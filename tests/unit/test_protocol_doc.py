@@ -357,6 +357,7 @@ NOT_LIMITS = {
     "slo_first_chunk_s",
     "stream_batch",
     "worker_listen",
+    "log_level",
 }
 
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.plan import MicroStep
+from workers import process_log
 from workers.os_threads import decode_nice
 from workers.parallel.link import Message, RingLink
 from workers.parallel.sockets import PeerClosed, RankSockets, advertised_host
@@ -279,7 +280,6 @@ def run_follower(
     """Entry point of pipeline rank ``rank`` (spawned by ``RankGroup``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
     timeout = datetime.timedelta(seconds=config.startup_timeout_s)
     store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
@@ -294,6 +294,7 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     from workers.parallel.follower import Follower
     from workers.pipelines import build_pipeline
 
+    process_log.configure(f"worker[{rank}]", config.log_level)
     device = rank_device(rank)
     if device.type == "cpu":
         torch.set_num_threads(rank_threads(world))
