@@ -71,10 +71,9 @@ class EngineConfig:
     follower (the sessions shared out over the followers), a latent frame at
     a time; ``spread``, each session on one rank, the sessions shared out;
     ``first``, rank 0 decodes every session, on a lane per rank; ``auto``, on
-    a CPU (the ranks are processes sharing the cores) where the decoder can
-    be split, ``split`` (a round of the sessions' chunks decoded as one
-    batch), else ``spread``, and ``first``
-    on GPUs (measured in docs/ENGINE.md)."""
+    a CPU (the ranks are processes sharing the cores) ``spread``, and
+    ``first`` on GPUs (measured in docs/ENGINE.md). With ``split`` a round of
+    the sessions' chunks is decoded as one batch."""
     stream_batch: bool = False
     """Split over ranks: let a session's next chunk enter the pipeline while its
     chunk before is still being denoised (more throughput for few sessions; the

@@ -18,13 +18,13 @@ caps the ratio of frames per second. Configurations:
 - ``pp1-1t``: one rank, one CPU thread (the baseline the issue's targets use);
 - ``pp1-2t``: one rank, two threads (the honest baseline on two cores);
 - ``pp2``: two ranks, one thread each, the ring on the ranks' own sockets,
-  decodes placed by ``pp_decode`` ``auto`` (on a CPU, where the decoder can
-  be split: every session's decoder split over the two ranks, a round of
-  their chunks decoded as one batch; else spread);
+  decodes placed by ``pp_decode`` ``auto`` (on a CPU: each session decoded
+  whole on one of the ranks, the sessions shared out);
 - ``pp2-gloo``: the same over ``torch.distributed`` point-to-point (gloo;
   ``pp_transport`` ``torch``), side by side with ``pp2``;
-- ``pp2-decode-spread``: the same with each session decoded whole on one
-  of the ranks (``pp_decode`` ``spread``), side by side with ``pp2``;
+- ``pp2-decode-split``: the same with every session's decoder split over
+  the two ranks, a latent frame at a time, a round of their chunks decoded
+  as one batch (``pp_decode`` ``split``), side by side with ``pp2``;
 - ``pp2-decode-first``: the same with rank 0 decoding every session on a
   lane per rank (``pp_decode`` ``first``), side by side with ``pp2``;
 - ``pp2-batch2``: two ranks with up to two rows per micro-step
@@ -34,7 +34,10 @@ caps the ratio of frames per second. Configurations:
 - ``pp2-stream``: two ranks with stream batch (one session's next chunk enters
   while the chunk before it is still in the ring), against which the
   output's difference from the exact one (``pp1-1t``, the same session and
-  seed) is measured: mean and largest absolute difference in pixel levels;
+  seed) is measured: mean and largest absolute difference in pixel levels
+  (decodes by ``auto``: on a CPU, whole on one rank);
+- ``pp2-stream-decode-split``: ``pp2-stream`` with its session's decoder
+  split over the two ranks (``split``), side by side with it;
 - ``pp2-nice0`` and ``pp2-stream-nice0``: ``pp2`` (four sessions) and
   ``pp2-stream`` with the decode threads at the ranks' own priority
   (``decode_nice`` 0) instead of the CPU's default 10 steps below
@@ -97,15 +100,16 @@ CONFIGS = (
     Config("pp1-1t", 1, 1, 1),
     Config("pp1-2t", 1, 2, 1),
     Config("pp2", 2, None, 1),
-    Config("pp2-decode-spread", 2, None, 1, decode="spread"),
+    Config("pp2-decode-split", 2, None, 1, decode="split"),
     Config("pp2-stream", 2, None, 1, stream_batch=True),
+    Config("pp2-stream-decode-split", 2, None, 1, stream_batch=True, decode="split"),
     Config("pp2-stream-nice0", 2, None, 1, stream_batch=True, decode_nice=0),
     Config("pp1-1t", 1, 1, 4),
     Config("pp1-2t", 1, 2, 4),
     Config("pp2", 2, None, 4),
     Config("pp2-gloo", 2, None, 4, transport="torch"),
     Config("pp2-nice0", 2, None, 4, decode_nice=0),
-    Config("pp2-decode-spread", 2, None, 4, decode="spread"),
+    Config("pp2-decode-split", 2, None, 4, decode="split"),
     Config("pp2-decode-first", 2, None, 4, decode="first"),
     Config("pp2-batch2", 2, None, 4, max_batch_rows=2),
     Config("pp1-batch4", 1, 1, 4, max_batch_rows=4),
@@ -269,16 +273,16 @@ RATIOS = {
     "pp2_vs_pp1_2t_4_sessions": (("pp2", 4), ("pp1-2t", 4)),
     "pp2_vs_pp1_1t_1_session": (("pp2", 1), ("pp1-1t", 1)),
     "pp2_vs_pp2_gloo_4_sessions": (("pp2", 4), ("pp2-gloo", 4)),
-    "pp2_vs_pp2_decode_spread_1_session": (("pp2", 1), ("pp2-decode-spread", 1)),
-    "pp2_vs_pp2_decode_spread_4_sessions": (("pp2", 4), ("pp2-decode-spread", 4)),
+    "pp2_vs_pp2_decode_split_1_session": (("pp2", 1), ("pp2-decode-split", 1)),
+    "pp2_vs_pp2_decode_split_4_sessions": (("pp2", 4), ("pp2-decode-split", 4)),
     "pp2_vs_pp2_decode_first_4_sessions": (("pp2", 4), ("pp2-decode-first", 4)),
-    "pp2_decode_spread_vs_pp1_1t_4_sessions": (("pp2-decode-spread", 4), ("pp1-1t", 4)),
     "pp2_batch2_vs_pp1_1t_4_sessions": (("pp2-batch2", 4), ("pp1-1t", 4)),
     "pp2_batch2_vs_pp1_batch4": (("pp2-batch2", 4), ("pp1-batch4", 4)),
     "batch4_vs_serial": (("pp1-batch4", 4), ("pp1-serial", 4)),
     "pp2_stream_vs_pp1_1t_1_session": (("pp2-stream", 1), ("pp1-1t", 1)),
     "pp2_stream_vs_pp2_1_session": (("pp2-stream", 1), ("pp2", 1)),
     "pp2_stream_vs_pp2_stream_nice0_1_session": (("pp2-stream", 1), ("pp2-stream-nice0", 1)),
+    "pp2_stream_vs_pp2_stream_decode_split_1_session": (("pp2-stream", 1), ("pp2-stream-decode-split", 1)),
     "pp2_vs_pp2_nice0_4_sessions": (("pp2", 4), ("pp2-nice0", 4)),
 }
 """Each ratio of the summary: (configuration, sessions) over (configuration, sessions)."""

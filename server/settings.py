@@ -65,8 +65,7 @@ class ServerSettings:
     """With --pp: which ranks decode a session's chunks: split (its VAE decoder
     split over rank 0 and a follower), spread (each session on one rank, the
     sessions shared out over the ranks), first (rank 0 decodes them all) or
-    auto (on a CPU split, or spread where the decoder cannot be split; first
-    on GPUs)."""
+    auto (spread on a CPU, first on GPUs)."""
     worker_listen: str | None = None
     """HOST:PORT where the server waits for a worker group started by a launcher
     instead of starting its worker itself: `torchrun --nproc-per-node N

@@ -56,8 +56,10 @@ async def one_rank():
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def two_ranks():
     """Two ranks, forwards of up to 2 rows, shared like ``one_rank``; their
-    sockets on ports given (``pp_port``)."""
-    engine = await start_engine(2, max_batch_rows=2, pp_port=free_ports(2))
+    sockets on ports given (``pp_port``); every session's decoder split over
+    them (``pp_decode`` ``split``; ``auto`` on a CPU spreads them whole, as the
+    gloo test below does)."""
+    engine = await start_engine(2, max_batch_rows=2, pp_port=free_ports(2), pp_decode="split")
     yield engine
     await engine.shutdown()
 
@@ -146,7 +148,7 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
         assert payloads(got[sid]) == payloads(expected[sid]), f"session {sid} differs"
     assert payloads(interacted) == payloads(replay["s"])
     assert probe.runner_sessions == probe.pipeline_sessions == ()
-    # On a CPU (pp_decode auto: split) every session's decoder is split over the ranks (the chunks of
+    # With pp_decode split every session's decoder is split over the ranks (the chunks of
     # sessions that meet batched), its frames from rank 1, all as one rank's frames. (The figures
     # are those of the latest EngineStats, sent while s ran: a, b and c were done.)
     assert decoded[0] == 0 and decoded[1] >= 4 + 3 + 3
@@ -205,12 +207,13 @@ def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
     """``rtvideo bench pp`` on a small run: frames per second, each rank's
     figures as the worker's EngineStats carried them round the ring, and where
     the CPU went: each rank's threads by name (rank 0's ring runs on its
-    executor thread, the follower's in its main thread, and each decodes half
-    of every chunk on a thread of its own)."""
+    executor thread, the follower's in its main thread, and, with the decoders
+    split, each decodes half of every chunk on a thread of its own)."""
     from server import bench_pp
 
     options = bench_pp.PpBenchOptions(chunks=2, size=32, steps=2)
-    assert bench_pp.main(options, as_json=True, configs=(bench_pp.Config("pp2", 2, None, 2),)) == 0
+    split = bench_pp.Config("pp2-decode-split", 2, None, 2, decode="split")
+    assert bench_pp.main(options, as_json=True, configs=(split,)) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (result,) = summary["results"]
     assert result["frames"] == 2 * (9 + 12) and result["fps"] > 0
@@ -235,9 +238,9 @@ async def test_the_ring_over_gloo_with_whole_decodes_makes_what_sockets_and_spli
     (the default on a CPU, ``two_ranks``) and ``torch.distributed`` point-to-point
     over gloo (the path NCCL takes on GPUs) carry the same activations; and a
     session's whole decode on one rank (``pp_decode`` ``spread``, here: on the
-    follower, first on a tie) makes what its decoder split over the two makes
-    (the default on a CPU). So a session's frames are bit for bit the same."""
-    gloo = await start_engine(2, max_batch_rows=2, pp_transport="torch", pp_decode="spread")
+    follower, first on a tie; ``auto`` on a CPU) makes what its decoder split
+    over the two makes. So a session's frames are bit for bit the same."""
+    gloo = await start_engine(2, max_batch_rows=2, pp_transport="torch")
     try:
         start = start_of("g", 4, 3)
         over_gloo = (await run_sessions(gloo, [start]))["g"]

@@ -208,7 +208,8 @@ async def test_churn_through_two_ranks_ends_every_session_once_with_one_ranks_fr
 
 
 async def test_churn_with_stream_batch_ends_every_session_once():
-    two = await start_engine(2, max_batch_rows=2, max_sessions=SESSIONS, stream_batch=True)
+    # The decoders split (auto spreads them, as in the churn above): both placements see churn.
+    two = await start_engine(2, max_batch_rows=2, max_sessions=SESSIONS, stream_batch=True, pp_decode="split")
     try:
         plans = script(3)
         got = await churn(two, plans)

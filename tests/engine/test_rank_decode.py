@@ -290,20 +290,21 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
 
 
 @pytest.mark.parametrize(
-    ("pp_decode", "pp", "overlap", "stages", "expected"),
+    ("pp_decode", "pp", "overlap", "stages", "stream", "expected"),
     [
-        ("auto", 2, None, 13, "split"),  # on a CPU, a decoder that splits: every session split
-        ("split", 2, None, 13, "split"),
-        ("auto", 2, None, 0, "spread"),  # the demo model's codec cannot be split
-        ("split", 2, None, 0, "spread"),
-        ("spread", 2, None, 13, "spread"),
-        ("first", 2, None, 13, "first"),
-        ("split", 1, None, 13, "first"),  # one rank
-        ("split", 2, False, 13, "first"),  # rank 0 decodes inside its micro-steps
+        ("auto", 2, None, 13, False, "spread"),  # on a CPU: every session whole on one rank
+        ("auto", 2, None, 13, True, "spread"),  # with stream batch too
+        ("split", 2, None, 13, False, "split"),
+        ("auto", 2, None, 0, True, "spread"),  # the demo model's codec cannot be split
+        ("split", 2, None, 0, False, "spread"),
+        ("spread", 2, None, 13, True, "spread"),
+        ("first", 2, None, 13, False, "first"),
+        ("split", 1, None, 13, False, "first"),  # one rank
+        ("split", 2, False, 13, False, "first"),  # rank 0 decodes inside its micro-steps
     ],
 )
 def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
-    pipelines, pp_decode, pp, overlap, stages, expected
+    pipelines, pp_decode, pp, overlap, stages, stream, expected
 ):
     from engine.config import EngineConfig
     from workers.parallel.group import decode_placement
@@ -312,14 +313,16 @@ def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
         decode_input = decode_latent = pipelines[0].decode_latent
         decode_stages = stages
 
-    config = EngineConfig(pipeline=PipelineSpec("tiny", {}), pp=pp, pp_decode=pp_decode, overlap_decode=overlap)
+    config = EngineConfig(
+        pipeline=PipelineSpec("tiny", {}), pp=pp, pp_decode=pp_decode, overlap_decode=overlap, stream_batch=stream
+    )
     assert decode_placement(config, Pipeline()) == expected
 
 
 @pytest.mark.parametrize(
     ("split", "steps", "expected"),
     [
-        (7, ["a", "b", "c"], ["1", "1", "1"]),  # pp_decode split (auto on a CPU): every session, on a follower
+        (7, ["a", "b", "c"], ["1", "1", "1"]),  # pp_decode split: every session, on a follower
         (0, ["a", "b", "c", "-b", "d"], ["1", "0", "1", "0"]),  # spread: whole, the fewest, a follower on a tie
     ],
 )

@@ -80,16 +80,17 @@ def rank_threads(world: int) -> int:
 
 def decode_placement(config: EngineConfig, pipeline) -> str:
     """Where sessions' chunks decode (``workers.parallel.rank_decode``):
-    ``split`` (``pp_decode`` ``split``, and ``auto`` on a CPU: every session's
-    decoder split over two ranks) where the pipeline's decoder can be split,
-    else ``spread`` (``spread``, or those) where the pipeline can decode on
-    another rank, else ``first``: rank 0 decodes them all (also with one rank,
-    or decodes inside micro-steps; ``auto`` on GPUs)."""
+    ``split`` (``pp_decode`` ``split``: every session's decoder split over two
+    ranks) where the pipeline's decoder can be split, else ``spread``
+    (``spread``, ``auto`` on a CPU, or that) where the pipeline can decode on
+    another rank, else ``first``: rank 0 decodes them all (also with one rank, or
+    decodes inside micro-steps; ``auto`` on GPUs). Why ``auto`` chooses so:
+    ``workers.parallel.rank_decode``."""
     from workers.parallel.rank_decode import can_split, can_spread
 
     wanted = config.pp_decode
     if wanted == "auto":
-        wanted = "split" if rank_device(0).type == "cpu" else "first"
+        wanted = "spread" if rank_device(0).type == "cpu" else "first"
     deferred = config.overlap_decode is not False  # else rank 0 decodes inside its micro-steps
     if config.pp == 1 or not deferred or wanted == "first" or not can_spread(pipeline):
         return "first"

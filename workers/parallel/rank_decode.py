@@ -12,14 +12,19 @@ chunk and cannot be shared out, keeps two processes busy; where the decoder
 changes rank is ``workers.parallel.partition.split_decoder``'s choice, from
 measured stage times. On a CPU the ranks are
 processes sharing the cores, and a VAE decode is many small kernels whose
-Python overhead is most of its cost: a thread that decodes beside rank 0's
+Python overhead is most of its cost: a thread that decodes beside a rank's
 ring thread takes the interpreter lock from it, and decodes in two processes
-run side by side at full speed. So ``auto`` on a CPU splits every session,
-and the front lane (and a follower's back) decode the chunks of a round as
-one batch (below): with four sessions on two ranks that made 1.4-1.7x the
-frames per second of one rank with one thread, against 1.1-1.4x for decoding
-a session alone split and the others whole, spread (three rounds side by
-side; docs/ENGINE.md).
+run side by side at full speed. A split decode keeps both processes busy
+with one session, but goes a latent frame at a time, while a whole decode
+can take a chunk's frames in one decoder pass where that is exact and
+faster (``CausalWanPipeline``). So ``auto`` on a CPU spreads the sessions
+whole, which made more frames per second than splitting them in 20 of 24
+rounds side by side with four sessions (1.09x at the median) and in 12 of
+13 with one exact session; with stream batch (one session filling the
+ring) neither led (the split ahead in 6 of 10 rounds), and the whole
+decodes took a quarter less CPU for the same frames (docs/ENGINE.md).
+The front lane (and a follower's back) decode the chunks of a round as one
+batch (below).
 
 ``RankDecodeStage`` (rank 0) has ``workers.decode_stage.DecodeStage``'s
 interface and takes its place in the executor. A session placed on rank 0
