@@ -405,6 +405,7 @@ class LiveSession:
             self.metrics.sessions_detached.dec()
         self._limit_task.cancel()
         self.kept.clear()
+        self.buffer.clear()  # now, not when the cyclic collector gets to this object
         log.info("session %s ended: %s", self.request_id, outcome)
         for viewer in list(self.viewers):
             if viewer.format != self.format and viewer.format in self.renditions:

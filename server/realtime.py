@@ -232,6 +232,7 @@ class RealtimeConnection:
             self.outbox.put_nowait(END)
             # The writer delivers what is queued (each write bounded by send_timeout_s) and stops.
             await asyncio.gather(writer, return_exceptions=True)
+            self._writer = None  # a cancelled writer's traceback keeps the chunk it was writing
             if self._delivering:  # the app's handler notifies the drainer's condition after this
                 self.drainer.delivering -= 1
                 self._delivering = False

@@ -72,6 +72,12 @@ class ChunkBuffer:
         while len(self._chunks) > 1 and self._seconds > self.max_seconds:
             self._seconds -= self._chunks.popleft().media_seconds
 
+    def clear(self) -> None:
+        """Let every chunk go (the session ended: nobody can resume it any more);
+        ``newest`` stays."""
+        self._chunks.clear()
+        self._seconds = 0.0
+
     def after(self, last_index: int) -> list[BufferedChunk]:
         """The chunks after ``last_index`` (-1: from the first), oldest first."""
         if last_index > self.newest:

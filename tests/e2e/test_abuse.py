@@ -3,7 +3,8 @@ worker gone wrong, does to the server as a subprocess, and what it gets back.
 
 - a hung worker (SIGSTOP): found, its sessions failed, replaced;
 - a client that stops reading: closed once a write waits too long or its
-  backlog passes a byte limit, its session ended, the server's memory bounded;
+  backlog passes a byte limit, its session ended, the server's memory bounded
+  and given back as the session ends;
 - hostile bodies and messages: an HTTP body over the limit (refused before it
   is read whole), JSON nested 1000 deep, ``Infinity``, ``NaN`` and ``1e308``,
   over HTTP and the WebSocket, before and during a session (which lives on);
@@ -162,7 +163,53 @@ async def test_a_client_whose_socket_takes_nothing_is_closed(make_server):
 async def test_a_client_whose_backlog_passes_the_byte_limit_is_closed_and_memory_stays_bounded(make_server):
     """Pacing would let 30 s of media (290 MB) wait for this client; the outbox
     limit (4 MB) closes it after two chunks instead, and the server's memory
-    never grows by more than a few chunks."""
+    grows by no more than its limits allow: the outbox, the resume buffer
+    (1 s here, four chunks; the default 8 s alone could hold 77 MB of these
+    chunks) and the few chunks made before the session's stop reached the
+    worker."""
+    server = make_server(
+        "--max-outbox-bytes",
+        "4000000",
+        "--resume-buffer-seconds",
+        "1",
+        "--max-undelivered-seconds",
+        "30",
+        "--send-timeout-s",
+        "60",
+        pipeline={"step_time_s": 0.001, "max_size": 512},
+    )
+    api = psutil.Process(server.process.pid)
+    before = api.memory_info().rss
+    peak = await stall_until_closed(server, api, 1)
+    assert peak - before < 64 << 20, f"the server grew by {(peak - before) >> 20} MiB"
+
+
+async def stall_until_closed(server, api: psutil.Process, nth: int) -> int:
+    """A stalled client's ``nth`` session, until the outbox limit closed it and
+    the session ended; the API process's peak RSS meanwhile."""
+    peak = api.memory_info().rss
+    async with stalled_client(server) as ws:
+        client = Realtime(ws)
+        await client.send(BIG_RAW)
+        await client.until("video.start")
+        deadline = time.monotonic() + 30
+        while outcome(server, "slow_client") != nth:
+            peak = max(peak, api.memory_info().rss)
+            assert time.monotonic() < deadline, never_closed(server)
+        server.released()
+        got = await client.rest(timeout=10)
+    assert got.close_code == 1008 and got.close_reason.startswith("slow_client: "), got.close_reason
+    assert "past max_outbox_bytes (4000000)" in got.close_reason
+    return peak
+
+
+async def test_an_ended_sessions_chunks_are_freed_when_it_ends_not_at_a_later_garbage_collection(make_server):
+    """An ended session sits in reference cycles (its cancelled tasks' frames)
+    until the cyclic collector runs, which in a long-lived server may be many
+    sessions later; so its resume buffer, and the chunk a slow client's writer
+    was cancelled on, are let go as it ends. Six stalled sessions in a row (each
+    held about 12 MB of chunks) leave the API process about where the first
+    left it."""
     server = make_server(
         "--max-outbox-bytes",
         "4000000",
@@ -173,20 +220,12 @@ async def test_a_client_whose_backlog_passes_the_byte_limit_is_closed_and_memory
         pipeline={"step_time_s": 0.001, "max_size": 512},
     )
     api = psutil.Process(server.process.pid)
-    before = peak = api.memory_info().rss
-    async with stalled_client(server) as ws:
-        client = Realtime(ws)
-        await client.send(BIG_RAW)
-        await client.until("video.start")
-        deadline = time.monotonic() + 30
-        while outcome(server, "slow_client") != 1.0:
-            peak = max(peak, api.memory_info().rss)
-            assert time.monotonic() < deadline, never_closed(server)
-        server.released()
-        got = await client.rest(timeout=10)
-    assert got.close_code == 1008 and got.close_reason.startswith("slow_client: "), got.close_reason
-    assert "past max_outbox_bytes (4000000)" in got.close_reason
-    assert peak - before < 64 << 20, f"the server grew by {(peak - before) >> 20} MiB"
+    after: list[int] = []
+    for nth in range(1, 7):
+        await stall_until_closed(server, api, nth)  # ended: released() saw no session open
+        after.append(api.memory_info().rss)
+    grown = [(rss - after[0]) >> 20 for rss in after]
+    assert after[-1] - after[0] < 16 << 20, f"the API process after each session, MiB over the first: {grown}"
 
 
 # -- hostile bodies and messages --------------------------------------------------------

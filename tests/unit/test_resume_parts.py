@@ -27,6 +27,18 @@ def test_the_buffer_keeps_the_newest_media_and_always_the_newest_chunk():
     assert [c.index for c in huge.after(-1)] == [0]
 
 
+def test_a_cleared_buffer_holds_nothing_and_still_knows_the_newest_chunk_made():
+    buffer = ChunkBuffer(max_seconds=1.0)
+    for i in range(3):
+        buffer.add(chunk(i))
+    buffer.clear()
+    assert len(buffer) == 0 and buffer.nbytes == 0 and buffer.oldest is None and buffer.newest == 2
+    with pytest.raises(ResumeGapError, match="chunk 1 onwards is no longer kept"):
+        buffer.after(0)
+    buffer.add(chunk(3))  # the media count started again from nothing
+    assert [c.index for c in buffer.after(2)] == [3]
+
+
 def test_a_resume_older_than_the_buffer_or_ahead_of_it_is_a_gap_naming_the_field():
     buffer = ChunkBuffer(max_seconds=0.5)
     with pytest.raises(ResumeGapError, match="last_chunk_index: 0 was never sent; no chunk was made yet"):
