@@ -172,7 +172,8 @@ class SessionHandle:
 
     async def next(self, timeout: float | None = None) -> ResultMessage:
         """The next result, or ``TimeoutError`` after ``timeout`` seconds."""
-        return await asyncio.wait_for(self.__anext__(), timeout)
+        async with asyncio.timeout(timeout):
+            return await self.__anext__()
 
     async def interact(self, event_id: str, interaction: Interaction) -> None:
         await self._client.interact(self.session_id, event_id, interaction)
@@ -351,16 +352,15 @@ class EngineClient:
         self.state = WorkerState.CLOSING
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
+            # Not suppress(CancelledError), which would swallow a cancel of shutdown itself.
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
         if self._dead_reason is None and self._process.is_alive():
             with contextlib.suppress(EngineError, zmq.ZMQError):
                 await self._transmit(Shutdown())
         await self._stop_process()
         if self._pump_task is not None:
             self._pump_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump_task
+            await asyncio.gather(self._pump_task, return_exceptions=True)
         await self._drain_results()
         self._fail_all("engine_shutdown", "the engine shut down")
         self._close_sockets()
@@ -370,11 +370,13 @@ class EngineClient:
         if isinstance(process, LaunchedWorker) and not process.is_alive():
             return  # nothing connected, or it is gone: nothing of ours to wait for
         try:
-            await asyncio.wait_for(self._exited.wait(), self.config.shutdown_timeout_s)
+            async with asyncio.timeout(self.config.shutdown_timeout_s):
+                await self._exited.wait()
         except TimeoutError:  # workers ignore SIGTERM (they follow their parent): kill it
             log.warning("worker %s did not exit in time; killing it", process.pid)
             process.kill()
-            await asyncio.wait_for(self._exited.wait(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self._exited.wait()
         process.join(timeout=1.0)
 
     def _close_sockets(self) -> None:
@@ -404,8 +406,7 @@ class EngineClient:
         code = self._process.exitcode
         if self._pump_task is not None:
             self._pump_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump_task
+            await asyncio.gather(self._pump_task, return_exceptions=True)
         await self._drain_results()  # what the worker sent before it died
         if isinstance(self._process, LaunchedWorker):
             default = f"{self._process.describe()} exited (code {code}: {self._process.exit_reason})"
@@ -627,7 +628,8 @@ class EngineClient:
 
     async def _transmit(self, message: ControlMessage) -> None:
         try:  # blocks only until the worker's end of the pipe is connected
-            await asyncio.wait_for(self._control.send(encode_control(message)), SEND_TIMEOUT_S)
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await self._control.send(encode_control(message))
         except TimeoutError:
             raise EngineDeadError(f"the worker accepted no control message within {SEND_TIMEOUT_S:g} s") from None
 
@@ -682,6 +684,7 @@ class EngineClient:
         try:
             await self._send(Probe(probe_id=probe_id))
             self.heartbeat.sent(probe_id)
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):
+                return await future
         finally:
             self._probes.pop(probe_id, None)

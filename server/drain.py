@@ -67,7 +67,8 @@ class Drainer:
         async with self.capacity:
             while (self.engine.open_sessions() or self.delivering) and loop.time() < deadline:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.capacity.wait(), deadline - loop.time())
+                    async with asyncio.timeout_at(deadline):
+                        await self.capacity.wait()
 
 
 class DrainingServer(uvicorn.Server):

@@ -321,8 +321,7 @@ class JobManager:
                 with contextlib.suppress(EngineDeadError, UnknownSessionError):
                     await self.engine.stop(job_id, "cancelled")
                 job.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await job.task
+                await asyncio.gather(job.task, return_exceptions=True)
             status = job.status
         await self.store.delete(job_id)
         return status
@@ -360,8 +359,8 @@ class JobManager:
             # Wait for a session to end, then try again; the timeout covers an end
             # that happened between the refusal and this wait.
             with contextlib.suppress(TimeoutError):
-                async with self.capacity:
-                    await asyncio.wait_for(self.capacity.wait(), CAPACITY_RETRY_S)
+                async with self.capacity, asyncio.timeout(CAPACITY_RETRY_S):
+                    await self.capacity.wait()
             if self.drainer.draining:
                 return self._fail(job, INTERRUPTED, INTERRUPTED_MESSAGE)
             try:

@@ -238,7 +238,8 @@ class RealtimeConnection:
                 self._delivering = False
             if self.slow is not None and CLOSE_NOW not in self.ws.scope.get("extensions", {}):
                 with contextlib.suppress(Exception):  # another server: try an ordinary close, briefly
-                    await asyncio.wait_for(self.ws.close(CLOSE_POLICY, f"slow_client: {self.slow}"[:123]), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await self.ws.close(CLOSE_POLICY, f"slow_client: {self.slow}"[:123])
 
     async def _connect(self) -> None:
         """Attach this connection to a session: by a token in the query, or by its first message."""
@@ -353,7 +354,8 @@ class RealtimeConnection:
             if why == "stopped" or (why == "stall_timeout" and session.only_controller(self)):
                 await session.stop(why)  # its session.done reaches this connection too
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(ended), STOP_WAIT_S)
+                    async with asyncio.timeout(STOP_WAIT_S):
+                        await asyncio.shield(ended)
                 return await session.leave(self, why)
             if why == "stall_timeout":  # other controllers steer on: only this connection ends
                 await session.leave(self, why)
@@ -389,7 +391,8 @@ class RealtimeConnection:
         """The next client message: parsed JSON, or raw bytes for a binary frame.
         ``TimeoutError`` after ``timeout``; ``_Closed`` when the client left;
         ``ValueError`` for text that is not JSON."""
-        message = await asyncio.wait_for(self.ws.receive(), timeout)
+        async with asyncio.timeout(timeout):
+            message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
             raise _Closed(message.get("code"))
         if message.get("bytes") is not None:
@@ -540,7 +543,8 @@ class RealtimeConnection:
         ``send_timeout_s`` the client is too slow (``_Slow``)."""
         timeout = self.settings.send_timeout_s
         try:
-            await asyncio.wait_for(send, timeout)
+            async with asyncio.timeout(timeout):
+                await send
         except TimeoutError:
             self._too_slow(f"its socket took nothing for {timeout:g} s (send_timeout_s)")
             raise _Slow() from None
