@@ -160,6 +160,21 @@ async def test_a_client_whose_socket_takes_nothing_is_closed(make_server):
     assert not [line for line in server.log if "Traceback" in line]
 
 
+def byte_limited_server(make_server, *flags: str):
+    """A server whose outbox limit (4 MB) closes a stalled client long before
+    pacing (30 s of media) or the send timeout (60 s) would, its stub unpaced."""
+    return make_server(
+        "--max-outbox-bytes",
+        "4000000",
+        "--max-undelivered-seconds",
+        "30",
+        "--send-timeout-s",
+        "60",
+        *flags,
+        pipeline={"step_time_s": 0.001, "max_size": 512},
+    )
+
+
 async def test_a_client_whose_backlog_passes_the_byte_limit_is_closed_and_memory_stays_bounded(make_server):
     """Pacing would let 30 s of media (290 MB) wait for this client; the outbox
     limit (4 MB) closes it after two chunks instead, and the server's memory
@@ -167,17 +182,7 @@ async def test_a_client_whose_backlog_passes_the_byte_limit_is_closed_and_memory
     (1 s here, four chunks; the default 8 s alone could hold 77 MB of these
     chunks) and the few chunks made before the session's stop reached the
     worker."""
-    server = make_server(
-        "--max-outbox-bytes",
-        "4000000",
-        "--resume-buffer-seconds",
-        "1",
-        "--max-undelivered-seconds",
-        "30",
-        "--send-timeout-s",
-        "60",
-        pipeline={"step_time_s": 0.001, "max_size": 512},
-    )
+    server = byte_limited_server(make_server, "--resume-buffer-seconds", "1")
     api = psutil.Process(server.process.pid)
     before = api.memory_info().rss
     peak = await stall_until_closed(server, api, 1)
@@ -222,15 +227,7 @@ async def test_an_ended_sessions_chunks_are_freed_when_it_ends_not_at_a_later_ga
     slow clients (each held about 12 MB of chunks) or read to their end (19
     MB), leave the API process about where the first left it: before, 28-39
     MB and about 37 MB larger."""
-    server = make_server(
-        "--max-outbox-bytes",
-        "4000000",
-        "--max-undelivered-seconds",
-        "30",
-        "--send-timeout-s",
-        "60",
-        pipeline={"step_time_s": 0.001, "max_size": 512},
-    )
+    server = byte_limited_server(make_server)
     api = psutil.Process(server.process.pid)
     after: list[int] = []
     for nth in range(1, 7):
