@@ -54,8 +54,10 @@ The CPU thread count of a worker is its ``EngineConfig.cpu_threads``;
 pipeline ranks take the cores shared out (one each on two
 cores). With ``repeats`` above 1 every configuration runs once per round
 and each ratio is the median of the rounds' ratios, each round's
-configurations side by side (``ratios_per_round``). The last line printed
-is one JSON object.
+configurations side by side (``ratios_per_round``). ``--only`` runs a
+selection (``select``) at the same chunk counts, for more rounds of the
+configurations a question is about. The last line printed is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -115,6 +117,26 @@ CONFIGS = (
     Config("pp1-batch4", 1, 1, 4, max_batch_rows=4),
     Config("pp1-serial", 1, 1, 4, serial=True),
 )
+
+
+def select(only: str, configs=CONFIGS) -> tuple[Config, ...]:
+    """The configurations ``only`` names, in the order it names them: a
+    comma-separated list of ``NAME`` (every session count of that name) or
+    ``NAME@SESSIONS`` (``pp2-stream@1``). ``ValueError`` names an entry that
+    matches nothing, with the configurations there are."""
+    chosen: list[Config] = []
+    for entry in (part.strip() for part in only.split(",")):
+        if not entry:
+            continue
+        name, at, sessions = entry.partition("@")
+        matches = [c for c in configs if c.name == name and (not at or str(c.sessions) == sessions)]
+        if not matches:
+            there = ", ".join(f"{c.name}@{c.sessions}" for c in configs)
+            raise ValueError(f"--only: no configuration {entry!r}; there are {there}")
+        chosen += [c for c in matches if c not in chosen]
+    if not chosen:
+        raise ValueError("--only: name at least one configuration")
+    return tuple(chosen)
 
 
 def session_chunks(options: PpBenchOptions, config: Config, configs=CONFIGS) -> int:
@@ -288,16 +310,18 @@ RATIOS = {
 """Each ratio of the summary: (configuration, sessions) over (configuration, sessions)."""
 
 
-def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS) -> int:
+def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS, sized_as=None) -> int:
     """Every configuration once per round, ``options.repeats`` rounds: each
     ratio is the median of its rounds' ratios (configurations side by side in
     one round, minutes apart at most, on a machine whose speed drifts), and
-    each configuration's result the fastest of its rounds."""
+    each configuration's result the fastest of its rounds. Sessions' chunk
+    counts follow ``session_chunks`` over ``sized_as`` (default: ``configs``;
+    a selection passes ``CONFIGS`` so its runs are as long as in a full one)."""
     runs: dict[tuple[str, int], list[dict]] = {}
     payloads: dict[str, list[bytes] | None] = {}
     for round_ in range(options.repeats):
         for config in configs:
-            result = asyncio.run(run_config(options, config, session_chunks(options, config, configs)))
+            result = asyncio.run(run_config(options, config, session_chunks(options, config, sized_as or configs)))
             kept = result.pop("_payloads")
             if kept is not None and round_ == 0:
                 payloads[config.name] = kept

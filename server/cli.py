@@ -184,7 +184,13 @@ def _bench_pp(args: argparse.Namespace) -> int:
     options = bench_pp.PpBenchOptions(
         model=args.model, chunks=args.chunks, size=args.size, steps=args.steps, repeats=args.repeats
     )
-    return bench_pp.main(options, as_json=args.json)
+    if args.only is None:
+        return bench_pp.main(options, as_json=args.json)
+    try:
+        configs = bench_pp.select(args.only)
+    except ValueError as error:
+        raise SystemExit(f"rtvideo bench pp: {error}") from None
+    return bench_pp.main(options, as_json=args.json, configs=configs, sized_as=bench_pp.CONFIGS)
 
 
 def _bench_pipeline(args: argparse.Namespace) -> int:
@@ -276,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--steps", type=int, default=4, help="denoise steps per chunk")
     pp.add_argument(
         "--repeats", type=int, default=1, help="rounds of every configuration; each ratio is the rounds' median"
+    )
+    pp.add_argument(
+        "--only",
+        default=None,
+        metavar="NAMES",
+        help="run only these configurations, comma-separated NAME or NAME@SESSIONS "
+        "(e.g. pp1-1t@1,pp2-stream@1); sessions make as many chunks as in a full run",
     )
     pp.add_argument("--json", action="store_true", help="print only the JSON summary")
     pp.set_defaults(func=_bench_pp)
