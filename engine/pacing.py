@@ -12,9 +12,14 @@ first chunk was emitted. Apart from that budget, a session never gets more
 than ``max_undelivered_seconds`` of media ahead of what was written to its
 client's socket (``Delivered``, reported by the API process): a client that
 stops reading holds its session's generation, paced or not, and the server
-buffers a bounded amount for it. A session that waits is simply not scheduled: other
-sessions run, and control (interactions, stops, pings) stays live because it
-never waits for the loop.
+buffers a bounded amount for it. And a session never begins a chunk while
+``max_chunks_decoding`` of its chunks are committed and not yet decoded: where
+denoising outruns the decode (a request-mode job, which nothing else paces, on
+a machine whose decode is most of a chunk), the chunks waiting for the decode
+stage, their latents and the frames queued for it on another rank stay
+bounded, however long the session runs. A session that waits is simply not
+scheduled: other sessions run, and control (interactions, stops, pings) stays
+live because it never waits for the loop.
 """
 
 from __future__ import annotations
@@ -47,6 +52,15 @@ def lead_seconds(session: EngineSession, reported: float | None, now: float) -> 
     return session.media_seconds_begun - playhead_seconds(session, reported, now)
 
 
+def max_chunks_decoding(session: EngineSession) -> int:
+    """The committed chunks of ``session`` the decode stage may hold before its
+    next chunk waits: one decoding, and queued behind it as many as the session
+    may have in flight (``lookahead``: 1 exact, more with stream batch, whose
+    chunks can commit one right after another). That keeps the decode stage busy
+    while the next chunks denoise, so the hold costs no throughput."""
+    return session.lookahead + 1
+
+
 def wait_seconds(
     session: EngineSession,
     reported: float | None,
@@ -58,11 +72,15 @@ def wait_seconds(
     estimate catches up), or None when only a new report can free it: a playback
     report, or a delivery report when the media not yet written to the client's
     socket reaches ``max_undelivered_seconds`` (transport backpressure, whatever
-    the pacing budget). Only a session whose next pass would begin a chunk is
-    ever held (``begins``; None: it sits between chunks), never one in the
-    middle of a chunk; media of the chunks under way counts as made."""
+    the pacing budget), or a decode result when ``max_chunks_decoding`` of its
+    chunks wait for the decode stage (decode backpressure). Only a session whose
+    next pass would begin a chunk is ever held (``begins``; None: it sits
+    between chunks), never one in the middle of a chunk; media of the chunks
+    under way counts as made."""
     if not (session.phase is Phase.BOUNDARY if begins is None else begins):
         return 0.0
+    if len(session.decoding) >= max_chunks_decoding(session):
+        return None
     undelivered = session.max_undelivered_seconds
     if delivered is not None and undelivered is not None and session.media_seconds_begun - delivered >= undelivered:
         return None

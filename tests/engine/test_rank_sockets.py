@@ -25,6 +25,8 @@ from workers.parallel.sockets import (
     CANCEL,
     DECODE,
     DECODED,
+    MAX_KEPT,
+    PIPELINE,
     RING,
     PeerClosed,
     RankSockets,
@@ -258,3 +260,26 @@ def test_the_decode_stage_has_connections_of_its_own_both_ways(pair):
     assert second.recv_plan() == b"unread"
     with pytest.raises(ValueError, match="different connections"):
         second.take(0, (RING, DECODE), None, 0.0, "mixed")
+
+
+def test_decode_requests_a_cancel_check_passes_wait_for_the_decode_thread_past_the_ring_channels_bound(pair):
+    """A follower's cancel check reads the decode connection for cancels and
+    keeps the decode requests it passes for the decode thread: more of them
+    than the pipeline channel would keep are kept, in order (the engine bounds
+    them: ``MAX_KEPT``). Frames nobody asks for on the pipeline channel still
+    break it past its bound, naming the ranks."""
+    zero, one = pair
+    waiting = MAX_KEPT[PIPELINE] + 44
+    for chunk in range(waiting):
+        zero.post(1, DECODE, chunk, Message({"session": "s", "chunk": chunk}, []))
+    zero.post(1, CANCEL, 0, Message({"session": "s"}, []))
+    kind, cancel = one.take(0, (CANCEL,), None, 5.0, "cancel")
+    assert kind == CANCEL and cancel.header == {"session": "s"}
+    for chunk in range(waiting):
+        kind, request = one.take(0, (DECODE, CANCEL), None, 5.0, "decode request")
+        assert kind == DECODE and request.header["chunk"] == chunk
+    for n in range(MAX_KEPT[PIPELINE] + 1):
+        zero.send(1, n, Message({}, []))
+    zero.send_plan(0, b"behind the ring frames")
+    with pytest.raises(RuntimeError, match=f"rank 1: {MAX_KEPT[PIPELINE]} frames from rank 0 nobody asked for"):
+        one.recv_plan()

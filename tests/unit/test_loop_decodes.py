@@ -83,3 +83,83 @@ def test_an_open_ended_session_whose_decodes_are_abandoned_ends_instead_of_runni
     sent = run_one(StartSession(session_id="s", prompt="p"), abandon_from=0)
     assert not [m for m in sent if isinstance(m, ChunkReady)]
     assert isinstance(sent[-1], SessionFailed) and "chunk 0 was abandoned" in sent[-1].message
+
+
+class GatedStage:
+    """A decode stage that holds every chunk until the test lets the oldest go."""
+
+    def __init__(self, runner: ModelRunner, done) -> None:
+        self.runner, self.done = runner, done
+        self.decodes = ()
+        self.waiting: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, session_id: str, chunk_index: int) -> None:
+        with self._lock:
+            self.waiting.append((session_id, chunk_index))
+
+    def release_oldest(self) -> None:
+        with self._lock:
+            session_id, chunk_index = self.waiting.pop(0)
+        self.done(self.runner.decode(session_id, chunk_index))
+
+    def forget(self, session_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_session_whose_decodes_lag_begins_no_chunk_while_two_wait_and_one_more_as_each_comes_back():
+    """Decode backpressure through the loop and a threaded executor: an
+    open-ended exact session that nothing paces (a job) stops beginning chunks
+    once two wait for the decode stage (``max_chunks_decoding``: one decoding,
+    one queued), and begins exactly one more as each comes back; its chunks
+    come out in order. (Before the bound, a
+    session whose denoise outran its decode queued chunks for the decode stage
+    without end: on two ranks, 256 decode requests on a follower's connection
+    broke it, and the session hung.)"""
+    sent: list = []
+    config = EngineConfig()
+    runner = ModelRunner(StubPipeline())
+    control = ControlPlane(config, runner.describe, sent.append)
+    stages: list[GatedStage] = []
+
+    def gated(runner, done) -> GatedStage:
+        stages.append(GatedStage(runner, done))
+        return stages[-1]
+
+    executor = LocalExecutor(runner, control.is_stopping, control.wake, decode_stage=gated)
+    loop = EngineLoop(config, control, executor, sent.append, grouping=True, max_rows=1)
+    (stage,) = stages
+
+    def until_idle_with(waiting: int) -> None:
+        """Turn the loop (as ``run_once`` does, each wait bounded) until that many
+        chunks wait for the decode stage and no micro-step is in flight; then the
+        plan the loop would make must be empty: the session is held."""
+        for _ in range(1000):
+            seen, playheads = control.pacing_state()
+            loop.collect()
+            loop.drain_control()
+            loop.submit(playheads)
+            if len(stage.waiting) == waiting and not executor.in_flight():
+                loop.collect()
+                assert loop.plan(control.pacing_state()[1])[0].is_empty()
+                return
+            assert len(stage.waiting) <= waiting, stage.waiting
+            if executor.in_flight():
+                assert control.wait(seen, 30), "no micro-step came back in 30 s"
+        raise AssertionError(f"{stage.waiting} wait for the decode stage, {executor.in_flight()} in flight")
+
+    try:
+        control.handle(StartSession(session_id="s", prompt="p", num_inference_steps=2))
+        until_idle_with(2)
+        assert stage.waiting == [("s", 0), ("s", 1)] and loop.sessions["s"].next_chunk == 2
+        for released in range(1, 4):
+            stage.release_oldest()
+            until_idle_with(2)
+            assert stage.waiting == [("s", released), ("s", released + 1)]
+            assert loop.sessions["s"].next_chunk == released + 2
+        assert [m.generation_chunk_index for m in sent if isinstance(m, ChunkReady)] == [0, 1, 2]
+    finally:
+        executor.close()

@@ -10,8 +10,8 @@ from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
 from engine.messages import ChunkReady, Delivered, Playback, SessionGeometry, StartSession
-from engine.pacing import EPSILON_S, lead_seconds, playhead_seconds, wait_seconds
-from engine.session import EngineSession, Phase
+from engine.pacing import EPSILON_S, lead_seconds, max_chunks_decoding, playhead_seconds, wait_seconds
+from engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase
 from tests.support import inline_loop
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
@@ -201,6 +201,29 @@ def test_a_client_that_takes_no_media_holds_its_session_paced_or_not():
         assert wait_seconds(s, None, now=100.0) == 0.0  # nothing delivered yet, nothing to hold on
         s.phase = Phase.DENOISING
         assert wait_seconds(s, None, now=100.0, delivered=0.0) == 0.0  # a chunk in progress is never held
+
+
+def _committed(index: int) -> ChunkInFlight:
+    return ChunkInFlight(index, 4, 4 * index, ChunkEvents((), (), ()), None, 0)
+
+
+def test_a_session_with_its_decode_stage_full_waits_for_a_decode_whatever_else_allows():
+    """Decode backpressure: with its chunks in flight and one more committed and
+    not yet decoded (``max_chunks_decoding``), a session between chunks waits
+    until a decode comes back (None: only an event frees it), unpaced and with
+    nothing undelivered; with fewer, it runs; a chunk under way is never held."""
+    for lookahead in (1, 2):  # exact; stream batch on two ranks
+        for budget in (None, 100.0):
+            s = session(frames_done=8, budget=budget)
+            s.lookahead = lookahead
+            assert max_chunks_decoding(s) == lookahead + 1
+            s.decoding = {index: _committed(index) for index in range(lookahead)}
+            assert wait_seconds(s, None, now=100.0) == 0.0
+            s.decoding[lookahead] = _committed(lookahead)
+            assert wait_seconds(s, None, now=100.0) is None
+            assert wait_seconds(s, None, now=100.0, begins=False) == 0.0  # its chunk under way goes on
+            del s.decoding[0]  # chunk 0 came back
+            assert wait_seconds(s, None, now=100.0) == 0.0
 
 
 def test_a_session_whose_server_reports_delivery_is_held_before_the_first_report():

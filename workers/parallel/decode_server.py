@@ -17,6 +17,7 @@ and what travels in each frame, is ``workers.parallel.rank_decode``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -27,7 +28,7 @@ from engine.plan import ChunkOutput
 from workers.decode_stage import batch_rounds, decode_batch_rows
 from workers.os_threads import lower_this_thread, name_this_thread
 from workers.parallel.link import LinkTimeout, Message
-from workers.parallel.sockets import CANCEL, DECODE, DECODED, RankSockets
+from workers.parallel.sockets import CANCEL, DECODE, DECODED, PeerClosed, RankSockets
 from workers.pipelines.base import Abandoned, abandon_when
 
 log = logging.getLogger(__name__)
@@ -60,17 +61,23 @@ class DecodeServer:
         self._thread.join(2 * REQUEST_POLL_S + 1.0)
 
     def _serve(self) -> None:
+        """Decode until closed. Rank 0 gone (its connection closed) ends the
+        thread quietly: this process ends with it. Anything else that ends the
+        thread would leave chunks rank 0 waits for unanswered, and their
+        sessions hung: it ends the rank instead, saying why, so rank 0 sees a
+        rank's death, fails the group's sessions and restarts the group."""
         name_this_thread()
         lower_this_thread(self._nice)
-        while not self._closing.is_set():
-            try:
-                requests = self._requests()
-            except Exception:  # rank 0 is gone: this process ends with it
+        try:
+            while not self._closing.is_set():
+                self._handle(self._requests())
+        except PeerClosed:
+            return
+        except BaseException:
+            if self._closing.is_set():  # the rank is stopping: its sockets close under a decode still running
                 return
-            try:
-                self._handle(requests)
-            except Exception:  # a reply could not be sent: rank 0 is gone
-                return
+            log.exception("pipeline rank %d: the decode thread failed; the rank ends", self._sockets.rank)
+            os._exit(2)
 
     def _requests(self) -> list[Message]:
         """The decode requests that came: the next one (waiting up to

@@ -72,6 +72,15 @@ CHANNEL = {
     CANCEL: DECODES,
 }
 _CARRIED = struct.Struct("<Iq")  # a plan carrying a ring message: the plan's bytes, the ring message's tag
+MAX_KEPT = {PIPELINE: 256, DECODES: 4096}
+"""Frames a connection keeps for a later taker before it is broken as a
+protocol error. On the pipeline channel a rank is at most a few micro-steps
+ahead of another. On the decode channel, a follower's decode requests wait
+there while its decode thread works (a cancel check reads the connection for
+cancels, keeping the requests it passes); the engine holds a session with
+``engine.pacing.max_chunks_decoding`` chunks out for decode (its chunks in
+flight, and one), so they number at most that many chunks a session, each a
+frame (a split chunk one a latent frame, and one more)."""
 
 
 class PeerClosed(RuntimeError):
@@ -207,8 +216,9 @@ class _Incoming:
     not asked for yet kept aside. Threads that wait on it take turns to read:
     the reader keeps what is not its own and wakes the others to look."""
 
-    def __init__(self, sock: socket.socket, peer: int, rank: int, timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, peer: int, rank: int, timeout_s: float, max_kept: int = 256) -> None:
         self.sock, self.peer, self.rank, self.timeout_s = sock, peer, rank, timeout_s
+        self.max_kept = max_kept  # frames kept for later takers before the connection counts as broken
         self.kept: deque[_Frame] = deque()
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
@@ -249,8 +259,10 @@ class _Incoming:
                     raise self._timeout(what)
                 if frame.kind in kinds and (tag is None or frame.tag == tag):
                     return frame
-                if len(self.kept) >= 256:
-                    self._error = RuntimeError(f"rank {self.rank}: 256 frames from rank {self.peer} nobody asked for")
+                if len(self.kept) >= self.max_kept:
+                    self._error = RuntimeError(
+                        f"rank {self.rank}: {self.max_kept} frames from rank {self.peer} nobody asked for"
+                    )
                     raise self._error
                 self.kept.append(frame)
 
@@ -386,7 +398,7 @@ class RankSockets:
                 continue
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._in[peer, channel] = _Incoming(sock, peer, self.rank, self.timeout_s)
+            self._in[peer, channel] = _Incoming(sock, peer, self.rank, self.timeout_s, MAX_KEPT[channel])
         self._listener.close()
         self._listener = None
 
