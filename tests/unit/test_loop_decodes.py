@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
 from engine.messages import ChunkReady, SessionDone, SessionFailed, Shutdown, StartSession
+from engine.pacing import DECODE_RUN_AHEAD, max_chunks_decoding
 from engine.plan import DecodeResult
 from workers.executor import LocalExecutor
 from workers.pipelines.stub import StubPipeline
@@ -113,9 +114,8 @@ class GatedStage:
 def test_a_session_whose_decodes_lag_begins_no_chunk_while_two_wait_and_one_more_as_each_comes_back():
     """Decode backpressure through the loop and a threaded executor: an
     open-ended exact session that nothing paces (a job) stops beginning chunks
-    once two wait for the decode stage (``max_chunks_decoding``: one decoding,
-    one queued), and begins exactly one more as each comes back; its chunks
-    come out in order. (Before the bound, a
+    once ``max_chunks_decoding`` wait for the decode stage, and begins exactly
+    one more as each comes back; its chunks come out in order. (Before the bound, a
     session whose denoise outran its decode queued chunks for the decode stage
     without end: on two ranks, 256 decode requests on a follower's connection
     broke it, and the session hung.)"""
@@ -153,13 +153,16 @@ def test_a_session_whose_decodes_lag_begins_no_chunk_while_two_wait_and_one_more
 
     try:
         control.handle(StartSession(session_id="s", prompt="p", num_inference_steps=2))
-        until_idle_with(2)
-        assert stage.waiting == [("s", 0), ("s", 1)] and loop.sessions["s"].next_chunk == 2
+        loop.drain_control()
+        limit = max_chunks_decoding(loop.sessions["s"])
+        assert limit == 1 + DECODE_RUN_AHEAD  # exact: one chunk in flight at a time
+        until_idle_with(limit)
+        assert stage.waiting == [("s", i) for i in range(limit)] and loop.sessions["s"].next_chunk == limit
         for released in range(1, 4):
             stage.release_oldest()
-            until_idle_with(2)
-            assert stage.waiting == [("s", released), ("s", released + 1)]
-            assert loop.sessions["s"].next_chunk == released + 2
+            until_idle_with(limit)
+            assert stage.waiting == [("s", i) for i in range(released, released + limit)]
+            assert loop.sessions["s"].next_chunk == released + limit
         assert [m.generation_chunk_index for m in sent if isinstance(m, ChunkReady)] == [0, 1, 2]
     finally:
         executor.close()

@@ -10,7 +10,14 @@ from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
 from engine.messages import ChunkReady, Delivered, Playback, SessionGeometry, StartSession
-from engine.pacing import EPSILON_S, lead_seconds, max_chunks_decoding, playhead_seconds, wait_seconds
+from engine.pacing import (
+    DECODE_RUN_AHEAD,
+    EPSILON_S,
+    lead_seconds,
+    max_chunks_decoding,
+    playhead_seconds,
+    wait_seconds,
+)
 from engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase
 from tests.support import inline_loop
 from workers.pipelines.stub import StubPipeline
@@ -208,18 +215,20 @@ def _committed(index: int) -> ChunkInFlight:
 
 
 def test_a_session_with_its_decode_stage_full_waits_for_a_decode_whatever_else_allows():
-    """Decode backpressure: with its chunks in flight and one more committed and
-    not yet decoded (``max_chunks_decoding``), a session between chunks waits
-    until a decode comes back (None: only an event frees it), unpaced and with
-    nothing undelivered; with fewer, it runs; a chunk under way is never held."""
+    """Decode backpressure: with ``DECODE_RUN_AHEAD`` committed chunks not yet
+    decoded beyond its chunks in flight (``max_chunks_decoding``), a session
+    between chunks waits until a decode comes back (None: only an event frees
+    it), unpaced and with nothing undelivered; with fewer, it runs; a chunk
+    under way is never held."""
     for lookahead in (1, 2):  # exact; stream batch on two ranks
         for budget in (None, 100.0):
             s = session(frames_done=8, budget=budget)
             s.lookahead = lookahead
-            assert max_chunks_decoding(s) == lookahead + 1
-            s.decoding = {index: _committed(index) for index in range(lookahead)}
+            limit = max_chunks_decoding(s)
+            assert limit == lookahead + DECODE_RUN_AHEAD
+            s.decoding = {index: _committed(index) for index in range(limit - 1)}
             assert wait_seconds(s, None, now=100.0) == 0.0
-            s.decoding[lookahead] = _committed(lookahead)
+            s.decoding[limit - 1] = _committed(limit - 1)
             assert wait_seconds(s, None, now=100.0) is None
             assert wait_seconds(s, None, now=100.0, begins=False) == 0.0  # its chunk under way goes on
             del s.decoding[0]  # chunk 0 came back

@@ -72,15 +72,15 @@ CHANNEL = {
     CANCEL: DECODES,
 }
 _CARRIED = struct.Struct("<Iq")  # a plan carrying a ring message: the plan's bytes, the ring message's tag
-MAX_KEPT = {PIPELINE: 256, DECODES: 4096}
+MAX_KEPT = {PIPELINE: 256, DECODES: 16384}
 """Frames a connection keeps for a later taker before it is broken as a
 protocol error. On the pipeline channel a rank is at most a few micro-steps
 ahead of another. On the decode channel, a follower's decode requests wait
 there while its decode thread works (a cancel check reads the connection for
 cancels, keeping the requests it passes); the engine holds a session with
-``engine.pacing.max_chunks_decoding`` chunks out for decode (its chunks in
-flight, and one), so they number at most that many chunks a session, each a
-frame (a split chunk one a latent frame, and one more)."""
+``engine.pacing.max_chunks_decoding`` chunks out for decode (about 17), so
+they number at most that many chunks a session, each a frame (a split chunk
+one a latent frame, and one more): a few hundred for a few sessions."""
 
 
 class PeerClosed(RuntimeError):
