@@ -111,7 +111,7 @@ class GatedStage:
         pass
 
 
-def test_a_session_whose_decodes_lag_begins_no_chunk_while_two_wait_and_one_more_as_each_comes_back():
+def test_a_session_whose_decodes_lag_stops_at_its_limit_and_begins_one_more_as_each_comes_back():
     """Decode backpressure through the loop and a threaded executor: an
     open-ended exact session that nothing paces (a job) stops beginning chunks
     once ``max_chunks_decoding`` wait for the decode stage, and begins exactly
