@@ -184,10 +184,8 @@ def _bench_pp(args: argparse.Namespace) -> int:
     options = bench_pp.PpBenchOptions(
         model=args.model, chunks=args.chunks, size=args.size, steps=args.steps, repeats=args.repeats
     )
-    if args.only is None:
-        return bench_pp.main(options, as_json=args.json)
     try:
-        configs = bench_pp.select(args.only)
+        configs = bench_pp.CONFIGS if args.only is None else bench_pp.select(args.only)
     except ValueError as error:
         raise SystemExit(f"rtvideo bench pp: {error}") from None
     return bench_pp.main(options, as_json=args.json, configs=configs, sized_as=bench_pp.CONFIGS)

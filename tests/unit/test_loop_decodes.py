@@ -40,6 +40,16 @@ class AbandoningStage:
         pass
 
 
+def stub_loop(send, decode_stage) -> tuple[ControlPlane, LocalExecutor, EngineLoop]:
+    """A loop over the stub with a threaded executor whose decode stage is
+    ``decode_stage(runner, done)``; not yet running."""
+    config = EngineConfig()
+    runner = ModelRunner(StubPipeline())
+    control = ControlPlane(config, runner.describe, send)
+    executor = LocalExecutor(runner, control.is_stopping, control.wake, decode_stage=decode_stage)
+    return control, executor, EngineLoop(config, control, executor, send, grouping=True, max_rows=1)
+
+
 def run_one(start: StartSession, abandon_from: int) -> list:
     """Run ``start`` alone on a threaded loop over the stub; every message sent."""
     sent: list = []
@@ -50,16 +60,7 @@ def run_one(start: StartSession, abandon_from: int) -> list:
         if isinstance(message, SessionDone | SessionFailed):
             ended.set()
 
-    config = EngineConfig()
-    runner = ModelRunner(StubPipeline())
-    control = ControlPlane(config, runner.describe, send)
-    executor = LocalExecutor(
-        runner,
-        control.is_stopping,
-        control.wake,
-        decode_stage=lambda runner, done: AbandoningStage(runner, done, abandon_from),
-    )
-    loop = EngineLoop(config, control, executor, send, grouping=True, max_rows=1)
+    control, _, loop = stub_loop(send, lambda runner, done: AbandoningStage(runner, done, abandon_from))
     thread = threading.Thread(target=loop.run, name="loop")
     thread.start()
     try:
@@ -120,17 +121,13 @@ def test_a_session_whose_decodes_lag_stops_at_its_limit_and_begins_one_more_as_e
     without end: on two ranks, 256 decode requests on a follower's connection
     broke it, and the session hung.)"""
     sent: list = []
-    config = EngineConfig()
-    runner = ModelRunner(StubPipeline())
-    control = ControlPlane(config, runner.describe, sent.append)
     stages: list[GatedStage] = []
 
     def gated(runner, done) -> GatedStage:
         stages.append(GatedStage(runner, done))
         return stages[-1]
 
-    executor = LocalExecutor(runner, control.is_stopping, control.wake, decode_stage=gated)
-    loop = EngineLoop(config, control, executor, sent.append, grouping=True, max_rows=1)
+    control, executor, loop = stub_loop(sent.append, gated)
     (stage,) = stages
 
     def until_idle_with(waiting: int) -> None:

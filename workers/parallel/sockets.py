@@ -216,7 +216,7 @@ class _Incoming:
     not asked for yet kept aside. Threads that wait on it take turns to read:
     the reader keeps what is not its own and wakes the others to look."""
 
-    def __init__(self, sock: socket.socket, peer: int, rank: int, timeout_s: float, max_kept: int = 256) -> None:
+    def __init__(self, sock: socket.socket, peer: int, rank: int, timeout_s: float, max_kept: int) -> None:
         self.sock, self.peer, self.rank, self.timeout_s = sock, peer, rank, timeout_s
         self.max_kept = max_kept  # frames kept for later takers before the connection counts as broken
         self.kept: deque[_Frame] = deque()
