@@ -82,15 +82,7 @@ def run(
     sessions: int = 1,
 ) -> dict:
     built = time.perf_counter()
-    pipeline = CausalWanPipeline(
-        _components(preset, device),
-        device=device,
-        dtype=dtype,
-        vae_dtype=vae_dtype,
-        warm_up_chunks=2 if warm else 0,
-        compile=compile,
-        max_batch_rows=sessions,
-    )
+    pipeline = _build(preset, device, dtype, vae_dtype, warm, compile, sessions)
     build_s = time.perf_counter() - built
     warm_up_s = warm_up(pipeline, width, height)  # at the measured size
     budget = pipeline.session_memory_budget()
@@ -174,6 +166,48 @@ def run(
     }
 
 
+def _build(
+    preset: str,
+    device: str | None,
+    dtype: str | None,
+    vae_dtype: str | None,
+    warm: bool = True,
+    compile: bool = False,
+    sessions: int = 1,
+) -> CausalWanPipeline:
+    return CausalWanPipeline(
+        _components(preset, device),
+        device=device,
+        dtype=dtype,
+        vae_dtype=vae_dtype,
+        warm_up_chunks=2 if warm else 0,
+        compile=compile,
+        max_batch_rows=sessions,
+    )
+
+
+def _versus(args: argparse.Namespace) -> dict:
+    """``--versus``: the variant against these options, side by side (``workers.bench_versus``)."""
+    from workers.bench_versus import versus
+
+    def build(compile: bool = args.compile, vae_dtype: str | None = args.vae_dtype) -> CausalWanPipeline:
+        return _build(args.preset, args.device, args.dtype, vae_dtype, compile=compile)
+
+    start = StartSession(
+        session_id="versus",
+        prompt="a red fox in the snow",
+        width=args.width,
+        height=args.height,
+        num_inference_steps=args.steps,
+    )
+    if args.compile and args.versus == "compile":
+        raise SystemExit("--versus compile: the default it is measured against is compiled already")
+    try:
+        return versus(build, args.versus, start, args.chunks, args.rounds, cudnn_benchmark=args.cudnn_benchmark)
+    except ValueError as error:  # a comparison that would measure nothing, named
+        raise SystemExit(f"--versus {args.versus}: {error}") from None
+
+
 def _wait_around_split(pipeline: CausalWanPipeline, stage: str) -> None:
     """The device is waited for around the commit and the decode only, as their
     split needs; inside a chunk's denoise steps nothing waits for it, as when serving."""
@@ -211,24 +245,29 @@ def _decode_overlap(pipeline: CausalWanPipeline, start: StartSession, chunks: in
     best: dict[str, dict] = {}
     for _ in range(rounds):
         for mode, overlap in (("in_line", False), ("overlapped", True)):
-            driver = ChunkDriver(pipeline, overlap_decode=overlap)
-            began = _synchronized(pipeline)
-            driver.open(start)
-            driver.run([start.session_id])
-            first = _synchronized(pipeline) - began
-            began = _synchronized(pipeline)
-            made = driver.run([start.session_id], max(1, chunks - 1))
-            seconds = _synchronized(pipeline) - began
-            driver.release(start.session_id)
-            driver.close()
-            figures = {
-                "time_to_first_chunk_s": first,
-                "fps": sum(out.num_frames for out in made[start.session_id]) / seconds,
-            }
+            figures = one_session(pipeline, start, chunks, overlap_decode=overlap)
             kept = best.setdefault(mode, figures)
             kept["time_to_first_chunk_s"] = min(kept["time_to_first_chunk_s"], figures["time_to_first_chunk_s"])
             kept["fps"] = max(kept["fps"], figures["fps"])
     return {**best, "fps_overlapped_over_in_line": best["overlapped"]["fps"] / best["in_line"]["fps"]}
+
+
+def one_session(pipeline: CausalWanPipeline, start: StartSession, chunks: int, *, overlap_decode: bool = False) -> dict:
+    """A fresh session of ``start``: seconds to its first chunk (open to its
+    frames), then frames per second over the ``chunks - 1`` after it (at least
+    one), the device waited for at both ends of each span."""
+    driver = ChunkDriver(pipeline, overlap_decode=overlap_decode)
+    began = _synchronized(pipeline)
+    driver.open(start)
+    driver.run([start.session_id])
+    first = _synchronized(pipeline) - began
+    began = _synchronized(pipeline)
+    made = driver.run([start.session_id], max(1, chunks - 1))
+    seconds = _synchronized(pipeline) - began
+    driver.release(start.session_id)
+    driver.close()
+    frames = sum(out.num_frames for out in made[start.session_id])
+    return {"time_to_first_chunk_s": first, "fps": frames / seconds}
 
 
 def _profiler(device: torch.device) -> torch.profiler.profile:
@@ -261,9 +300,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (warm-up pays)")
     parser.add_argument("--profile", default=None, metavar="FILE", help="write a profiler table of one chunk")
     parser.add_argument("--sessions", type=int, default=1, help="also compare N sessions batched vs one row a forward")
+    from workers.bench_versus import VARIANTS  # it imports this module
+
+    parser.add_argument(
+        "--versus",
+        choices=VARIANTS,
+        default=None,
+        help="instead: that setting against these options, in alternating rounds in one process",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--versus: rounds of one session each way")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
     args = parser.parse_args(argv)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    if args.versus is not None:
+        summary = _versus(args)
+        if not args.json:
+            for number, one in enumerate(summary["rounds"], 1):
+                print(
+                    f"round {number} ({one['first']} first): default {one['default']['fps']:.1f} fps, "
+                    f"first chunk {one['default']['time_to_first_chunk_s']:.3f} s; {args.versus} "
+                    f"{one['variant']['fps']:.1f} fps, first chunk {one['variant']['time_to_first_chunk_s']:.3f} s "
+                    f"({one['fps_ratio']:.2f}x)"
+                )
+        print(json.dumps(summary))
+        return 0
     summary = run(
         args.preset,
         args.width,

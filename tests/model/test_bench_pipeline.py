@@ -42,3 +42,29 @@ def test_bench_pipeline_runs_bf16_cold_writes_a_profile_and_compares_batching(tm
     assert side["sessions"] == 2 and side["one_row_fps"] > 0 and side["batched_fps"] > 0
     assert summary["warm_up_s"] == 0.0 and summary["generated_fps"] > 0
     assert "Self CPU" in profile.read_text()
+
+
+def test_bench_pipeline_versus_alternates_the_two_in_rounds_and_reports_each_ratio():
+    summary = _bench("--versus", "vae-float32", "--dtype", "bfloat16", "--rounds", "2")
+    assert summary["bench"] == "pipeline-versus" and summary["variant"] == "vae-float32"
+    default, variant = summary["pipelines"]["default"], summary["pipelines"]["vae-float32"]
+    assert default["vae_dtype"] == "bfloat16" and variant["vae_dtype"] == "float32"
+    assert default["dtype"] == variant["dtype"] == "bfloat16" and not default["compiled"] and not variant["compiled"]
+    assert [one["first"] for one in summary["rounds"]] == ["default", "vae-float32"]
+    for one in summary["rounds"]:
+        for side in ("default", "variant"):
+            assert one[side]["fps"] > 0 and one[side]["time_to_first_chunk_s"] > 0
+        assert one["fps_ratio"] == one["variant"]["fps"] / one["default"]["fps"]
+    assert summary["fps_ratios"] == [one["fps_ratio"] for one in summary["rounds"]]
+    assert summary["median_fps_ratio"] == sum(summary["fps_ratios"]) / 2
+
+
+def test_bench_pipeline_versus_refuses_a_comparison_that_would_measure_nothing():
+    command = [sys.executable, "-m", "server.cli", "bench", "pipeline", "--chunks", "3", "--versus"]
+    for flags, why in (
+        (["vae-float32"], "fp32 already"),  # the CPU's default dtype is fp32, and the VAE follows it
+        (["compile", "--compile"], "compiled already"),
+        (["cudnn-benchmark", "--cudnn-benchmark"], "timing on already"),
+    ):
+        result = subprocess.run([*command, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0 and why in result.stderr and "Traceback" not in result.stderr

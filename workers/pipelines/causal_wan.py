@@ -125,6 +125,7 @@ class CausalWanPipeline(CausalWanDecoding):
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
         self.context = make_causal(self.transformer, rows=max_batch_rows)
+        self.compiled = compile
         if compile:  # regional: each block's norms, modulation, FFN, cross-attention; self-attention stays eager
             for block in self.transformer.blocks:
                 block.compile()
