@@ -17,6 +17,17 @@ areas of the default frame's shape, for ``engine.chunk_cost.ChunkCostModel``:
    time, until the answer lies between two measured frames (or at the model's
    largest). So the derived size is interpolated between measurements, and
    each probe costs about one chunk's media time at most.
+3. Instead, half the default's sides, one chunk, when the default itself is
+   past ``load_limit`` (the answer is the default then, and a larger frame
+   would cost more than its media time for nothing) or twice its sides would
+   not fit in memory: the cost model gets its slope from the cheaper side.
+
+A frame is measured only where a session of it, and as much again for the
+forward's activations, fits in what the pipeline says sessions may hold
+(``session_memory_budget``): a GPU too small for a larger frame starts
+without trying it (the 1.3B model's 832x480 session holds 7.1 GB; the first
+larger frame, 1280x960 (twice its sides within the model's largest side),
+about 22 GB).
 
 The result: the samples, and ``realtime_pixels`` (``engine.chunk_cost``): the
 largest frame area one session runs within ``load_limit`` of real time, never
@@ -26,16 +37,19 @@ below the default. Measured on the 2-core development machine, tiny preset
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from engine.chunk_cost import ChunkCostModel, realtime_pixels
+from engine.chunk_cost import ChunkCostModel, chunk_media_s, realtime_pixels
 from engine.messages import ChunkCostSample, SessionGeometry, StartSession
 from workers.chunk_driver import ChunkDriver
 from workers.pipelines.base import ChunkPipeline
 from workers.runner import StageCall
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_SESSION = "rtvideo.calibration"
 PROBES = 3
@@ -68,24 +82,51 @@ def calibrate(pipeline: ChunkPipeline, load_limit: float) -> Calibration:
         fill = (max(1.0, full.step_s / first.step_s), max(1.0, full.chunk_s / first.chunk_s))
         samples = {full.pixels: full}
 
-        def probe(pixels: int) -> None:
+        def probe(pixels: int) -> bool:
+            """One chunk measured at about ``pixels``; False (nothing measured) when a
+            session of that frame would not fit in the memory sessions may hold."""
             width, height = _frame(defaults, pixels, multiple, limits.max_size if limits else defaults.width)
-            if width * height not in samples:
-                (chunk,) = timer.measure(width, height, 1)
-                samples[chunk.pixels] = _scaled(chunk, fill)
+            if width * height in samples:
+                return True
+            if not _fits(pipeline, width, height):
+                log.info("calibration: a %dx%d session would not fit in memory; not measured", width, height)
+                return False
+            (chunk,) = timer.measure(width, height, 1)
+            samples[chunk.pixels] = _scaled(chunk, fill)
+            return True
 
-        probe(4 * full.pixels)
-        for _ in range(PROBES):
-            model = ChunkCostModel(samples.values())
-            target = realtime_pixels(model, defaults, load_limit, largest)
-            if target is None or target <= max(samples) or max(samples) >= largest:
-                break  # between two measured frames (or below the first): interpolated
-            probe(target)
+        default_cost = ChunkCostModel([full]).area_cost(full.pixels, defaults.num_inference_steps)
+        in_real_time = default_cost <= load_limit * chunk_media_s(defaults)
+        if in_real_time and probe(4 * full.pixels):
+            for _ in range(PROBES):
+                model = ChunkCostModel(samples.values())
+                target = realtime_pixels(model, defaults, load_limit, largest)
+                if target is None or target <= max(samples) or max(samples) >= largest:
+                    break  # between two measured frames (or below the first): interpolated
+                if not probe(target):
+                    break
+        else:  # the answer is the default (over the limit already) or nothing larger fits: a smaller frame's cost
+            probe(full.pixels // 4)  # gives the model its slope, cheaper than a larger one
     finally:
         timer.close()
     model = ChunkCostModel(samples.values())
     ordered = tuple(sorted(samples.values(), key=lambda s: s.pixels))
     return Calibration(ordered, realtime_pixels(model, defaults, load_limit, largest), time.perf_counter() - began)
+
+
+def _fits(pipeline: ChunkPipeline, width: int, height: int) -> bool:
+    """Whether a session of ``width`` x ``height`` has room to be measured: its state,
+    and as much again for the forward's activations and roped keys (a 832x480
+    session of the 1.3B model on a GPU peaked at about 0.8 times its state beyond
+    the weights), within what the pipeline says sessions may hold now. A
+    pipeline that says nothing (no ``session_memory_budget``, or None) fits."""
+    budget = pipeline.session_memory_budget() if hasattr(pipeline, "session_memory_budget") else None
+    if budget is None:
+        return True
+    state = pipeline.describe(
+        StartSession(session_id=CALIBRATION_SESSION, prompt="calibration", width=width, height=height)
+    )
+    return 2 * state.state_bytes <= budget
 
 
 def _chunks_to_fill(pipeline: ChunkPipeline) -> int:
@@ -135,10 +176,10 @@ class _ChunkTimer:
         sample when ``chunks`` is 1)."""
         start = StartSession(session_id=CALIBRATION_SESSION, prompt="calibration", width=width, height=height)
         self._calls.clear()
-        (state,) = self._driver.open(start)
-        steps = state.geometry.num_inference_steps
         timed = []
         try:
+            (state,) = self._driver.open(start)
+            steps = state.geometry.num_inference_steps
             for index in range(chunks):
                 self._calls.clear()
                 self._driver.run([CALIBRATION_SESSION], 1)

@@ -36,11 +36,16 @@ async def test_a_cpu_worker_derives_its_largest_realtime_frame_and_a_memory_budg
     engine = await tiny()
     ready = engine.ready
     limits = ready.limits
-    # The costs it measured at start: the default 64x64 first, then larger frames.
+    # The costs it measured at start: the default 64x64, then larger frames (or, on a
+    # machine so loaded that the default missed real time, 32x32 for the slope).
     costs = ready.chunk_costs
-    assert costs[0].pixels == 64 * 64 and len(costs) >= 2 and costs[1].pixels > costs[0].pixels
+    pixels = [cost.pixels for cost in costs]
     assert all(cost.step_s > 0 and cost.chunk_s > 0 for cost in costs)
     assert limits.max_pixels_derived and 64 * 64 <= limits.max_pixels <= 1280 * 1280
+    if pixels[0] == 32 * 32:
+        assert pixels == [32 * 32, 64 * 64] and limits.max_pixels == 64 * 64
+    else:
+        assert pixels[0] == 64 * 64 and len(pixels) >= 2 and pixels[1] > pixels[0]
     assert ready.session_memory_bytes is not None and ready.session_memory_bytes > 0  # a CPU: host memory
 
     side = math.isqrt(limits.max_pixels) // 16 * 16 + 16  # the smallest square past the bound
