@@ -200,8 +200,6 @@ def _versus(args: argparse.Namespace) -> dict:
         height=args.height,
         num_inference_steps=args.steps,
     )
-    if args.compile and args.versus == "compile":
-        raise SystemExit("--versus compile: the default it is measured against is compiled already")
     try:
         return versus(build, args.versus, start, args.chunks, args.rounds, cudnn_benchmark=args.cudnn_benchmark)
     except ValueError as error:  # a comparison that would measure nothing, named

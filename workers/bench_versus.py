@@ -71,6 +71,8 @@ def versus(
     if variant == "cudnn-benchmark" and cudnn_benchmark:
         raise ValueError("the default it is measured against has cuDNN's algorithm timing on already")
     default = build()
+    if variant == "compile" and default.compiled:
+        raise ValueError("the default it is measured against is compiled already")
     if variant == "vae-float32" and default.vae_dtype == torch.float32:
         raise ValueError("the default pipeline's VAE is fp32 already (--dtype bfloat16 makes it bf16)")
     if variant == "cudnn-benchmark":
