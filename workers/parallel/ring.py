@@ -102,7 +102,7 @@ class RingRunner(ModelRunner):
         width = self.pipeline.max_batch_rows
         for first in range(0, len(denoise), width):
             group = denoise[first : first + width]
-            hidden = self._batched(result, group, blocks) if len(group) > 1 else _FAILED
+            hidden = self._enter_batch(result, group, blocks) if len(group) > 1 else _FAILED
             if hidden is _CANCELLED:
                 continue
             if hidden is not _FAILED:
@@ -146,7 +146,7 @@ class RingRunner(ModelRunner):
                     self._add(items, tensors, "commit", hidden)
         return Message({"items": items, "failed": {}}, tensors)
 
-    def _batched(self, result: StepResult, rows: list[StepRow], blocks: range) -> Any:
+    def _enter_batch(self, result: StepResult, rows: list[StepRow], blocks: range) -> Any:
         """One first-rank forward over several rows; ``_FAILED`` when it raises,
         ``_CANCELLED`` (its rows reported cancelled) when it was abandoned because
         every row's session is stopping."""

@@ -1,0 +1,162 @@
+"""Every engine configuration starts and serves: one rank or two, the decode in
+line or on a stage of its own, exact or stream batch, and every placement of
+the decodes over the ranks (``pp_decode``), each through real worker
+processes over the tiny model.
+
+Each configuration runs two sessions side by side: one of four chunks whose
+prompt changes at chunk 2 (scheduled), and an open-ended one that gets a live
+prompt once its first chunk is in and is stopped once the chunk the prompt
+landed on is out. Where the configuration is exact (no stream batch) every
+frame is bit for bit what one rank deciding everything in line makes; where
+it is not, the first chunk still is, and the live prompt waited behind no
+more chunks than the session may have in flight, as the answer says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+import pytest_asyncio
+
+from engine.client import EngineClient
+from engine.config import EngineConfig, PipelineSpec
+from engine.messages import (
+    ChunkReady,
+    Interaction,
+    InteractionApplied,
+    ScheduledInteraction,
+    SessionDone,
+    StartSession,
+)
+from tests.conftest import PINNED_LIMITS
+from tests.support import Collected, collect, read_until
+
+SIZE = {"width": 32, "height": 32}
+SHARED = pytest.mark.asyncio(loop_scope="module")
+
+
+@dataclass(frozen=True)
+class Mode:
+    pp: int
+    overlap_decode: bool
+    stream_batch: bool = False
+    pp_decode: str = "auto"
+
+    @property
+    def exact(self) -> bool:
+        return not self.stream_batch
+
+    @property
+    def name(self) -> str:
+        decode = "overlap" if self.overlap_decode else "inline"
+        parts = [f"pp{self.pp}", decode] + (["stream-batch"] if self.stream_batch else [])
+        return "-".join(parts + ([self.pp_decode] if self.pp > 1 and self.overlap_decode else []))
+
+    def config(self) -> EngineConfig:
+        return EngineConfig(
+            pipeline=PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1}),
+            pp=self.pp,
+            overlap_decode=self.overlap_decode,
+            stream_batch=self.stream_batch,
+            pp_decode=self.pp_decode,
+            max_batch_rows=2,
+            max_sessions=4,
+            startup_timeout_s=120,
+            **PINNED_LIMITS,
+        )
+
+
+REFERENCE = Mode(pp=1, overlap_decode=False)
+MODES = [
+    REFERENCE,
+    Mode(pp=1, overlap_decode=True),
+    Mode(pp=2, overlap_decode=False),
+    Mode(pp=2, overlap_decode=False, stream_batch=True),
+    *(
+        Mode(pp=2, overlap_decode=True, stream_batch=batch, pp_decode=decode)
+        for decode in ("first", "spread", "split")
+        for batch in (False, True)
+    ),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def reference():
+    engine = EngineClient(REFERENCE.config())
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+def scheduled_start(sid: str) -> StartSession:
+    change = ScheduledInteraction(at_chunk=2, event_id="s1", interaction=Interaction(prompt="a storm"))
+    return StartSession(session_id=sid, prompt="a calm sea", seed=11, num_chunks=4, scheduled=(change,), **SIZE)
+
+
+def live_start(sid: str, chunks: int | None = None, at_chunk: int | None = None) -> StartSession:
+    """The open-ended session (``chunks`` None), or its replay: ``chunks`` long
+    with the live prompt scheduled where it landed."""
+    scheduled = ()
+    if at_chunk is not None:
+        scheduled = (ScheduledInteraction(at_chunk=at_chunk, event_id="e1", interaction=Interaction(prompt="a fire")),)
+    return StartSession(session_id=sid, prompt="a forest", seed=12, num_chunks=chunks, scheduled=scheduled, **SIZE)
+
+
+async def run_live(engine: EngineClient, sid: str) -> tuple[Collected, InteractionApplied]:
+    handle = await engine.start_session(live_start(sid))
+    seen = Collected()
+    await read_until(handle, ChunkReady, seen, timeout=120)
+    await handle.interact("e1", Interaction(prompt="a fire"))
+    applied = await read_until(handle, InteractionApplied, seen, timeout=120)
+    while not any(c.generation_chunk_index >= applied.generation_chunk_index for c in seen.chunks):
+        await read_until(handle, ChunkReady, seen, timeout=120)
+    await handle.stop()
+    return await collect(handle, seen, timeout=120), applied
+
+
+async def run_scheduled(engine: EngineClient, start: StartSession) -> Collected:
+    return await collect(await engine.start_session(start), timeout=120)
+
+
+def payloads(result: Collected) -> list[bytes]:
+    return [chunk.payload for chunk in result.chunks]
+
+
+@SHARED
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.name)
+async def test_every_configuration_serves_two_sessions_with_an_interaction(mode: Mode, reference: EngineClient):
+    engine = reference if mode == REFERENCE else EngineClient(mode.config())
+    if engine is not reference:
+        await engine.start()
+    try:
+        scheduled, (live, applied) = await asyncio.gather(
+            run_scheduled(engine, scheduled_start(f"{mode.name}-a")), run_live(engine, f"{mode.name}-b")
+        )
+    finally:
+        if engine is not reference:
+            await engine.shutdown()
+
+    for result in (scheduled, live):
+        assert isinstance(result.end, SessionDone), result.end
+        indices = [chunk.generation_chunk_index for chunk in result.chunks]
+        assert indices == list(range(len(indices))), indices
+    assert [c.generation_chunk_index for c in scheduled.chunks] == [0, 1, 2, 3]
+    assert [a.at_chunk for a in scheduled.end.applied] == [2]
+    landed = applied.generation_chunk_index
+    assert landed >= 1
+    assert "e1" in live.chunks[landed].active_event_ids
+
+    expected = await run_scheduled(reference, scheduled_start(f"{mode.name}-a-ref"))
+    replay = await run_scheduled(reference, live_start(f"{mode.name}-b-ref", len(live.chunks), landed))
+    if mode.exact:
+        assert applied.chunks_in_flight == 1
+        assert payloads(scheduled) == payloads(expected)
+        assert payloads(live) == payloads(replay)
+    else:
+        lookahead = mode.config().lookahead("soft")
+        assert 1 <= applied.chunks_in_flight <= lookahead
+        assert live.chunks[landed].timing.chunks_in_flight == applied.chunks_in_flight
+        assert payloads(scheduled)[0] == payloads(expected)[0]
+        assert payloads(live)[0] == payloads(replay)[0]
