@@ -9,7 +9,9 @@ its part of it:
     if the plan gives it rows: receive them from the rank before (the message
         says which rows it carries and which failed upstream), run its blocks
         over them (a batch that raises is rerun row by row; a row that fails
-        alone is named in ``failed`` and goes no further), and post the result
+        alone is named in ``failed`` and goes no further; so is every row of
+        a session whose open or boundary failed here: none runs on a cache
+        that missed its boundary), and post the result
         on: hidden states to the next rank, or, on the last rank, the
         predictions and finished commit passes back to rank 0
 
@@ -95,7 +97,9 @@ class Follower:
             keep = [
                 i
                 for i, row in enumerate(hidden.rows)
-                if (row.session_id, row.chunk_index, row.step) in planned and row.session_id in self.states
+                if (row.session_id, row.chunk_index, row.step) in planned
+                and row.session_id in self.states
+                and row.session_id not in self.failed  # its cache here missed a boundary: the session fails
             ]
             for i, row in enumerate(hidden.rows):
                 if i not in keep and row.session_id in self.failed:

@@ -19,10 +19,13 @@ REGISTRY: dict[str, str] = {
 def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
     """Construct the pipeline ``spec`` names, for forwards of up to ``max_batch_rows``
     session rows (the engine's knob; a pipeline option of that name is refused so
-    there is one). ``ValueError`` names an unknown pipeline or a refused option."""
-    target = REGISTRY.get(spec.name)
+    there is one). ``spec.name`` is a name of ``REGISTRY`` or the import path of a
+    factory of one's own (``package.module:function``, importable in the worker
+    processes). ``ValueError`` names an unknown pipeline or a refused option."""
+    target = REGISTRY.get(spec.name) or (spec.name if ":" in spec.name else None)
     if target is None:
-        raise ValueError(f"unknown pipeline {spec.name!r}; known: {', '.join(sorted(REGISTRY))}")
+        known = ", ".join(sorted(REGISTRY))
+        raise ValueError(f"unknown pipeline {spec.name!r}; known: {known}, or an import path module:function")
     if "max_batch_rows" in spec.options:
         raise ValueError(
             "pipeline option max_batch_rows: set it as the server's --max-batch-rows (RTVIDEO_MAX_BATCH_ROWS)"
