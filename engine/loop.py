@@ -100,6 +100,7 @@ class EngineLoop:
         # Split over ranks, the SLO controller picks the rows entering per micro-step.
         self.slo = SloController(max_rows) if self.split else None
         self._entering: dict[int, int] = {}  # micro-step number -> rows that entered in it
+        self._carrying: dict[int, set[str]] = {}  # micro-step number in flight -> the sessions it carries
         self._rows_entered = 0
         self._stats_sent_at = 0.0
         self._stats_sent_steps = 0  # micro-steps counted in the figures sent last
@@ -142,6 +143,9 @@ class EngineLoop:
                 continue
             self.stats.iterations += 1
             self.stats.pipeline_s += result.pipeline_s
+            for sid in self._carrying.pop(result.number, ()):
+                if sid in self.sessions:
+                    self.sessions[sid].steps_in_flight -= 1
             self.emit(result)
             self._control_rows(result)
         self._send_stats()
@@ -220,12 +224,7 @@ class EngineLoop:
         row per scheduled session."""
         step = MicroStep(number=self._number + 1)
         for sid, session in self.sessions.items():
-            if (
-                session.phase is Phase.FINISHING
-                and not session.release_planned
-                and not session.decoding
-                and not self.scheduler.in_flight(sid)
-            ):
+            if session.phase is Phase.FINISHING and not session.release_planned and self._idle(session):
                 step.release.append(sid)
                 session.release_planned = True
         held, wake_in = self._paced(playheads)
@@ -248,7 +247,21 @@ class EngineLoop:
             self.scheduler.advance(entering)
             self._entering[step.number] = len(entering)
             self._rows_entered += len(entering)
+            self._carrying[step.number] = carried = step.sessions() & self.sessions.keys()
+            for sid in carried:
+                self.sessions[sid].steps_in_flight += 1
         return step, wake_in
+
+    def _idle(self, session: EngineSession) -> bool:
+        """Whether nothing of the session runs anywhere: no micro-step that carries
+        it is in flight (an executor holds several: one may still be committing
+        a chunk whose decode the loop has not heard of), no pass of it is in the
+        ring, and no chunk of it is decoding. Only then may its state be freed:
+        a release runs in a micro-step of its own, while the decode stage may
+        still be reading that state on another thread."""
+        return (
+            session.steps_in_flight == 0 and not session.decoding and not self.scheduler.in_flight(session.session_id)
+        )
 
     def _paced(self, playheads: dict[str, Playhead]) -> tuple[set[str], float | None]:
         """Sessions held back by pacing, and the soonest one of them may run."""

@@ -82,6 +82,13 @@ class MicroStep:
     def is_empty(self) -> bool:
         return not (self.release or self.open or self.boundaries or any(self.ranks) or self.returning)
 
+    def sessions(self) -> set[str]:
+        """The sessions whose state the micro-step uses: a row on any rank or
+        coming back, an open or a boundary (a release frees state, it does not
+        use it)."""
+        ids = {row.session_id for row in (*self.rows, *self.returning)}
+        return ids | {start.session_id for start in self.open} | {task.session_id for task in self.boundaries}
+
 
 @dataclass(frozen=True)
 class ChunkOutput:

@@ -1,0 +1,88 @@
+"""A session's state is freed only once nothing of it runs: the engine loop plans
+its release only after every micro-step that carries it came back (an
+executor holds two: the one still running may be committing a chunk whose
+decode the loop has not heard of yet) and every decode of it did. In process:
+the loop, the control plane, the real runner over the stub, and an executor
+whose micro-steps finish when the test says."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.control import ControlPlane
+from engine.loop import EngineLoop
+from engine.messages import SessionDone, StartSession, StopSession
+from engine.plan import MicroStep, StepResult
+from workers.pipelines.stub import StubPipeline
+from workers.runner import ModelRunner
+
+
+class HeldExecutor:
+    """Two micro-steps in flight at once, like the threaded executor; each runs
+    (the real runner) and comes back only when the test calls ``finish_oldest``."""
+
+    depth = 2
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.submitted: list[MicroStep] = []
+        self.waiting: list[MicroStep] = []
+        self.done: list[StepResult] = []
+
+    def submit(self, step: MicroStep) -> None:
+        self.submitted.append(step)
+        self.waiting.append(step)
+
+    def finish_oldest(self) -> MicroStep:
+        step = self.waiting.pop(0)
+        self.done.append(self.runner.execute(step))
+        return step
+
+    def results(self) -> list[StepResult]:
+        done, self.done = self.done, []
+        return done
+
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.done)
+
+    def executing_s(self) -> float:
+        return 0.0
+
+    def held_sessions(self):
+        return self.runner.held_sessions()
+
+    def rank_figures(self):
+        return ()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stopped_session_is_released_only_after_its_micro_steps_in_flight_came_back():
+    sent: list = []
+    config = EngineConfig()
+    runner = ModelRunner(StubPipeline())
+    control = ControlPlane(config, runner.describe, sent.append)
+    executor = HeldExecutor(runner)
+    loop = EngineLoop(config, control, executor, sent.append, grouping=True, max_rows=1)
+
+    def turn() -> None:  # one loop iteration, without its wait
+        seen, playheads = control.pacing_state()
+        loop.collect()
+        loop.drain_control()
+        loop.submit(playheads)
+
+    control.handle(StartSession(session_id="s", prompt="p", num_chunks=8, num_inference_steps=4))
+    turn()
+    assert len(executor.waiting) == 2  # planned ahead: two micro-steps of session s in flight
+    executor.finish_oldest()
+    control.handle(StopSession(session_id="s"))
+    turn()  # one of s's micro-steps is still in flight: its release must wait for it
+    assert not any("s" in step.release for step in executor.submitted)
+    executor.finish_oldest()
+    turn()
+    assert [step.release for step in executor.waiting] == [["s"]]
+    executor.finish_oldest()
+    turn()
+    done = [m for m in sent if isinstance(m, SessionDone)]
+    assert len(done) == 1 and done[0].stopped
+    assert runner.held_sessions() == ((), ())
