@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from engine.chunk_cost import ChunkCostModel
-from engine.config import EngineConfig
+from engine.config import EngineConfig, PipelineSpec
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
 from engine.messages import (
@@ -77,7 +77,7 @@ def run_worker(
             import torch
 
             torch.set_num_threads(config.cpu_threads)
-        pipeline = build_pipeline(config.pipeline, config.max_batch_rows)
+        pipeline = build_pipeline(_rank_0_spec(config, site), config.max_batch_rows)
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
             group = _spawn_ranks(config, pipeline, sender, ending, site)
         warm_up_s = warm_up(pipeline)
@@ -241,6 +241,24 @@ def _ended_by_launcher(sender: ResultSender) -> None:
     threading.Thread(target=end, name="launcher-ended", daemon=True).start()
 
 
+def _rank_0_spec(config: EngineConfig, site) -> PipelineSpec:
+    """The pipeline rank 0 builds: the configured one, on rank 0's device where
+    the blocks are split over ranks (``workers.parallel.placement``: ranks
+    spawned on this host are checked to have a device each first)."""
+    if config.pp == 1:
+        return config.pipeline
+    from workers.parallel.placement import check_host, rank_device, rank_spec
+
+    if site is None:
+        check_host(config)
+    device = rank_device(config, 0)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)  # NCCL's communicator follows the current device
+    return rank_spec(config, 0)
+
+
 def _calibrate(config: EngineConfig, pipeline) -> Calibration:
     """Measure what a chunk costs (``workers.calibrate``), unless nothing would use
     it: the frame bound configured and admission by chunk cost off."""
@@ -361,10 +379,11 @@ def _start_ranks(config: EngineConfig, pipeline, group, decode_inline: bool, spl
     ranks), returns where it changes rank (the stages rank 0 runs; else 0)."""
     import torch
 
-    from workers.parallel.group import rank_device, rank_threads
+    from workers.parallel.group import rank_threads
     from workers.parallel.partition import measure_costs, rank_seconds, split_blocks, split_decoder
+    from workers.parallel.placement import rank_device
 
-    if rank_device(0).type == "cpu":  # the ranks share the cores: measure as they will run, alone
+    if rank_device(config, 0).type == "cpu":  # the ranks share the cores: measure as they will run, alone
         torch.set_num_threads(rank_threads(config.pp))
         group.wait_loaded()
     costs = measure_costs(pipeline, decode_inline=decode_inline)

@@ -54,14 +54,17 @@ class Mode:
         parts = [f"pp{self.pp}", decode] + (["stream-batch"] if self.stream_batch else [])
         return "-".join(parts + ([self.pp_decode] if self.pp > 1 and self.overlap_decode else []))
 
-    def config(self) -> EngineConfig:
+    def config(self, device: str = "cpu", rows: int = 2, transport: str = "auto") -> EngineConfig:
+        """On ``device`` (every rank on it: ``cuda:0`` puts two ranks on one GPU),
+        forwards of up to ``rows`` rows, the ring on ``transport``."""
         return EngineConfig(
-            pipeline=PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1}),
+            pipeline=PipelineSpec("tiny", {"device": device, "warm_up_chunks": 1}),
             pp=self.pp,
             overlap_decode=self.overlap_decode,
             stream_batch=self.stream_batch,
             pp_decode=self.pp_decode,
-            max_batch_rows=2,
+            pp_transport=transport,
+            max_batch_rows=rows,
             max_sessions=4,
             startup_timeout_s=120,
             **PINNED_LIMITS,
@@ -127,7 +130,13 @@ def payloads(result: Collected) -> list[bytes]:
 @SHARED
 @pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.name)
 async def test_every_configuration_serves_two_sessions_with_an_interaction(mode: Mode, reference: EngineClient):
-    engine = reference if mode == REFERENCE else EngineClient(mode.config())
+    await check_mode(mode, mode.config(), reference, same=mode == REFERENCE)
+
+
+async def check_mode(mode: Mode, config: EngineConfig, reference: EngineClient, same: bool = False) -> None:
+    """Run the two sessions on an engine of ``config`` (``same``: on ``reference``
+    itself) and check them against ``reference``, an engine of ``REFERENCE``."""
+    engine = reference if same else EngineClient(config)
     if engine is not reference:
         await engine.start()
     try:
@@ -155,7 +164,7 @@ async def test_every_configuration_serves_two_sessions_with_an_interaction(mode:
         assert payloads(scheduled) == payloads(expected)
         assert payloads(live) == payloads(replay)
     else:
-        lookahead = mode.config().lookahead("soft")
+        lookahead = config.lookahead("soft")
         assert 1 <= applied.chunks_in_flight <= lookahead
         assert live.chunks[landed].timing.chunks_in_flight == applied.chunks_in_flight
         assert payloads(scheduled)[0] == payloads(expected)[0]

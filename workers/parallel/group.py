@@ -52,6 +52,7 @@ from engine.plan import MicroStep
 from workers import process_log
 from workers.os_threads import decode_nice
 from workers.parallel.link import Message, RingLink
+from workers.parallel.placement import backend, link_device, rank_device, rank_spec, uses_process_group
 from workers.parallel.sockets import PeerClosed, RankSockets, advertised_host
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,6 @@ class LaunchSite:
 
     store: dist.Store
     advertise_host: str
-
-
-def rank_device(rank: int) -> torch.device:
-    """Rank r's device: GPU r where there are enough GPUs, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > rank:
-        return torch.device("cuda", rank)
-    return torch.device("cpu")
 
 
 def rank_threads(world: int) -> int:
@@ -90,7 +84,7 @@ def decode_placement(config: EngineConfig, pipeline) -> str:
 
     wanted = config.pp_decode
     if wanted == "auto":
-        wanted = "spread" if rank_device(0).type == "cpu" else "first"
+        wanted = "spread" if rank_device(config, 0).type == "cpu" else "first"
     deferred = config.overlap_decode is not False  # else rank 0 decodes inside its micro-steps
     if config.pp == 1 or not deferred or wanted == "first" or not can_spread(pipeline):
         return "first"
@@ -98,20 +92,43 @@ def decode_placement(config: EngineConfig, pipeline) -> str:
 
 
 def ring_link(config: EngineConfig, rank: int, sockets: RankSockets) -> RankSockets | RingLink:
-    """What the ring's messages travel on: the ranks' sockets on a CPU, NCCL
-    point-to-point on GPUs (``pp_transport`` ``auto``), or ``torch.distributed``
-    point-to-point either way (``torch``: gloo on a CPU)."""
+    """What the ring's messages travel on: the ranks' sockets on a CPU (and
+    between ranks sharing a GPU), NCCL point-to-point between GPUs
+    (``pp_transport`` ``auto``), or ``torch.distributed`` point-to-point either
+    way (``torch``: gloo on a CPU). ``workers.parallel.placement`` decides."""
     if not uses_process_group(config, rank):
         return sockets
-    return RingLink(rank, config.pp, config.pp_timeout_s, rank_device(rank))
+    return RingLink(rank, config.pp, config.pp_timeout_s, link_device(config, rank))
 
 
-def uses_process_group(config: EngineConfig, rank: int) -> bool:
-    """Whether the ranks join a ``torch.distributed`` process group: only where
-    the ring's messages travel on it (``ring_link``). Without one, the ranks
-    need no ports beyond the rendezvous store's and their sockets'
-    (``rank_port``): gloo and NCCL open connections on ports of their own."""
-    return not (config.pp_transport == "auto" and rank_device(rank).type == "cpu")
+def join_process_group(config: EngineConfig, rank: int, store: dist.Store) -> None:
+    """Join the group's ``torch.distributed`` process group, where the ring travels
+    on one. NCCL's communicator is made now, on the rank's GPU (``device_id``),
+    not lazily at the first send, when the peer may be waiting on something else."""
+    timeout = datetime.timedelta(seconds=config.startup_timeout_s)
+    kind = backend(config, rank)
+    device = rank_device(config, rank) if kind == "nccl" else None
+    dist.init_process_group(kind, store=store, rank=rank, world_size=config.pp, timeout=timeout, device_id=device)
+
+
+WARM_UP_TAG = 0  # the ring's first message; micro-steps' messages are tagged from 2 on
+
+
+def warm_up_ring(link: RankSockets | RingLink, rank: int, world: int) -> None:
+    """Send one small message once round the ring, 0 -> 1 -> ... -> N-1 -> 0,
+    before rank 0 says READY: every pair of neighbours opens its connection (on
+    GPUs, NCCL's point-to-point communicator) now, in an order every rank
+    agrees on, so no rank's first operation is a lone send while its peer
+    waits on a plan, and a ring that cannot go round fails the start (within
+    the link's timeout, ``LinkTimeout`` naming the rank) instead of the first
+    session."""
+    token = Message({"warm_up": True}, [torch.zeros(1, device=link.device)])
+    if rank == 0:
+        link.send(1, WARM_UP_TAG, token)
+        link.recv(world - 1, WARM_UP_TAG)
+    else:
+        link.send((rank + 1) % world, WARM_UP_TAG, link.recv(rank - 1, WARM_UP_TAG))
+    link.wait_sent()
 
 
 def rank_port(config: EngineConfig, rank: int) -> int:
@@ -175,18 +192,30 @@ class RankGroup:
         process group. ``RuntimeError`` naming the rank when one fails."""
         self.splits, self.blocks = splits, splits[0]
         store = self._store
-        timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
         for rank in range(1, self.world):
             store.set(f"blocks/{rank}", f"{splits[rank].start},{splits[rank].stop}")
         self._wait_for("built", "kept its blocks")
+        self._check_devices()
         if uses_process_group(self.config, 0):
-            backend = "nccl" if rank_device(0).type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=store, rank=0, world_size=self.world, timeout=timeout)
+            join_process_group(self.config, 0, store)
         self._wait_for("sockets", "listening on their sockets")
         self.sockets.connect(store, self.config.startup_timeout_s)
         self.link = ring_link(self.config, 0, self.sockets)
+        warm_up_ring(self.link, 0, self.world)
         if self._processes:
             threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _check_devices(self) -> None:
+        """Every rank runs on the same kind of device as rank 0 (each said where,
+        ``device/<rank>``); ``RuntimeError`` naming them where not."""
+        devices = [str(rank_device(self.config, 0))]
+        devices += [self._store.get(f"device/{rank}").decode() for rank in range(1, self.world)]
+        if len({torch.device(device).type for device in devices}) > 1:
+            where = ", ".join(f"rank {rank} on {device}" for rank, device in enumerate(devices))
+            raise RuntimeError(
+                f"pipeline ranks on different kinds of device ({where}): every rank needs a GPU, "
+                "or every rank runs on the CPU (pipeline option device cpu)"
+            )
 
     def _wait_for(self, key: str, what: str) -> None:
         """Until every follower has set ``key/<rank>`` in the store; ``RuntimeError``
@@ -296,39 +325,37 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
     from workers.pipelines import build_pipeline
 
     process_log.configure(f"worker[{rank}]", config.log_level)
-    device = rank_device(rank)
-    if device.type == "cpu":
-        torch.set_num_threads(rank_threads(world))
-    else:
-        torch.cuda.set_device(device)  # NCCL's communicators follow the current device
-    options = dict(config.pipeline.options)
-    if device.type == "cuda":
-        options["device"] = str(device)
-    spec = type(config.pipeline)(config.pipeline.name, options)
-    pipeline = build_pipeline(spec, config.max_batch_rows)
-    store.set(f"loaded/{rank}", "1")
-    timeout = datetime.timedelta(seconds=config.startup_timeout_s)
-    store.wait([f"blocks/{rank}"], timeout)  # rank 0 measures the blocks (on a CPU once all have loaded)
-    blocks = tuple(int(part) for part in store.get(f"blocks/{rank}").decode().split(","))
-    pipeline.own_blocks(range(*blocks))
-    pipeline.chunks_in_flight = config.lookahead
-    store.set(f"pid/{rank}", str(os.getpid()))
-    store.set(f"built/{rank}", "1")
-    if uses_process_group(config, rank):
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     sockets = RankSockets(rank, world, config.pp_timeout_s)
-    port = rank_port(config, rank)
     try:
+        device = rank_device(config, rank)
+        if device.type == "cpu":
+            torch.set_num_threads(rank_threads(world))
+        else:
+            torch.cuda.set_device(device)  # NCCL's communicators follow the current device
+        pipeline = build_pipeline(rank_spec(config, rank), config.max_batch_rows)
+        store.set(f"device/{rank}", str(device))
+        store.set(f"loaded/{rank}", "1")
+        timeout = datetime.timedelta(seconds=config.startup_timeout_s)
+        store.wait([f"blocks/{rank}"], timeout)  # rank 0 measures the blocks (on a CPU once all have loaded)
+        blocks = tuple(int(part) for part in store.get(f"blocks/{rank}").decode().split(","))
+        pipeline.own_blocks(range(*blocks))
+        pipeline.chunks_in_flight = config.lookahead
+        store.set(f"pid/{rank}", str(os.getpid()))
+        store.set(f"built/{rank}", "1")
+        if uses_process_group(config, rank):
+            join_process_group(config, rank, store)
+        port = rank_port(config, rank)
         if launched:
             sockets.listen(store, advertised_host(os.environ.get("MASTER_ADDR")), bind_host="0.0.0.0", port=port)
         else:
             sockets.listen(store, "127.0.0.1", port=port)
-    except OSError as error:  # rank 0 reads this while it waits for the ranks' sockets, and fails the start with it
-        store.set(f"failed/{rank}", str(error))
-        raise
+    except Exception as error:  # rank 0 reads this while it waits for the ranks, and fails the start with it
+        log.exception("pipeline rank %d could not start", rank)
+        store.set(f"failed/{rank}", f"pipeline rank {rank} could not start: {type(error).__name__}: {error}")
+        os._exit(1)
     sockets.connect(store, config.startup_timeout_s)
     link = ring_link(config, rank, sockets)
+    warm_up_ring(link, rank, world)
     follower = Follower(pipeline, link, range(*blocks))
     if decode_placement(config, pipeline) != "first":
         from workers.parallel.decode_server import DecodeServer

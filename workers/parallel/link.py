@@ -18,13 +18,17 @@ gloo: a round trip of two small messages took 4-7 ms in one transfer each,
 11-13 ms as a header then its tensor.)
 
 Every wait has a timeout (``timeout_s``): a peer that stops answering raises
-``LinkTimeout`` instead of hanging; a peer that dies makes gloo raise at once.
+``LinkTimeout`` instead of hanging, whichever backend noticed (``timed_out``);
+a peer that dies makes gloo raise at once. Tensors travel from the link's
+device (``workers.parallel.placement.link_device``): GPU tensors sent over
+gloo are copied to host memory first.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +72,7 @@ class RingLink:
         """Post ``message`` to ``peer``; returns at once. The previous sends are
         waited for first (their buffers may then be reused)."""
         self.wait_sent()
-        parts = [t.contiguous() for t in message.tensors]
+        parts = [t.contiguous().to(self.device) for t in message.tensors]  # GPU tensors over gloo: via host memory
         metas = [[list(t.shape), str(t.dtype)] for t in parts]
         header = msgspec.msgpack.encode({**message.header, "tensors": metas, "inline": True})
         start = aligned(4 + len(header))
@@ -122,13 +126,28 @@ class RingLink:
             self._wait(works, "send", None)
 
     def _wait(self, works: list, what: str, peer: int | None) -> None:
+        """Wait for ``works``; ``LinkTimeout`` when one is not done within the
+        timeout, however the backend says so (``timed_out``)."""
         for work in works:
             try:
-                work.wait(self.timeout)
-            except RuntimeError as error:
-                if "Timed out" in str(error):
-                    who = "a peer" if peer is None else f"rank {peer}"
-                    raise LinkTimeout(
-                        f"rank {self.rank}: {what} from {who} not done within {self.timeout.total_seconds():g} s"
-                    ) from error
-                raise
+                done = work.wait(self.timeout)
+            except RuntimeError as error:  # torch.distributed.DistBackendError is one
+                if not timed_out(error):
+                    raise
+                raise self._timeout(what, peer) from error
+            if done is False:  # a backend that answers a timeout instead of raising
+                raise self._timeout(what, peer)
+
+    def _timeout(self, what: str, peer: int | None) -> LinkTimeout:
+        who = "a peer" if peer is None else f"rank {peer}"
+        return LinkTimeout(f"rank {self.rank}: {what} from {who} not done within {self.timeout.total_seconds():g} s")
+
+
+_TIMED_OUT = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether a backend's error says a wait ran out of time: gloo says "Timed
+    out waiting ... for recv operation", NCCL "... ran for N milliseconds before
+    timing out" (or names its watchdog's timeout)."""
+    return bool(_TIMED_OUT.search(str(error)))
