@@ -14,9 +14,11 @@ Liveness, both ways:
   worker that dies (killed, crashed, OOM) is noticed at once: every open
   session receives ``SessionFailed(code="worker_died")`` and calls raise
   ``EngineDeadError`` instead of hanging. A fresh worker (a fresh device
-  context) is then started on the same sockets, at most
-  ``max_worker_restarts`` times per ``worker_restart_window_s``; past that
-  the engine stays dead;
+  context) is then started on fresh sockets, at most ``max_worker_restarts``
+  times per ``worker_restart_window_s``, a start that fails counting as one;
+  past that the engine stays dead. A fork server that dies takes its worker
+  with it (``engine.spawned_worker``: the worker is killed, its sessions
+  fail) and the next start makes a new fork server;
 - the worker holds the read end of a pipe whose write end only this process
   has; when this process dies, however it dies, the worker sees EOF and exits;
 - a worker that is alive but wedged (stopped, deadlocked, or one forward far
@@ -43,10 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import logging
-import multiprocessing
 import shutil
 import time
 from dataclasses import dataclass
@@ -85,6 +85,7 @@ from engine.messages import (
     WorkerReady,
     WorkerStartupFailed,
 )
+from engine.spawned_worker import SpawnedWorker, fork_server_pid
 from engine.transport import Endpoints, decode_result, encode_control
 
 log = logging.getLogger(__name__)
@@ -126,26 +127,6 @@ class SessionRejectedError(EngineError):
 
 class UnknownSessionError(EngineError):
     """No open session has this id on this client."""
-
-
-def _worker_context(config: EngineConfig) -> Any:
-    """The start method of worker rank 0: ``forkserver``, preloading what a worker
-    of ``config`` imports. The fork server is one per API process, started with
-    the first worker; it imports those modules and nothing else (no device is
-    touched, no thread started), and each worker is a fork of it, so it starts
-    with them imported and shares nothing with this process but what
-    ``Process`` passes (the config, the endpoints, the liveness pipe). Its
-    environment is this process's when the first worker started: what a worker
-    needs is in its config, not in environment variables."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(config.worker_modules))  # no effect once the server runs
-    return context
-
-
-def _bootstrap(entry: str, *args: Any) -> None:
-    """Child-side trampoline: import the worker entry point by name and run it."""
-    module, _, function = entry.partition(":")
-    getattr(importlib.import_module(module), function)(*args)
 
 
 class SessionHandle:
@@ -196,7 +177,7 @@ class WorkerState(Enum):
     STARTING = "starting"  # spawned, READY not yet received (the first start)
     UP = "up"  # said READY and has not exited
     RESTARTING = "restarting"  # died; a fresh one is starting (calls raise EngineRestartingError)
-    DEAD = "dead"  # died and the restart budget is spent, or a restart failed (calls raise EngineDeadError)
+    DEAD = "dead"  # died and the restart budget is spent (calls raise EngineDeadError)
     CLOSING = "closing"  # shutdown() was called
 
 
@@ -231,14 +212,16 @@ class EngineClient:
         self._probes: dict[int, asyncio.Future] = {}
         self._probe_ids = itertools.count(1)
         self._dead_reason: str | None = None
-        self._process: Any = None
+        self._process: SpawnedWorker | LaunchedWorker | None = None
         self._exited = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
         self._death_task: asyncio.Task | None = None
-        self._directory: str | None = None
-        self._parent_alive: Any = None  # the write end of a spawned worker's liveness pipe
-        self._restart_times: list[float] = []
-        self.restarts = 0  # workers restarted after a death
+        self._context: zmq.asyncio.Context | None = None
+        self._control: zmq.asyncio.Socket | None = None  # the pipes of the latest worker (_bind)
+        self._results: zmq.asyncio.Socket | None = None
+        self._directory: str | None = None  # the private directory of their ipc endpoints
+        self._restart_times: list[float] = []  # every restart tried, failed ones too (the budget)
+        self.restarts = 0  # workers restarted after a death that said READY
 
     # ------------------------------------------------------------------
     # lifecycle
@@ -247,19 +230,10 @@ class EngineClient:
     async def start(self) -> WorkerReady:
         """Spawn the worker (or, with ``worker_listen``, wait for a launched group to
         connect) and wait for READY; ``EngineStartupError`` otherwise."""
-        if self.config.worker_listen is not None:
-            self._endpoints = Endpoints.tcp(self.config.worker_listen)
-        else:
-            self._endpoints, self._directory = Endpoints.fresh()
         self._context = zmq.asyncio.Context()
-        self._control = self._context.socket(zmq.PUSH)
-        self._control.setsockopt(zmq.LINGER, 0)
-        self._control.setsockopt(zmq.SNDHWM, 100_000)
-        self._control.bind(self._endpoints.control)
-        self._results = self._context.socket(zmq.PULL)
-        self._results.setsockopt(zmq.LINGER, 0)
         try:
-            self._results.bind(self._endpoints.results)
+            if self.config.worker_listen is not None:
+                self._bind()  # a launched group's pipes: kept across its restarts
             await self._spawn()
         except BaseException:
             self._close_sockets()
@@ -268,34 +242,66 @@ class EngineClient:
         self._heartbeat_task = asyncio.create_task(self._beat(), name="engine-heartbeat")
         return self.ready
 
+    def _bind(self) -> None:
+        """Bind the pipes for the next worker: on fresh ``ipc://`` endpoints for a
+        spawned worker (each one has its own, so nothing an earlier worker sent or
+        was sent can reach it), on ``worker_listen`` for a launched group."""
+        if self.config.worker_listen is not None:
+            endpoints, self._directory = Endpoints.tcp(self.config.worker_listen), None
+        else:
+            endpoints, self._directory = Endpoints.fresh()
+        self._endpoints = endpoints
+        self._control = self._context.socket(zmq.PUSH)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.setsockopt(zmq.SNDHWM, 100_000)
+        self._results = self._context.socket(zmq.PULL)
+        self._results.setsockopt(zmq.LINGER, 0)
+        try:
+            self._control.bind(endpoints.control)
+            self._results.bind(endpoints.results)
+        except BaseException:
+            self._unbind()
+            raise
+
+    def _unbind(self) -> None:
+        """Close the latest worker's pipes: what it sent and was not read, and what
+        it was sent and did not read, is dropped with them (LINGER 0), and a send
+        still waiting for it ends (``_transmit``)."""
+        for socket in (self._control, self._results):
+            if socket is not None:
+                socket.close()
+        if self._directory:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
+
     async def _spawn(self) -> None:
-        """Start a worker process on the bound sockets and wait for its READY."""
+        """Start a worker process on pipes of its own and wait for its READY; on
+        ``EngineStartupError`` it is stopped and its pipes are closed."""
         if self.config.worker_listen is not None:
             await self._await_launched()
             return
-        context = _worker_context(self.config)
-        parent_alive_reader, self._parent_alive = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=_bootstrap,
-            args=(self.config.worker_entry, self.config, self._endpoints, parent_alive_reader, 0),
-            name="rtvideo-worker-0",
-            # A worker that starts pipeline ranks of its own cannot be daemonic; it
-            # exits with this process either way (the liveness pipe, and shutdown).
-            daemon=self.config.pp == 1,
-        )
+        self._bind()
+        self._process = SpawnedWorker(self.config, self._endpoints, self._on_worker_exit)
         self._exited = asyncio.Event()
         began = time.monotonic()
-        # In a thread: the first start waits for the fork server's imports (seconds).
-        await asyncio.to_thread(self._process.start)
-        parent_alive_reader.close()
-        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_worker_exit)
         try:
-            self.ready = await self._handshake()
+            try:  # in a thread: the first start waits for the fork server's imports (seconds)
+                await asyncio.to_thread(self._process.start)
+            except (OSError, EOFError) as error:
+                raise EngineStartupError(f"the fork server could not start a worker: {error!r}") from error
+            self._process.watch()
+            try:
+                self.ready = await self._handshake()
+            except BaseException:
+                await self._stop_process()
+                raise
         except BaseException:
-            await self._stop_process()
+            self._process.close()
+            self._unbind()
             raise
         self._startup_s = time.monotonic() - began
-        self.state = WorkerState.UP
+        if self.state in (WorkerState.STARTING, WorkerState.RESTARTING):
+            self.state = WorkerState.UP
 
     async def _await_launched(self) -> None:
         """Wait for a launched worker group's rank 0 to connect and say READY."""
@@ -337,6 +343,8 @@ class EngineClient:
         if receive not in done:
             receive.cancel()
             if self._exited.is_set():
+                if isinstance(self._process, SpawnedWorker):
+                    raise EngineStartupError(f"{self._process.describe_exit()} before it was ready")
                 raise EngineStartupError(f"worker exited with code {self._process.exitcode} before it was ready")
             within = f"within {self.config.startup_timeout_s:g} s"
             if isinstance(self._process, LaunchedWorker) and self._process.hello is None:
@@ -380,19 +388,12 @@ class EngineClient:
         process.join(timeout=1.0)
 
     def _close_sockets(self) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        self._control.close()
-        self._results.close()
+        if self._process is not None:
+            self._process.close()
+        self._unbind()
         self._context.term()
-        if self._parent_alive is not None:
-            self._parent_alive.close()
-        if self._directory:
-            shutil.rmtree(self._directory, ignore_errors=True)
 
     def _on_worker_exit(self) -> None:
-        if not isinstance(self._process, LaunchedWorker):
-            asyncio.get_running_loop().remove_reader(self._process.sentinel)
         self._exited.set()
         if self.state is WorkerState.UP:  # a death during a handshake is the handshake's to report
             # Decided now, so no call in between sees the wrong state (or a reason-less one).
@@ -402,24 +403,30 @@ class EngineClient:
             self._death_task = asyncio.create_task(self._on_worker_death())
 
     async def _on_worker_death(self) -> None:
-        self._process.join(timeout=1.0)  # the sentinel fired: it has exited; reap it
-        code = self._process.exitcode
+        self._process.join(timeout=1.0)  # it has exited: reap it
         if self._pump_task is not None:
             self._pump_task.cancel()
             await asyncio.gather(self._pump_task, return_exceptions=True)
         await self._drain_results()  # what the worker sent before it died
         if isinstance(self._process, LaunchedWorker):
+            code = self._process.exitcode
             default = f"{self._process.describe()} exited (code {code}: {self._process.exit_reason})"
         else:
-            default = f"worker process {self._process.pid} died (exit code {code})"
+            default = self._process.describe_exit()
         death = self._killed or Death(code="worker_died", reason=self._dead_reason or default)
         self._killed = None
         self._dead_reason = death.reason
         log.error("%s", death.reason)
         self._fail_all(death.code, death.reason)
         self.heartbeat.reset()
+        if isinstance(self._process, SpawnedWorker):  # its pipes die with it (a launched group's are kept)
+            self._process.close()
+            self._unbind()
         if self.state is WorkerState.RESTARTING:
             await self._restart(death.reason)
+        elif self.state is WorkerState.DEAD:
+            self._dead_reason = f"{death.reason}; {self._budget_spent()}"
+            log.error("the engine is dead: %s", self._budget_spent())
 
     async def settled(self) -> None:
         """Return once a worker death in progress has been handled: its sessions
@@ -430,33 +437,57 @@ class EngineClient:
         if self._death_task is not None:
             await asyncio.shield(self._death_task)
 
-    def _may_restart(self) -> bool:
+    def _recent_restarts(self) -> list[float]:
         now = time.monotonic()
-        window = self.config.worker_restart_window_s
-        self._restart_times = [t for t in self._restart_times if now - t < window]
+        return [t for t in self._restart_times if now - t < self.config.worker_restart_window_s]
+
+    def _may_restart(self) -> bool:
+        self._restart_times = self._recent_restarts()
         return len(self._restart_times) < self.config.max_worker_restarts
 
-    async def _restart(self, reason: str) -> None:
-        """A fresh worker (fresh device context) on the same sockets; the sessions
-        of the dead one have already failed."""
-        self._restart_times.append(time.monotonic())
-        self.restarts += 1
-        log.warning(
-            "restarting the worker (%d in the last %g s)", len(self._restart_times), self.config.worker_restart_window_s
+    @property
+    def restarts_left(self) -> int:
+        """Restarts the budget still allows now: ``max_worker_restarts`` less those
+        tried, failed or not, in the last ``worker_restart_window_s``."""
+        return max(0, self.config.max_worker_restarts - len(self._recent_restarts()))
+
+    def _budget_spent(self) -> str:
+        """Why no restart is tried, for the reason the engine is dead."""
+        if self.config.max_worker_restarts == 0:
+            return "restarts are off (max_worker_restarts is 0)"
+        return (
+            f"the restart budget is spent ({self.config.max_worker_restarts} restarts tried in "
+            f"the last {self.config.worker_restart_window_s:g} s, max_worker_restarts)"
         )
-        if self._parent_alive is not None:
-            self._parent_alive.close()
-        try:
-            await self._spawn()
-        except EngineStartupError as error:
-            self._dead_reason = f"{reason}; restarting it failed: {error}"
-            log.error("%s", self._dead_reason)
-            if self.state is WorkerState.RESTARTING:
-                self.state = WorkerState.DEAD
+
+    async def _restart(self, reason: str) -> None:
+        """Fresh workers (a fresh device context each) on fresh pipes, until one
+        says READY; the sessions of the dead one have already failed. Each start
+        tried uses one unit of the restart budget, and one that fails ends the
+        engine only when that budget is spent."""
+        while self.state is WorkerState.RESTARTING:
+            self._restart_times.append(time.monotonic())
+            log.warning(
+                "restarting the worker (%d in the last %g s)",
+                len(self._restart_times),
+                self.config.worker_restart_window_s,
+            )
+            try:
+                await self._spawn()
+            except EngineStartupError as error:
+                log.error("restarting the worker failed: %s", error)
+                if self._may_restart():
+                    continue
+                self._dead_reason = f"{reason}; restarting it failed: {error}; {self._budget_spent()}"
+                log.error("the engine is dead: %s", self._dead_reason)
+                if self.state is WorkerState.RESTARTING:
+                    self.state = WorkerState.DEAD
+                return
+            self.restarts += 1
+            self._dead_reason = None
+            self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
+            log.warning("worker restarted (pid %s)", self._process.pid)
             return
-        self._dead_reason = None
-        self._pump_task = asyncio.create_task(self._pump(), name="engine-results")
-        log.warning("worker restarted (pid %s)", self._process.pid)
 
     # ------------------------------------------------------------------
     # heartbeat
@@ -493,6 +524,8 @@ class EngineClient:
             self._route(decode_result(await self._results.recv()))
 
     async def _drain_results(self) -> None:
+        if self._results is None or self._results.closed:
+            return
         while await self._results.poll(timeout=100):
             self._route(decode_result(await self._results.recv()))
 
@@ -614,6 +647,12 @@ class EngineClient:
     def worker_pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
+    @property
+    def fork_server_pid(self) -> int | None:
+        """The pid of the fork server the spawned workers come from (None with a
+        launched group, and before the first worker)."""
+        return None if self.config.worker_listen is not None else fork_server_pid()
+
     def open_sessions(self) -> tuple[str, ...]:
         return tuple(self._sessions)
 
@@ -627,11 +666,20 @@ class EngineClient:
         await self._transmit(message)
 
     async def _transmit(self, message: ControlMessage) -> None:
+        """Send to the latest worker. A send that waits for its end of the pipe and
+        sees that worker die raises ``EngineDeadError`` (``EngineRestartingError``
+        while a fresh one starts): the pipe is closed, and the message never reaches
+        the next worker."""
+        control = self._control
         try:  # blocks only until the worker's end of the pipe is connected
             async with asyncio.timeout(SEND_TIMEOUT_S):
-                await self._control.send(encode_control(message))
+                await control.send(encode_control(message))
         except TimeoutError:
             raise EngineDeadError(f"the worker accepted no control message within {SEND_TIMEOUT_S:g} s") from None
+        except asyncio.CancelledError:
+            if not control.closed or asyncio.current_task().cancelling():
+                raise  # a cancel of this task, not the end of the pipe
+            raise self.unavailable() or EngineDeadError("the worker exited before it took the message") from None
 
     async def start_session(self, start: StartSession) -> SessionHandle:
         """Open a session; ``SessionRejectedError`` if the worker refuses it."""

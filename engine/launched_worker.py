@@ -61,3 +61,6 @@ class LaunchedWorker:
 
     def join(self, timeout: float | None = None) -> None:
         """Nothing to reap: the process is the launcher's child, not ours."""
+
+    def close(self) -> None:
+        """Nothing to release: the group holds no pipe or descriptor of ours."""
