@@ -27,12 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.client import EngineClient, EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig, PipelineSpec
-from server.auth import is_authorized, redact_access_log
+from server.auth import is_authorized
 from server.drain import Drainer
 from server.job_forms import OPENAPI_FORMS, FormBodies
 from server.job_store import StoreError
 from server.jobs import JobManager, JobsFullError, UnknownJobError, open_job_store
 from server.limits import BodyLimits
+from server.logs import redact_uvicorn_loggers
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
 from server.openapi import with_limits
@@ -153,7 +154,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     # Added first, so it sits inside BodyLimits: a form is bounded as a JSON body is, then read as one.
     app.add_middleware(FormBodies, paths=("/v1/videos", "/v1/videos/sync"))
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
-    redact_access_log()
+    redact_uvicorn_loggers()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -29,6 +29,13 @@ EXTENSION = "rtvideo.close_now"
 
 
 class RealtimeWebSocketProtocol(WebSocketsSansIOProtocol):
+    def __init__(self, *args, **kwargs) -> None:
+        """uvicorn's protocol, without websockets' per-frame debug lines: at
+        ``--log-level debug`` they would write every event a client sends or gets
+        (a session's tokens included) and every chunk into the log."""
+        super().__init__(*args, **kwargs)
+        self.conn.debug = False
+
     def handle_connect(self, event) -> None:
         super().handle_connect(event)
         # The application task was created above but has not run yet: the scope it

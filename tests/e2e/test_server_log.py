@@ -4,7 +4,8 @@ last line uvicorn writes after SIGTERM; and a session or job whose generation
 fails is named in one warning line with the engine's code and message (and
 the worker's line says where the pipeline raised). Every line says when and
 which process wrote it; at ``--log-level debug`` the worker's line about a
-failed pipeline call carries its traceback."""
+failed pipeline call carries its traceback. No credential (the API key, a
+session's tokens) reaches the log, however a client spells it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.client import Realtime, open_realtime
+from tests.e2e.client import Chunk, Realtime, open_realtime
+from tests.e2e.test_live_sessions import resume
 
 START = {"type": "session.start", "prompt": "a quiet harbour", "format": "fmp4"}
 STUB = Path(__file__).resolve().parents[2] / "workers" / "pipelines" / "stub.py"
@@ -111,3 +113,47 @@ async def test_at_debug_the_worker_logs_the_traceback_of_a_failed_pipeline_call(
         time.sleep(0.02)
     # The API process's lines may come between the worker's (each writes its own to the one stream).
     assert any(line.startswith("Traceback (most recent call last)") for line in server.log[warning:])
+
+
+KEY = "k3y-that-is-never-logged-0123456789"
+
+
+async def test_no_credential_reaches_the_log_in_any_spelling(make_server):
+    """The API key in each spelling of its query parameter the server accepts, as
+    a bearer token and as the key subprotocol, and a session's resume, watch and
+    control tokens (in the URLs of a spectator and a further controller, and in a
+    resume's first message): every request works, and the server's whole log, at
+    debug, holds none of them, where it shows them masked."""
+    server = make_server("--api-key", KEY, "--log-level", "debug", pipeline={"step_time_s": 0.005})
+    for name in ("api_key", "api%5Fkey", "api%5fkey", "%61pi_key", "%61%70%69%5F%6B%65%79"):
+        assert httpx.get(f"{server.http}/v1/models?{name}={KEY}").status_code == 200, name
+    assert httpx.get(f"{server.http}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+    start = {**START, "format": "raw", "width": 32, "height": 32, "shared_control": True}
+    first = Realtime(await open_realtime(f"{server.ws}?api%5Fkey={KEY}"))
+    await first.send(start)
+    started = await first.until("video.start")
+    while not isinstance(chunk := await first.next(), Chunk):
+        pass
+    tokens = (started["resume_token"], started["watch_token"], started["control_token"])
+    watching = f"{server.ws}?w%61tch={started['watch_token']}"
+    async with (
+        open_realtime(watching, subprotocols=[f"rtvideo.key.{KEY}"]) as s,
+        open_realtime(f"{server.ws}?c%6Fntrol={started['control_token']}&api_key={KEY}") as c,
+    ):
+        spectator, controller = Realtime(s), Realtime(c)
+        assert (await spectator.until("video.start"))["role"] == "spectator"
+        assert (await controller.until("video.start"))["controller_id"] == "c2"
+        first.ws.transport.abort()  # a dropped socket: the session waits for a resume
+        resumed = await resume(f"{server.ws}?api_key={KEY}", started, chunk.metadata["generation_chunk_index"])
+        await resumed.send({"type": "session.stop"})
+        assert (await resumed.rest()).of("session.done")[0]["reason"] == "stopped"
+        assert (await spectator.rest()).of("session.done") and (await controller.rest()).of("session.done")
+    wait_for_line(server.log, f"session {started['request_id']} ended: stopped")
+
+    logged = "".join(server.log)
+    secrets = dict(zip(("key", "resume", "watch", "control"), (KEY, *tokens), strict=True))
+    leaked = [name for name, secret in secrets.items() if secret in logged]
+    assert leaked == [], logged
+    for masked in ("/v1/models?api%5Fkey=***", "?%61%70%69%5F%6B%65%79=***", "?w%61tch=***", "?c%6Fntrol=***"):
+        assert masked in logged, masked
