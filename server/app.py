@@ -33,7 +33,7 @@ from server.job_forms import OPENAPI_FORMS, FormBodies
 from server.job_store import StoreError
 from server.jobs import JobManager, JobsFullError, UnknownJobError, open_job_store
 from server.limits import BodyLimits
-from server.logs import redact_uvicorn_loggers
+from server.logs import AnswersToGoneClients, redact_uvicorn_loggers
 from server.media import CONTENT_TYPES
 from server.metrics import Metrics
 from server.openapi import with_limits
@@ -154,6 +154,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     # Added first, so it sits inside BodyLimits: a form is bounded as a JSON body is, then read as one.
     app.add_middleware(FormBodies, paths=("/v1/videos", "/v1/videos/sync"))
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
+    app.add_middleware(AnswersToGoneClients)  # outermost: it sees the disconnect the routes read
     redact_uvicorn_loggers()
 
     @app.exception_handler(RequestValidationError)

@@ -20,14 +20,20 @@ control tokens), whatever the spelling of its name (percent-encoded, in any
 case), the same names as JSON fields, a bearer token and the key subprotocol
 (``rtvideo.key.``). ``redact_uvicorn_loggers`` puts the same filter on
 uvicorn's own loggers, for an app served without this configuration.
+
+``AnswersToGoneClients`` gives the access log its line for an answer whose
+client left before it (``/v1/videos/sync``'s 499), which uvicorn never writes.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import get_args
+from collections.abc import Awaitable, Callable
+from typing import Any, get_args
 from urllib.parse import unquote_plus
+
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from engine.config import LOG_LEVELS
 from server.auth import API_KEY_PARAM, SUBPROTOCOL_PREFIX
@@ -121,6 +127,41 @@ def redact_uvicorn_loggers() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactSecrets) for f in logger.filters):
             logger.addFilter(RedactSecrets())
+
+
+class AnswersToGoneClients:
+    """ASGI middleware: an access line for an answer whose client had gone.
+
+    uvicorn writes a request's access line as it sends the answer's start, and
+    once the client has disconnected it sends nothing, so logs nothing. A route
+    that saw its client go (it read ``http.disconnect``) and answers all the
+    same (``/v1/videos/sync``: 499 ``client_closed``) gets that line here, in
+    uvicorn's format, on uvicorn's access logger (redacted as every line is)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        gone = False
+
+        async def receive_watched() -> dict[str, Any]:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"  # before the answer: the client left
+            return message
+
+        async def send_logged(message: dict[str, Any]) -> None:
+            access = logging.getLogger("uvicorn.access")
+            if gone and message["type"] == "http.response.start" and access.hasHandlers():
+                path = get_path_with_query_string(scope)
+                client = get_client_addr(scope)
+                version = scope["http_version"]
+                access.info('%s - "%s %s HTTP/%s" %d', client, scope["method"], path, version, message["status"])
+            await send(message)
+
+        await self.app(scope, receive_watched, send_logged)
 
 
 def logging_config(level: str) -> dict:

@@ -8,7 +8,8 @@ worker gone wrong, does to the server as a subprocess, and what it gets back.
 - hostile bodies and messages: an HTTP body over the limit (refused before it
   is read whole), JSON nested 1000 deep, ``Infinity``, ``NaN`` and ``1e308``,
   over HTTP and the WebSocket, before and during a session (which lives on);
-- an abandoned ``/v1/videos/sync``: its job is cancelled and frees its slot;
+- an abandoned ``/v1/videos/sync``: its job is cancelled and frees its slot, and
+  the access log has its 499 line;
 - a flood of jobs: bounded with 429 and ``Retry-After``, nothing finished is
   evicted, and realtime sessions are admitted once the accepted jobs are done.
 
@@ -318,6 +319,7 @@ def test_a_sync_request_whose_client_left_is_cancelled(make_server):
     server.released(within=15)  # the abandoned job no longer holds the worker
     assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
     assert 'rtvideo_jobs_total{status="cancelled"} 1.0' in httpx.get(f"{server.http}/metrics").text
+    assert any('"POST /v1/videos/sync HTTP/1.1" 499' in line for line in server.log), "".join(server.log)
     assert "Traceback" not in "".join(server.log)
 
 
