@@ -129,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.drain import DrainingServer
+    from server.http_protocol import MAX_HEAD_BYTES, guarded_h11
     from server.logs import logging_config
     from server.ws_protocol import RealtimeWebSocketProtocol
 
@@ -139,6 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
         app,
         host=settings.host,
         port=settings.port,
+        http=guarded_h11(settings.header_timeout_s),  # uvicorn's h11, a request's head bounded in time and size
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         ws=RealtimeWebSocketProtocol,  # uvicorn's, and a slow client can be closed without waiting on it
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout

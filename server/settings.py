@@ -125,6 +125,10 @@ class ServerSettings:
     """Largest HTTP request body; a larger one is answered 413 before it is read whole."""
     start_timeout_s: float = 10.0
     """Time a new WebSocket has to send ``session.start``."""
+    header_timeout_s: float = 10.0
+    """Time a client has to send a request's head (request line and headers, a
+    WebSocket's handshake included), from its connection or from the first byte of
+    a later request on the connection; past it: 408 and the connection is closed."""
     stall_timeout_s: float = 60.0
     """A realtime session whose client sends nothing (not even a ping) for this long is ended."""
     max_session_seconds: float = 3600.0

@@ -36,6 +36,17 @@ class RealtimeWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         self.conn.debug = False
 
+    def data_received(self, data: bytes) -> None:
+        """As uvicorn's, and a handshake that websockets refuses while parsing it
+        (a request line or header over its own 8 KiB: 414 / 431) is answered and
+        closed: uvicorn leaves that answer queued, never written, and the socket
+        held for ever."""
+        super().data_received(data)
+        if self.conn.handshake_exc is not None and not self.close_sent and not self.transport.is_closing():
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.handshake_complete = self.close_sent = True
+            self.transport.close()
+
     def handle_connect(self, event) -> None:
         super().handle_connect(event)
         # The application task was created above but has not run yet: the scope it

@@ -8,6 +8,9 @@ worker gone wrong, does to the server as a subprocess, and what it gets back.
 - hostile bodies and messages: an HTTP body over the limit (refused before it
   is read whole), JSON nested 1000 deep, ``Infinity``, ``NaN`` and ``1e308``,
   over HTTP and the WebSocket, before and during a session (which lives on);
+- sockets that cannot be held: a request head over 16 KiB (a WebSocket URL
+  included) answered 414 / 431 at once, one sent by halves or a byte at a time
+  answered 408 and closed at the header timeout;
 - an abandoned ``/v1/videos/sync``: its job is cancelled and frees its slot, and
   the access log has its 499 line;
 - a flood of jobs: bounded with 429 and ``Retry-After``, nothing finished is
@@ -26,12 +29,15 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import threading
 import time
 
 import httpx
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import InvalidStatus
 
 from tests.e2e.client import Realtime, interaction, open_realtime
 
@@ -306,6 +312,92 @@ async def test_hostile_json_over_the_websocket_is_refused_and_the_session_lives_
         await client.until("session.interaction.applied")
         await client.send({"type": "session.stop"})
         assert (await client.rest()).of("session.done")[0]["reason"] == "stopped"
+
+
+# -- sockets that cannot be held -------------------------------------------------------
+
+HANDSHAKE = (
+    "GET /v1/realtime/video?pad={pad} HTTP/1.1\r\nHost: rtvideo\r\nUpgrade: websocket\r\n"
+    "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+def dial_raw(server) -> socket.socket:
+    host, port = server.http.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_until_closed(sock: socket.socket, within: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long
+    that took; fails if the server still holds it after ``within`` seconds."""
+    started = time.monotonic()
+    sock.settimeout(within)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        pytest.fail(f"the server held the socket {within:g} s without closing it; it sent {received[:200]!r}")
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    return received, time.monotonic() - started
+
+
+async def test_an_over_long_websocket_url_is_answered_at_once_not_held(make_server):
+    """Past websockets' own 8 KiB line (10 KB) and past the server's 16 KiB head
+    (20 KB): 414, at once, for the WebSocket client and a raw socket alike."""
+    server = make_server("--header-timeout-s", "30")
+    for size in (10_000, 20_000):
+        with pytest.raises(InvalidStatus) as refused:
+            async with asyncio.timeout(5):  # held, it would wait for the header timeout
+                await open_realtime(f"{server.ws}?pad={'a' * size}", open_timeout=10)
+        assert refused.value.response.status_code == 414, size
+    sockets = [dial_raw(server) for _ in range(20)]
+    for sock in sockets:
+        sock.sendall(HANDSHAKE.format(pad="a" * 20_000).encode())
+    for sock in sockets:
+        answer, _ = read_until_closed(sock, within=5)
+        assert answer.startswith(b"HTTP/1.1 414 "), answer[:200]
+    many = dial_raw(server)  # a head of many headers, each short: 431
+    many.sendall(b"GET /v1/models HTTP/1.1\r\n" + b"".join(b"x-pad-%d: %s\r\n" % (i, b"a" * 100) for i in range(200)))
+    answer, _ = read_until_closed(many, within=5)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in answer, answer[:200]
+    assert httpx.get(f"{server.http}/v1/models").status_code == 200
+
+
+def test_a_request_head_sent_by_halves_is_answered_408_and_closed_at_the_header_timeout(make_server):
+    """Half a head, a head trickled a byte at a time (each byte does not extend
+    the time), and a connection that sends nothing: each closed once the header
+    timeout passes, the first two with 408; a whole request is served meanwhile."""
+    server = make_server("--header-timeout-s", "1")
+    half, trickled, silent = dial_raw(server), dial_raw(server), dial_raw(server)
+    half.sendall(b"GET /v1/models HTTP/1.1\r\nHost: rtvideo\r\n")
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for byte in b"GET /v1/models HTTP/1.1\r\nHost: rtvideo\r\nX-Slow: " + b"a" * 1000:
+            if stop.wait(0.05):
+                return
+            try:
+                trickled.send(bytes([byte]))
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    assert httpx.get(f"{server.http}/v1/models").status_code == 200  # served while those wait
+    try:
+        for sock, answered in ((half, True), (trickled, True), (silent, False)):
+            answer, took = read_until_closed(sock, within=10)
+            assert took < 5, f"held {took:.1f} s past a header timeout of 1 s"
+            if answered:
+                assert answer.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in answer, answer[:200]
+            else:
+                assert answer == b""
+    finally:
+        stop.set()
+    assert any("408 request_timeout" in line for line in server.log)
 
 
 # -- an abandoned /sync -----------------------------------------------------------------
