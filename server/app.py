@@ -213,8 +213,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     @app.get("/health", tags=["operations"])
+    @app.get("/health/ready", tags=["operations"])
     async def health(request: Request) -> JSONResponse:
-        """Readiness, from what the server already knows (never a round trip to a
+        """Readiness (``/health``, and ``/health/ready`` for orchestrators that
+        expect the name), from what the server already knows (never a round trip to a
         busy worker): 200 while the workers are up and the server takes new work;
         503 when they are down, restarting or wedged, or the server is draining.
         The details (with an API key set, only for a request that presents it):

@@ -116,8 +116,8 @@ class ServerSettings:
     api_key: str | None = None
     """When set, the realtime WebSocket and every ``/v1/`` route need it (Bearer
     header, ``api_key`` query parameter, or the WebSocket subprotocol
-    ``rtvideo.key.<key>``); ``/``, ``/health``, ``/health/live``, ``/metrics`` and
-    the OpenAPI pages stay open."""
+    ``rtvideo.key.<key>``); ``/``, ``/health``, ``/health/ready``, ``/health/live``,
+    ``/metrics`` and the OpenAPI pages stay open."""
     max_message_bytes: int = 1 << 20
     """Largest client WebSocket message; a larger one closes the socket with 1009
     (enforced by uvicorn, so under ``rtvideo serve``)."""

@@ -37,7 +37,7 @@ def test_the_deployment_is_what_operators_need():
     pod = deployment["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
     assert "preStop" in container["lifecycle"]
     env = {e["name"]: e.get("value") for e in container["env"]}
