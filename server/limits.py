@@ -1,13 +1,19 @@
-"""Limits checked before a request is parsed: body size and JSON nesting.
+"""Limits checked before a request is parsed: body size, JSON nesting and
+the length of JSON integers.
 
 API process, asyncio. ``json_depth`` measures how deeply a JSON text nests
 without parsing it (a regular expression skips strings, so brackets inside
 a prompt do not count), so a message nested thousands deep is refused with
-a clear error instead of exhausting the parser's recursion. ``BodyLimits`` is
-an ASGI middleware for HTTP: a body larger than ``max_bytes`` is answered
-413 as soon as that is known (from ``Content-Length``, or while reading a
-body sent without one), never read whole; a JSON body nested deeper than
-``MAX_JSON_DEPTH`` is answered 422. Both in the project's error shape.
+a clear error instead of exhausting the parser's recursion. ``long_integers``
+names each integer longer than ``MAX_JSON_INT_DIGITS`` digits by its field,
+where Python's parser would only refuse the whole text (past 4300 digits) or
+spend its time converting it. ``parse_json`` applies both and parses (the
+realtime socket's messages). ``BodyLimits`` is an ASGI middleware for HTTP:
+a body larger than ``max_bytes`` is answered 413 as soon as that is known
+(from ``Content-Length``, or while reading a body sent without one), never
+read whole; a JSON body nested deeper than ``MAX_JSON_DEPTH``, or with an
+integer too long, is answered 422 ``invalid_request`` naming the field. All
+in the project's error shape.
 """
 
 from __future__ import annotations
@@ -19,8 +25,12 @@ from typing import Any
 
 MAX_JSON_DEPTH = 32
 """Deepest JSON nesting a client message or request body may have (ours need 4)."""
+MAX_JSON_INT_DIGITS = 100
+"""Most digits of an integer in a client message or request body: far past any
+field's bound (a seed has at most 19), far below what costs the parser time."""
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_LONG_DIGITS = re.compile(rf"\d{{{MAX_JSON_INT_DIGITS + 1}}}")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -44,8 +54,16 @@ def json_depth(text: str | bytes) -> int:
     return deepest
 
 
-class TooDeepError(ValueError):
+class JsonLimitError(ValueError):
+    """JSON refused before it is read: the message says why, naming the field."""
+
+
+class TooDeepError(JsonLimitError):
     """JSON nested deeper than ``MAX_JSON_DEPTH``."""
+
+
+class IntegerTooLongError(JsonLimitError):
+    """JSON holding an integer of more than ``MAX_JSON_INT_DIGITS`` digits."""
 
 
 def too_deep(text: str | bytes) -> str | None:
@@ -56,9 +74,63 @@ def too_deep(text: str | bytes) -> str | None:
     return None
 
 
+class _LongInteger:
+    """What the parser makes of an integer too long to convert: its digit count."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _bounded_int(text: str) -> int | _LongInteger:
+    digits = len(text.lstrip("-"))
+    return int(text) if digits <= MAX_JSON_INT_DIGITS else _LongInteger(digits)
+
+
+def _long_integer_fields(value: Any, path: tuple[str, ...] = ()) -> list[str]:
+    """``where: why`` for each ``_LongInteger`` in a parsed value, where as the
+    fields' names and list indices joined by dots (``body`` at the top)."""
+    if isinstance(value, _LongInteger):
+        where = ".".join(path) or "body"
+        return [f"{where}: an integer of {value.digits} digits; at most {MAX_JSON_INT_DIGITS} are accepted"]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return [found for key, item in items for found in _long_integer_fields(item, (*path, str(key)))]
+
+
+def _parse(text: str | bytes) -> Any:
+    """``text`` parsed; ``IntegerTooLongError`` naming each integer that is too long."""
+    if _LONG_DIGITS.search(text if isinstance(text, str) else text.decode("utf-8", errors="replace")) is None:
+        return json.loads(text)  # no run of digits that long anywhere: the plain parser
+    value = json.loads(text, parse_int=_bounded_int)
+    if found := _long_integer_fields(value):
+        raise IntegerTooLongError("; ".join(found))
+    return value
+
+
+def long_integers(text: str | bytes) -> str | None:
+    """Why ``text`` holds an integer too long to read, naming each field, or None
+    (also for text that is not JSON: the parser that runs next says what is wrong)."""
+    try:
+        _parse(text)
+    except IntegerTooLongError as error:
+        return str(error)
+    except ValueError:
+        return None
+    return None
+
+
+def parse_json(text: str | bytes) -> Any:
+    """A client's JSON text, parsed within the limits: ``TooDeepError`` or
+    ``IntegerTooLongError`` (each a ``JsonLimitError``) naming what is wrong,
+    ``ValueError`` for text that is not JSON."""
+    if (why := too_deep(text)) is not None:
+        raise TooDeepError(why)
+    return _parse(text)
+
+
 class BodyLimits:
     """ASGI middleware: request bodies of at most ``max_bytes``, JSON at most
-    ``MAX_JSON_DEPTH`` deep, checked before the application reads the body."""
+    ``MAX_JSON_DEPTH`` deep and with no integer over ``MAX_JSON_INT_DIGITS``
+    digits, checked before the application reads the body."""
 
     def __init__(self, app: Callable, max_bytes: int) -> None:
         self.app = app
@@ -81,8 +153,11 @@ class BodyLimits:
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
                 return await self._refuse(send, 413, "body_too_large", self._too_large(len(body), at_least=more))
-        if b"json" in headers.get(b"content-type", b"") and (why := too_deep(bytes(body))) is not None:
-            return await self._refuse(send, 422, "invalid_request", f"body: {why}")
+        if b"json" in headers.get(b"content-type", b""):
+            if (why := too_deep(bytes(body))) is not None:
+                return await self._refuse(send, 422, "invalid_request", f"body: {why}")
+            if (why := long_integers(bytes(body))) is not None:
+                return await self._refuse(send, 422, "invalid_request", why)
         replayed = False
 
         async def replay() -> dict[str, Any]:

@@ -63,7 +63,7 @@ from engine.messages import Interaction
 from server.auth import is_authorized, key_subprotocol
 from server.drain import Drainer
 from server.events import SessionPong
-from server.limits import TooDeepError, too_deep
+from server.limits import JsonLimitError, parse_json
 from server.live_session import JoinRefused, LiveSession, ResumeRefused
 from server.media import FORMATS
 from server.metrics import Metrics, SessionClock
@@ -390,6 +390,7 @@ class RealtimeConnection:
     async def _receive(self, timeout: float | None) -> dict | list | str | int | float | None | bytes:
         """The next client message: parsed JSON, or raw bytes for a binary frame.
         ``TimeoutError`` after ``timeout``; ``_Closed`` when the client left;
+        ``JsonLimitError`` for JSON past the limits (``server.limits``), naming why;
         ``ValueError`` for text that is not JSON."""
         async with asyncio.timeout(timeout):
             message = await self.ws.receive()
@@ -397,10 +398,7 @@ class RealtimeConnection:
             raise _Closed(message.get("code"))
         if message.get("bytes") is not None:
             return message["bytes"]
-        text = message.get("text") or ""
-        if (why := too_deep(text)) is not None:
-            raise TooDeepError(why)  # refused before parsing
-        return json.loads(text)
+        return parse_json(message.get("text") or "")  # too deep, or an integer too long: refused by name
 
     def _parse(self, data: Any) -> Any:
         """A validated client event, or an ``error`` event dict explaining why not."""
@@ -427,7 +425,7 @@ class RealtimeConnection:
         except TimeoutError:
             await self._fatal("start_timeout", f"no session.start within {timeout:g} s", CLOSE_POLICY)
             return None
-        except TooDeepError as error:
+        except JsonLimitError as error:
             await self._fatal("invalid_message", str(error), CLOSE_POLICY)
             return None
         except ValueError as error:
@@ -455,7 +453,7 @@ class RealtimeConnection:
             except TimeoutError:
                 self._send(error_event("stall_timeout", f"no message for {stall:g} s", request_id=rid, fatal=True))
                 return "stall_timeout"
-            except TooDeepError as error:
+            except JsonLimitError as error:
                 self._send(error_event("invalid_message", str(error), request_id=rid))
                 continue
             except ValueError as error:

@@ -8,6 +8,7 @@ worker gone wrong, does to the server as a subprocess, and what it gets back.
 - hostile bodies and messages: an HTTP body over the limit (refused before it
   is read whole), JSON nested 1000 deep, ``Infinity``, ``NaN`` and ``1e308``,
   over HTTP and the WebSocket, before and during a session (which lives on);
+  an integer of thousands of digits, refused naming its field;
 - sockets that cannot be held: a request head over 16 KiB (a WebSocket URL
   included) answered 414 / 431 at once, one sent by halves or a byte at a time
   answered 408 and closed at the header timeout;
@@ -280,8 +281,37 @@ def test_http_bodies_are_limited_in_size_and_nesting_before_they_are_read(server
     assert fine.status_code == 202, fine.text  # brackets inside a string are not nesting
 
 
+HUGE = "9" * 5000  # past the 4300 digits Python's parser converts at all
+
+
+def test_an_integer_of_thousands_of_digits_is_refused_naming_its_field(server):
+    headers = {"content-type": "application/json"}
+    for body, field in (
+        (f'{{"prompt": "p", "num_chunks": {HUGE}}}', "num_chunks"),
+        (f'{{"prompt": "p", "num_chunks": 1, "seed": -{HUGE}}}', "seed"),
+        (
+            f'{{"prompt": "p", "num_chunks": 2, "interactions": [{{"at_chunk": {HUGE}, "prompt": "q"}}]}}',
+            "interactions.0.at_chunk",
+        ),
+    ):
+        for route in ("/v1/videos", "/v1/videos/sync"):
+            refused = httpx.post(f"{server.http}{route}", content=body, headers=headers)
+            assert refused.status_code == 422, (route, field, refused.text)
+            message = f"{field}: an integer of 5000 digits; at most 100 are accepted"
+            assert refused.json()["error"] == {"code": "invalid_request", "message": message}
+    form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "num_chunks": HUGE})
+    assert form.status_code == 422 and form.json()["error"]["message"].startswith("num_chunks: "), form.text
+    digits = {"prompt": "1" * 4000, "num_chunks": 1, "format": "raw", "width": 32, "height": 32}
+    assert httpx.post(f"{server.http}/v1/videos", json=digits).status_code == 202  # digits in a string are text
+
+
 HOSTILE = [
     ("[" * 1000 + "]" * 1000, "invalid_message", "JSON nested 1000 levels deep; at most 32"),
+    (
+        f'{{"type": "session.playback", "position_seconds": {HUGE}}}',
+        "invalid_message",
+        "position_seconds: an integer of 5000 digits",
+    ),
     ('{"type": "session.playback", "position_seconds": Infinity}', "invalid_event", "position_seconds"),
     ('{"type": "session.playback", "position_seconds": NaN}', "invalid_event", "position_seconds"),
     (json.dumps(interaction("x" * 5000)), "invalid_interaction", "prompt"),
@@ -293,6 +323,7 @@ async def test_hostile_json_over_the_websocket_is_refused_and_the_session_lives_
         ("[" * 1000 + "]" * 1000, "invalid_message", "nested 1000 levels deep"),
         ('{"type": "session.start", "prompt": "p", "seconds": Infinity}', "invalid_event", "seconds"),
         (json.dumps({**RAW, "seconds": 1e308}), "invalid_request", "seconds: at most"),
+        (json.dumps(RAW)[:-1] + f', "seed": {HUGE}}}', "invalid_message", "seed: an integer of 5000 digits"),
     ]:  # before the start: fatal, 1008
         async with open_realtime(server.ws) as ws:
             client = Realtime(ws)

@@ -75,3 +75,17 @@ def test_json_depth_counts_nesting_outside_strings(text, depth):
     from server.limits import json_depth
 
     assert json_depth(text) == depth
+
+
+def test_an_integer_too_long_is_named_by_its_field():
+    from server.limits import MAX_JSON_INT_DIGITS, IntegerTooLongError, long_integers, parse_json
+
+    long = "9" * (MAX_JSON_INT_DIGITS + 1)
+    text = f'{{"seed": 1, "interactions": [{{"at_chunk": {long}}}], "num_chunks": -{long}}}'
+    why = f"an integer of {MAX_JSON_INT_DIGITS + 1} digits; at most {MAX_JSON_INT_DIGITS} are accepted"
+    assert long_integers(text) == f"interactions.0.at_chunk: {why}; num_chunks: {why}"
+    with pytest.raises(IntegerTooLongError, match="^body: "):
+        parse_json(long)
+    within = "9" * MAX_JSON_INT_DIGITS
+    assert parse_json(f'{{"seed": {within}, "prompt": "{long}", "x": {long}.5}}')["seed"] == int(within)
+    assert long_integers("not JSON " + long) is None  # the parser that runs next says what is wrong
