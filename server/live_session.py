@@ -14,13 +14,16 @@ the connections attached to it (``server.realtime``), each a ``Viewer``:
   chunk on, and nothing they do reaches the engine. A spectator may ask for
   another format than the session's (``?watch=TOKEN&format=fmp4``): each such
   format is encoded once, by a ``server.rendition.Rendition``, for all of its
-  viewers, on a task of its own.
+  viewers, on a task of its own. A session takes at most ``max_spectators``
+  (one more is refused, ``too_many_spectators``).
 
 One task, the pump, turns engine results into events: every chunk goes into
-the buffer and to every viewer's own bounded outbox (never awaited, so a slow
-viewer holds nobody); an interaction's answer goes to the controller that sent
-it, its outcome (applied, superseded) to every controller, naming the
-controller whose event won; the end to everyone.
+the buffer and to every viewer's own bounded outbox, the controllers' first
+(never awaited, so a slow viewer holds nobody; every viewer of a format gets
+the same chunk object, whose bytes its connection writes as they are); an
+interaction's answer goes to the controller that sent it, its outcome
+(applied, superseded) to every controller, naming the controller whose event
+won; the end to everyone.
 
 When the last controller's socket drops (no close, a close without a code, or
 1001 going away; not stopped),
@@ -70,7 +73,7 @@ log = logging.getLogger(__name__)
 
 PRIMARY = "c1"  # the controller that started the session; a resume attaches as it again
 MAX_KEPT_EVENTS = 1000  # results for c1 kept for a resume
-CLOSE_NORMAL, CLOSE_ERROR = 1000, 1011
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_ERROR, CLOSE_FULL = 1000, 1008, 1011, 1013
 
 
 class Viewer(Protocol):
@@ -92,12 +95,14 @@ class Viewer(Protocol):
 
 
 class Refused(Exception):
-    """A connection the session cannot take: its error ``code`` and ``message``."""
+    """A connection the session cannot take: its error ``code``, ``message`` and
+    the close code its socket gets (1013: it may succeed later)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, close_code: int = CLOSE_POLICY) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.close_code = close_code
 
 
 class JoinRefused(Refused):
@@ -213,7 +218,15 @@ class LiveSession:
         """A spectator (``watch_token``) or a further controller (``control_token``):
         it gets the chunks from the next one on, a spectator in its own ``format``
         if it asked for one (None: the session's). ``JoinRefused`` when that
-        format cannot carry this session's frames."""
+        format cannot carry this session's frames, or when a spectator would be
+        one more than ``max_spectators``."""
+        limit = self.settings.max_spectators
+        if viewer.role == "spectator" and sum(v.role == "spectator" for v in self.viewers) >= limit:
+            message = (
+                f"this session has {limit} spectators, the most it takes (max_spectators = {limit}); "
+                "try again when one has left"
+            )
+            raise JoinRefused("too_many_spectators", message, CLOSE_FULL)
         wanted = viewer.format or self.format
         if wanted != self.format and wanted not in self.renditions:
             c = self.output.config
@@ -343,7 +356,8 @@ class LiveSession:
                 fps=chunk.fps,
             )
             self.buffer.add(buffered)
-            for viewer in list(self.viewers):
+            # Controllers first: their writers are woken first, so spectators never come before them.
+            for viewer in sorted(self.viewers, key=lambda v: v.role != "controller"):
                 if viewer.format == self.format:
                     viewer.send_chunk(buffered)
             for rendition in self.renditions.values():

@@ -26,7 +26,9 @@ passes ``max_outbox_bytes`` (an item reaching an empty outbox is always taken,
 however large), or whose socket takes nothing for ``send_timeout_s`` while a
 write waits, is a slow client: it is closed with 1008 and the reason
 ``slow_client: ...`` at once, without waiting for it to read
-(``server.ws_protocol``), and what was queued for it is dropped. A slow
+(``server.ws_protocol``), and what was queued for it is dropped. A
+spectator is slow sooner: once more than ``max_undelivered_seconds`` of media
+wait for it (nothing holds the session for a spectator). A slow
 spectator is only dropped; a slow last controller ends its session
 (``session.done`` reason ``slow_client``). Pacing (``max_undelivered_seconds``)
 holds a lagging controller's session long before that; these limits are for a
@@ -85,6 +87,7 @@ from server.schemas import (
 from server.session_registry import SessionRegistry
 from server.settings import ServerSettings
 from server.ws_protocol import EXTENSION as CLOSE_NOW
+from server.ws_protocol import SEND_MEDIA
 
 log = logging.getLogger(__name__)
 CLIENT_EVENTS: TypeAdapter = TypeAdapter(ClientEvent)
@@ -119,15 +122,20 @@ class Event:
 
 @dataclass(frozen=True)
 class Media:
-    """A ``video.chunk_metadata`` text frame and its binary frame, sent back to back."""
+    """A ``video.chunk_metadata`` text frame and its binary frame, sent back to back.
+    The payload is the session's (or rendition's) own bytes, shared by every viewer."""
 
     chunk: BufferedChunk
-    payload: bytes
-    metadata: str
+    with_init: bool  # the fmp4 init segment goes first (the connection's first chunk)
+    metadata: bytes  # the connection's own video.chunk_metadata, UTF-8
+
+    @property
+    def parts(self) -> tuple[bytes, ...]:
+        return (self.chunk.init, self.chunk.fragment) if self.with_init else (self.chunk.fragment,)
 
     @property
     def size(self) -> int:
-        return len(self.metadata) + len(self.payload)
+        return len(self.metadata) + sum(len(part) for part in self.parts)
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,7 @@ class RealtimeConnection:
         self.clock = SessionClock(metrics)
         self.outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
         self.backlog = 0  # bytes queued in the outbox and not yet written to the socket
+        self.backlog_s = 0.0  # media seconds of the chunks among them (a spectator's bound)
         self.slow: str | None = None  # why the client was closed as slow, once it was
         self._slow = asyncio.Event()
         self._ended = asyncio.Event()  # the session ended; its last events and the close are queued
@@ -196,11 +205,11 @@ class RealtimeConnection:
         self._send(event)
 
     def send_chunk(self, chunk: BufferedChunk) -> None:
-        payload = chunk.payload(with_init=self._needs_init)
-        self._needs_init = False
-        metadata = {**chunk.metadata, "transport_chunk_index": self.transport_index, "byte_length": len(payload)}
+        with_init, self._needs_init = self._needs_init and bool(chunk.init), False
+        length = len(chunk.fragment) + (len(chunk.init) if with_init else 0)
+        metadata = {**chunk.metadata, "transport_chunk_index": self.transport_index, "byte_length": length}
         self.transport_index += 1
-        self._put(Media(chunk, payload, json.dumps(metadata)))
+        self._put(Media(chunk, with_init, json.dumps(metadata).encode()))
 
     def session_ended(self, close_code: int, reason: str) -> None:
         if not self._ended.is_set():
@@ -263,7 +272,7 @@ class RealtimeConnection:
             try:
                 return await self._attached(session, session.join)
             except JoinRefused as refused:
-                return await self._fatal(refused.code, refused.message, CLOSE_POLICY)
+                return await self._fatal(refused.code, refused.message, refused.close_code)
         if control is not None:
             session = self.sessions.find("control", control)
             if session is None:
@@ -318,7 +327,7 @@ class RealtimeConnection:
         try:
             await self._attached(session, lambda viewer: session.resume(viewer, event.last_chunk_index))
         except ResumeRefused as refused:
-            await self._fatal(refused.code, refused.message, CLOSE_POLICY)
+            await self._fatal(refused.code, refused.message, refused.close_code)
 
     async def _capacity_freed(self) -> None:
         if self.capacity is not None:
@@ -500,15 +509,25 @@ class RealtimeConnection:
         self._put(Event(json.dumps(event)))
 
     def _put(self, item: Outgoing) -> None:
-        """Queue ``item`` for the writer, counting its bytes; a slow client gets nothing more."""
+        """Queue ``item`` for the writer, counting its bytes (and a chunk's media
+        seconds); a slow client gets nothing more. A spectator is slow sooner than a
+        controller: once more media waits for it than a controller may lag
+        (``max_undelivered_seconds``), as nothing holds the session for it."""
         if self.slow is not None:
             return
         waiting = self.backlog
         self.backlog += item.size
+        if isinstance(item, Media):
+            self.backlog_s += item.chunk.media_seconds
         self.outbox.put_nowait(item)
+        if waiting == 0:  # one item alone is always taken
+            return
         limit = self.settings.max_outbox_bytes
-        if self.backlog > limit and waiting > 0:  # one item alone is always taken
+        if self.backlog > limit:
             self._too_slow(f"{self.backlog} bytes wait for it, past max_outbox_bytes ({limit})")
+        elif self.role == "spectator" and self.backlog_s > (lag := self.settings.max_undelivered_seconds):
+            behind = f"{self.backlog_s:.1f} s of media wait for this spectator"
+            self._too_slow(f"{behind}, past max_undelivered_seconds ({lag:g})")
 
     def _too_slow(self, why: str) -> None:
         """Close a client that stopped reading, now: 1008 ``slow_client: ...``
@@ -521,7 +540,7 @@ class RealtimeConnection:
         log.warning("closing a slow client (%s, %s): %s", rid, self.role, why)
         while not self.outbox.empty():
             self.outbox.get_nowait()
-        self.backlog = 0
+        self.backlog, self.backlog_s = 0, 0.0
         reason = f"slow_client: {why}"[:123]  # a close reason holds 123 bytes
         close_now = self.ws.scope.get("extensions", {}).get(CLOSE_NOW)
         if close_now is not None:
@@ -548,7 +567,10 @@ class RealtimeConnection:
             raise _Slow() from None
 
     async def _write_all(self) -> None:
-        """The socket's only sender: events, metadata + binary pairs, and the close."""
+        """The socket's only sender: events, metadata + binary pairs, and the close.
+        A chunk goes out through ``rtvideo.send_media`` (``server.ws_protocol``)
+        when the server offers it: its shared payload written as it is."""
+        send_media = self.ws.scope.get("extensions", {}).get(SEND_MEDIA, {}).get("send_media")
         while True:
             item = await self.outbox.get()
             if item is END:
@@ -557,9 +579,13 @@ class RealtimeConnection:
                 match item:
                     case Event(text):
                         await self._write(self.ws.send_text(text))
-                    case Media(chunk, payload, metadata):
-                        await self._write(self.ws.send_text(metadata))
-                        await self._write(self.ws.send_bytes(payload))
+                    case Media(chunk, with_init, metadata):
+                        if send_media is not None:
+                            await self._write(send_media(metadata, item.parts))
+                        else:
+                            await self._write(self.ws.send_text(metadata.decode()))
+                            await self._write(self.ws.send_bytes(chunk.payload(with_init)))
+                        self.backlog_s -= chunk.media_seconds
                         if self._written_to is not None:
                             await self._written_to.written(self, chunk)
                     case Close(code, reason):

@@ -97,6 +97,11 @@ class ServerSettings:
     send_timeout_s: float = 30.0
     """How long one write to a realtime client's socket may wait for the client to
     read; past it the client is closed (1008 ``slow_client``) and its session ends."""
+    max_spectators: int = 16
+    """Spectators (``?watch=``) one realtime session takes at once; one more is refused
+    (``too_many_spectators``, close 1013). A spectator never holds the session: one with
+    more than max_undelivered_seconds of media queued for it and not yet written to its
+    socket is closed (1008 ``slow_client``), its controllers unaffected."""
     overlap_decode: bool | None = None
     """Decode each chunk on a stage of its own while the session's next chunk denoises
     (true), or in line after its commit (false); unset: where the model says it pays
