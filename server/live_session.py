@@ -17,6 +17,10 @@ the connections attached to it (``server.realtime``), each a ``Viewer``:
   viewers, on a task of its own. A session takes at most ``max_spectators``
   (one more is refused, ``too_many_spectators``).
 
+Controllers' interactions pass a token bucket per session
+(``max_interactions_per_s``, ``interaction_burst``): one past it is answered
+``rate_limited`` here and never reaches the engine.
+
 One task, the pump, turns engine results into events: every chunk goes into
 the buffer and to every viewer's own bounded outbox, the controllers' first
 (never awaited, so a slow viewer holds nobody; every viewer of a format gets
@@ -45,6 +49,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -64,6 +69,7 @@ from engine.messages import (
 from server.events import VideoStart
 from server.metrics import Metrics
 from server.output import SessionOutput, error_event
+from server.rate_limit import TokenBucket
 from server.rendition import Rendition
 from server.resume_buffer import BufferedChunk, ChunkBuffer, ResumeGapError
 from server.session_registry import SessionRegistry, new_token
@@ -149,6 +155,8 @@ class LiveSession:
         self._delivered_s = 0.0  # the furthest media written to a controller's socket
         self._counted = -1  # the newest chunk counted as delivered on /metrics
         self._grace: asyncio.Task | None = None
+        # Interactions from all its controllers together (max_interactions_per_s, interaction_burst).
+        self._interactions = TokenBucket(settings.max_interactions_per_s, settings.interaction_burst, time.monotonic())
         registry.add(self, {"resume": self.resume_token, "watch": self.watch_token, "control": self.control_token})
         metrics.sessions_active.inc()
         self._pump_task = asyncio.create_task(self._pump(), name=f"session-pump-{self.request_id}")
@@ -302,6 +310,20 @@ class LiveSession:
             await self.engine.stop(self.session_id, reason)
 
     async def interact(self, viewer: Viewer, event_id: str, interaction: Interaction) -> None:
+        """Hand a controller's interaction to the engine, unless the session sent more than
+        ``max_interactions_per_s`` allows: then ``viewer`` gets ``error{code: "rate_limited"}``
+        (kept for a resume like any answer to it), nothing is queued, and the session goes on."""
+        wait = self._interactions.take(time.monotonic())
+        if wait is not None:
+            self.metrics.interactions.labels("rejected").inc()
+            rate, burst = self.settings.max_interactions_per_s, self.settings.interaction_burst
+            message = (
+                f"too many interactions: this session takes at most {rate:g} per second "
+                f"(max_interactions_per_s), {burst} at once (interaction_burst); this one was not queued: "
+                f"send it again in {wait:.2f} s or later"
+            )
+            event = error_event("rate_limited", message, request_id=self.request_id, event_id=event_id)
+            return self._to_controller(viewer.controller_id, event)
         self.output.senders.setdefault(event_id, viewer.controller_id)
         self._answer_to.setdefault(event_id, deque()).append(viewer.controller_id)
         await self.engine.interact(self.session_id, event_id, interaction)

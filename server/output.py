@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.mailbox import EVENT_ID_WINDOW, IdWindow
 from engine.messages import (
     ChunkReady,
     InteractionApplied,
@@ -74,7 +75,8 @@ class SessionOutput:
         self.chunks_sent = 0
         self.compute_ms = 0.0  # pipeline time of the chunks sent, from the worker
         self.inexact: dict[str, str] = {}  # why a replay would not be bit-exact: kind -> the first instance
-        self.senders: dict[str, str] = {}  # event_id -> the controller that sent it (realtime sessions)
+        # event_id -> the controller that sent it (realtime sessions), for the newest ids, as the mailbox keeps them
+        self.senders: IdWindow[str | None] = IdWindow(EVENT_ID_WINDOW)
 
     async def chunk(self, ready: ChunkReady) -> MediaChunk | None:
         """Encode one chunk; None when every frame of it is past ``num_frames``."""
@@ -202,7 +204,8 @@ class SessionOutput:
         interactions = self.metrics.interactions
         if isinstance(message, InteractionQueued):
             interactions.labels("queued").inc()
-            self._queued[message.event_id] = message
+            if not message.duplicate:  # a repeat's original is the one that applies
+                self._queued[message.event_id] = message
         elif isinstance(message, InteractionApplied):
             interactions.labels("applied").inc()
             queued = self._queued.pop(message.event_id, None)
@@ -213,6 +216,7 @@ class SessionOutput:
                 self.metrics.interaction_lag.observe(message.generation_chunk_index - reference)
         elif isinstance(message, InteractionSuperseded):
             interactions.labels("superseded").inc()
+            self._queued.pop(message.event_id, None)  # it never applies
         elif isinstance(message, InteractionRejected):
             interactions.labels("rejected").inc()
 

@@ -102,6 +102,13 @@ class ServerSettings:
     (``too_many_spectators``, close 1013). A spectator never holds the session: one with
     more than max_undelivered_seconds of media queued for it and not yet written to its
     socket is closed (1008 ``slow_client``), its controllers unaffected."""
+    max_interactions_per_s: float = 20.0
+    """Interactions a realtime session takes per second, from all its controllers
+    together (a token bucket refilled at this rate, holding interaction_burst); one more
+    gets ``error{code: "rate_limited"}`` and is not queued, and the session goes on."""
+    interaction_burst: int = 40
+    """Interactions a realtime session may send back to back before max_interactions_per_s
+    applies (the token bucket's size)."""
     overlap_decode: bool | None = None
     """Decode each chunk on a stage of its own while the session's next chunk denoises
     (true), or in line after its commit (false); unset: where the model says it pays

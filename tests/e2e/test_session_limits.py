@@ -1,7 +1,9 @@
 """What one realtime session lets its viewers cost, against the server as a
 subprocess with real clients: at most ``max_spectators`` spectators (one
 more is refused, naming the limit); a spectator that stops reading is
-dropped while its controller gets every chunk."""
+dropped while its controller gets every chunk; and interactions past
+``max_interactions_per_s`` are refused one by one (``rate_limited``) while
+the session streams on and takes later ones."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from tests.e2e.client import Chunk, Realtime
+from tests.e2e.client import Chunk, Realtime, interaction
 from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.test_live_sessions import dial, fatal
 from tests.e2e.test_realtime import metric, scrape
@@ -24,6 +26,7 @@ START = {
     "num_chunks": None,
     "max_lead_seconds": 0.5,
 }
+RATE, BURST = 2, 3
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,10 @@ def server():
         "4",
         "--max-spectators",
         "2",
+        "--max-interactions-per-s",
+        str(RATE),
+        "--interaction-burst",
+        str(BURST),
         pipeline={"step_time_s": 0.005},
     )
     yield running
@@ -111,3 +118,37 @@ async def test_a_spectator_that_never_reads_is_dropped_and_the_controller_gets_e
     reason = closed.value.rcvd.reason
     assert reason.startswith("slow_client: ") and "of media wait for this spectator" in reason, reason
     assert "past max_undelivered_seconds (4)" in reason, reason
+
+
+async def test_interactions_past_the_rate_are_refused_and_the_session_goes_on(server):
+    controller = await dial(server.ws)
+    await controller.send({**START, "max_lead_seconds": None})  # a held session would apply nothing more
+    await controller.until("video.start")
+    sent = [f"burst-{i}" for i in range(BURST + 5)]
+    for event_id in sent:
+        await controller.send(interaction(f"prompt {event_id}", event_id))
+    answers: dict[str, dict] = {}
+    while len(answers) < len(sent):
+        item = await controller.next()
+        if isinstance(item, dict) and item["type"] in ("session.interaction.queued", "error"):
+            answers[item.get("event_id")] = item
+    queued = [e for e in sent if answers[e]["type"] == "session.interaction.queued"]
+    limited = [e for e in sent if answers[e]["type"] == "error"]
+    assert queued[:BURST] == sent[:BURST] and len(queued) <= BURST + 1, answers  # one more may have grown back
+    assert limited and set(limited) == set(sent) - set(queued)
+    for event_id in limited:
+        error = answers[event_id]
+        assert (error["code"], error["fatal"]) == ("rate_limited", False), error
+        assert f"at most {RATE} per second (max_interactions_per_s)" in error["message"]
+        assert f"{BURST} at once (interaction_burst)" in error["message"]
+    # The session streams on, and a token grows back (1 / RATE s) while it does.
+    refused_at = time.monotonic()
+    streamed = len(controller.received.chunks)
+    while time.monotonic() - refused_at < 1.5 / RATE or len(controller.received.chunks) < streamed + 2:
+        await controller.next()
+    await controller.send(interaction("a later prompt", "later"))
+    assert (await controller.until("session.interaction.queued"))["event_id"] == "later"
+    applied = await controller.until("session.interaction.applied")
+    while applied["event_id"] != "later":
+        applied = await controller.until("session.interaction.applied")
+    await stop(controller)
