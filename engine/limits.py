@@ -24,3 +24,7 @@ MAX_SEED = 2**63 - 1
 PROMPT_CHANGE_MODES = ("soft", "recache", "reset")
 """What a prompt change does to the model's cache: ``soft`` keeps it, ``recache``
 re-encodes it under the new prompt, ``reset`` starts afresh."""
+
+DECODERS = ("full", "tiny")
+"""What makes a session's frames from its latents: the model's own VAE decoder,
+or the tiny streaming decoder where its weights are loaded."""

@@ -134,6 +134,7 @@ class StartSession(_Wire, tag="start_session"):
     num_inference_steps: int | None = None
     transition_chunks: int = 0
     prompt_change: str = "soft"  # soft / recache / reset: what a prompt change does to the model's cache
+    decoder: str | None = None  # full / tiny: what turns its latents into frames; None: the server's (--decoder)
     max_lead_seconds: float | None = None  # pacing: how far generation may run ahead of the playhead
     scheduled: tuple[ScheduledInteraction, ...] = ()
     # The API process reports ``Delivered`` after each chunk it wrote to the client (a live session): until its

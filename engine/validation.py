@@ -7,7 +7,7 @@ limits (sizes, step counts) are checked by the pipeline's ``describe``.
 
 from __future__ import annotations
 
-from engine.limits import MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
+from engine.limits import DECODERS, MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
 from engine.messages import Interaction, StartSession
 
 
@@ -36,6 +36,8 @@ def check_start(start: StartSession) -> None:
         raise ValueError(f"seed must be between 0 and {MAX_SEED}, got {start.seed}")
     if start.prompt_change not in PROMPT_CHANGE_MODES:
         raise ValueError(f"prompt_change must be one of {', '.join(PROMPT_CHANGE_MODES)}, got {start.prompt_change!r}")
+    if start.decoder is not None and start.decoder not in DECODERS:
+        raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {start.decoder!r}")
     if start.num_chunks is not None and start.num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {start.num_chunks}")
     check_transition(start.transition_chunks, "transition_chunks")

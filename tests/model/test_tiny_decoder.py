@@ -9,7 +9,10 @@ fp32 on the CPU, with random weights written as a ``taew2_1`` weights file is:
 - a chunk-by-chunk decode equals one pass over all the chunks, and a batch of
   two streams equals each alone;
 - a weights file that is missing, unreadable, incomplete or another model's is
-  refused naming the file and what is wrong.
+  refused naming the file and what is wrong;
+- in the causal Wan pipeline each session decodes with the decoder it chose,
+  the same frames on every decode path (in place, on another rank, split,
+  batched beside a session of the other decoder).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.messages import StartSession
+from engine.plan import BoundaryTask, MicroStep, StepRow
+from workers.chunk_driver import ChunkDriver
 from workers.pipelines.tiny_decoder import (
     TinyDecoderWeightsError,
     load_tiny_decoder,
@@ -123,3 +129,72 @@ def test_a_weights_file_that_is_not_one_is_refused_naming_it_and_why(tmp_path):
     save_file(tensors, str(other))
     with pytest.raises(TinyDecoderWeightsError, match=r"decoder.1.weight has shape \(256, 48, 3, 3\), the Wan 2.1"):
         read_decoder_weights(other)
+
+
+# -- in the causal Wan pipeline ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def both():
+    """The tiny preset with both decoders: its own VAE's, and a tiny one of random weights."""
+    from workers.pipelines.causal_wan import build
+
+    return build("tiny", device="cpu", tiny_decoder="random")
+
+
+def denoised(pipeline, starts: list, chunks: int) -> tuple[ChunkDriver, list[list]]:
+    """Open ``starts`` and run ``chunks`` chunks of each, committed and left to
+    decode (as the decode stage finds them); each chunk's clean latent, per session."""
+    driver = ChunkDriver(pipeline)
+    driver.runner.defer_decode = True
+    driver.open(*starts)
+    sids = [start.session_id for start in starts]
+    cleans: list[list] = [[] for _ in sids]
+    for chunk in range(chunks):
+        steps = driver.runner.states[sids[0]].geometry.num_inference_steps
+        for step in range(steps):
+            rows = [StepRow(sid, chunk, step, steps) for sid in sids]
+            boundaries = [BoundaryTask(sid, chunk, None, 0) for sid in sids] if step == 0 else []
+            driver.execute(MicroStep(number=0, boundaries=boundaries, ranks=[rows]))
+        for row, sid in enumerate(sids):
+            cleans[row].append(driver.runner.states[sid].chunks[chunk].clean.clone())
+    return driver, cleans
+
+
+def test_a_session_chooses_its_decoder_and_every_decode_path_gives_the_same_frames(both):
+    start = dict(prompt="a red fox", seed=5, width=32, height=32, num_inference_steps=2)
+    starts = [StartSession(session_id=sid, decoder="tiny", **start) for sid in ("alone", "spread", "split", "batched")]
+    starts.append(StartSession(session_id="full", **start))  # the default: the model's own decoder
+    driver, cleans = denoised(both, starts, chunks=3)
+    states = driver.runner.states
+    tiny = both.decoders["tiny"]
+    assert states["alone"].geometry.first_chunk_frames == 9 and states["alone"].geometry.frames_per_chunk == 12
+    difference = tiny.cache_bytes(4, 4) - both.decoder.cache_bytes(4, 4)  # each decoder's state at 32x32
+    assert states["alone"].geometry.state_bytes - states["full"].geometry.state_bytes == difference
+
+    expected_cache, made = tiny.new_cache(), []
+    for index, clean in enumerate(cleans[0]):
+        made.append(tiny.decode(clean.float(), expected_cache, first=index == 0))
+    for index in range(3):
+        alone = both.decode(states["alone"], index)
+        spread = both.decode_latent(states["spread"], both.decode_input(states["spread"], index))
+        parts = list(both.decode_front(states["split"], both.decode_input(states["split"], index), split=4))
+        split = both.frames_of([both.decode_back(states["split"], header, pixels, 4) for header, pixels in parts])
+        batched, full = both.decode_batch([states["batched"], states["full"]], [index, index])
+        assert alone.num_frames == (9 if index == 0 else 12) and (alone.width, alone.height) == (32, 32)
+        assert alone.payload == spread.payload == split.payload == batched.payload
+        pixels = ((made[index][0].permute(1, 2, 3, 0) + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        assert alone.payload == pixels.numpy().tobytes()  # the tiny decoder's frames of the chunk's latent
+        assert full.payload != alone.payload and full.num_frames == alone.num_frames
+
+
+def test_a_decoder_the_model_has_not_loaded_is_refused_naming_it():
+    from workers.pipelines.causal_wan import build
+
+    pipeline = build("tiny", device="cpu", warm_up_chunks=0)
+    with pytest.raises(ValueError, match=r"decoder: the 'tiny' model has no tiny decoder loaded \(it has: full\)"):
+        pipeline.describe(StartSession(session_id="s", prompt="p", decoder="tiny"))
+    with pytest.raises(ValueError, match="decoder tiny: no tiny decoder weights were found"):
+        build("tiny", device="cpu", decoder="tiny")
+    with pytest.raises(TinyDecoderWeightsError, match="no such file"):
+        build("tiny", device="cpu", tiny_decoder="/nowhere/taew2_1.safetensors")

@@ -51,7 +51,7 @@ runner runs no later decode of that session.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
@@ -248,6 +248,19 @@ def check_hidden(hidden: Hidden | None, blocks: range, rows: tuple[BatchRow, ...
     if hidden is None or hidden.blocks_done != blocks.start or hidden.rows != rows:
         done = None if hidden is None else hidden.blocks_done
         raise ValueError(f"blocks from {blocks.start} need the hidden states of the range ending there, got {done}")
+
+
+def chosen_decoder(start: StartSession, default: str, loaded: Iterable[str], model: str) -> str:
+    """The decoder a session's frames come from: its own choice (``decoder``) or
+    ``default``; ``ValueError`` naming the field when the model has not loaded
+    it (a tiny decoder needs its weights: docs/MODEL.md)."""
+    kind = start.decoder or default
+    if kind not in loaded:
+        raise ValueError(
+            f"decoder: the {model!r} model has no {kind} decoder loaded (it has: {', '.join(loaded)}); "
+            "a tiny one needs its weights (rtvideo convert --tiny-decoder FILE MODEL_DIR)"
+        )
+    return kind
 
 
 def refuse_negative_prompt(start: StartSession, model: str) -> None:

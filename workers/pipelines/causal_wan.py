@@ -40,12 +40,21 @@ import torch
 
 from engine.messages import ModelLimits, SessionGeometry, StartSession
 from workers.host_memory import host_session_budget
-from workers.pipelines.base import BatchRow, Hidden, StepBatch, block_range, check_hidden, refuse_negative_prompt
+from workers.pipelines.base import (
+    BatchRow,
+    Hidden,
+    StepBatch,
+    block_range,
+    check_hidden,
+    chosen_decoder,
+    refuse_negative_prompt,
+)
 from workers.pipelines.causal_wan_decode import CausalWanDecoding
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.conditioning import PromptBlend
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
+from workers.pipelines.tiny_decoder import LATENT_CHANNELS, TinyStreamingDecoder, load_tiny_decoder, random_tiny_decoder
 from workers.pipelines.vae_stream import StreamingDecoder
 from workers.pipelines.wan_attention import make_causal
 from workers.pipelines.wan_blocks import (
@@ -109,8 +118,14 @@ class CausalWanPipeline(CausalWanDecoding):
         warm_up_chunks: int = 2,
         max_batch_rows: int = 4,
         compile: bool = False,
+        decoder: str = "full",
+        tiny_decoder: str | None = None,
         name: str = "causal_wan",
     ) -> None:
+        """``decoder``: what makes a session's frames unless it asks otherwise
+        (``full``, the model's VAE decoder, or ``tiny``); ``tiny_decoder``: the
+        tiny decoder's weights file (``random``: random weights, for tests),
+        else the model directory's (``Components.tiny_decoder``), else none."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
@@ -133,7 +148,20 @@ class CausalWanPipeline(CausalWanDecoding):
         self.num_blocks = len(self.transformer.blocks)
         self.owned = range(self.num_blocks)  # the blocks this process runs (``own_blocks``)
         self.kv_layers = self.num_blocks  # layers of KV a session costs the fullest device (``state_bytes``)
-        self.decoder = StreamingDecoder(self.vae)
+        self.decoder = StreamingDecoder(self.vae)  # the model's own: the only one a split decode splits
+        self.decoders: dict[str, StreamingDecoder | TinyStreamingDecoder] = {"full": self.decoder}
+        tiny = self._tiny_decoder(tiny_decoder if tiny_decoder is not None else components.tiny_decoder)
+        if tiny is not None:
+            self.decoders["tiny"] = tiny
+        if decoder not in ("full", "tiny"):
+            raise ValueError(f"decoder must be full or tiny, got {decoder!r}")
+        if decoder not in self.decoders:
+            raise ValueError(
+                "decoder tiny: no tiny decoder weights were found: put them in the model directory "
+                "(rtvideo convert --tiny-decoder taew2_1.safetensors MODEL_DIR) or name the file "
+                "(pipeline option tiny_decoder)"
+            )
+        self.default_decoder = decoder
         self.latent_frames = latent_frames_per_chunk
         # The attention span is the weights' (the preset's, or the model directory's rtvideo.json); options override.
         sink_frames = components.sink_frames if sink_frames is None else sink_frames
@@ -163,6 +191,22 @@ class CausalWanPipeline(CausalWanDecoding):
         """A session's ``lookahead`` from its ``prompt_change``: the engine's rule
         (``EngineConfig.lookahead``), set by the worker; 1 (exact) unless stream batch."""
 
+    def _tiny_decoder(self, weights: str | None) -> TinyStreamingDecoder | None:
+        """The tiny decoder of ``weights`` (a file, or ``random``), on this device
+        in the VAE's dtype; None without weights. Refused for a model whose
+        latents it was not made for."""
+        if weights is None:
+            return None
+        channels = self.transformer.config.out_channels
+        if channels != LATENT_CHANNELS:
+            raise ValueError(
+                f"tiny_decoder: the tiny decoder takes Wan 2.1's {LATENT_CHANNELS}-channel latents; "
+                f"this model's have {channels}"
+            )
+        if weights == "random":
+            return random_tiny_decoder(self.device, self.vae_dtype)
+        return load_tiny_decoder(weights, self.device, self.vae_dtype)
+
     # -- geometry ----------------------------------------------------------------
 
     def describe(self, start: StartSession) -> SessionGeometry:
@@ -185,20 +229,21 @@ class CausalWanPipeline(CausalWanDecoding):
         fps = start.fps if start.fps is not None else self.fps
         if not 1.0 <= fps <= 60.0:
             raise ValueError(f"fps must be between 1 and 60, got {fps}")
-        ratio = self.decoder.temporal_ratio
+        decoder = self.decoders[chosen_decoder(start, self.default_decoder, self.decoders, self.name)]
+        lookahead = self.chunks_in_flight(start.prompt_change)
         return SessionGeometry(
             width=width,
             height=height,
             fps=fps,
             num_inference_steps=steps,
-            first_chunk_frames=self.decoder.frames_for(self.latent_frames, first=True),
-            frames_per_chunk=self.latent_frames * ratio,
+            first_chunk_frames=decoder.frames_for(self.latent_frames, first=True),
+            frames_per_chunk=decoder.frames_for(self.latent_frames, first=False),
             num_chunks=start.num_chunks,
             transition_chunks=start.transition_chunks,
-            state_bytes=self.state_bytes(width, height, steps, self.chunks_in_flight(start.prompt_change)),
+            state_bytes=self.state_bytes(width, height, steps, lookahead, decoder),
         )
 
-    def state_bytes(self, width: int, height: int, steps: int, chunks_in_flight: int = 1) -> int:
+    def state_bytes(self, width: int, height: int, steps: int, chunks_in_flight: int = 1, decoder: Any = None) -> int:
         """Device memory one session of this size holds on the device that holds
         most of it: its KV cache, its VAE feature cache, its latents (per chunk in
         flight the noise draws and the chunk; the cached chunks' clean latents)
@@ -208,7 +253,8 @@ class CausalWanPipeline(CausalWanDecoding):
         layers one GPU holds, or every layer when the ranks share the host's
         memory (a CPU). The roped keys (``RopedKeys``) are a pool of at most
         ``max_batch_rows`` sessions' keys, not per session: the budget reserves
-        them (its transient peak)."""
+        them (its transient peak). ``decoder``: the session's (its feature
+        cache); None, the default's."""
         config = self.transformer.config
         h, w = height // 8, width // 8
         per_frame = (h // config.patch_size[1]) * (w // config.patch_size[2])
@@ -220,7 +266,8 @@ class CausalWanPipeline(CausalWanDecoding):
         cached_chunks = (self.sink_frames + self.window_frames) // self.latent_frames
         prompts = 2 * self.text_length * config.text_dim * item  # the current and the target embeddings
         latents = (chunks_in_flight * (steps + 2) + cached_chunks) * latent
-        return 2 * (keys + provisional) + self.decoder.cache_bytes(h, w) + latents + prompts
+        decoder = decoder or self.decoders[self.default_decoder]
+        return 2 * (keys + provisional) + decoder.cache_bytes(h, w) + latents + prompts
 
     # -- text ----------------------------------------------------------------------
 
@@ -270,7 +317,8 @@ class CausalWanPipeline(CausalWanDecoding):
                 dtype=self.dtype,
                 device=self.device,
             ),
-            vae_cache=self.decoder.new_cache(),
+            decoder=(kind := chosen_decoder(start, self.default_decoder, self.decoders, self.name)),
+            vae_cache=self.decoders[kind].new_cache(),
             latent_shape=(1, config.in_channels, self.latent_frames, h, w),
             timesteps=timesteps,
             schedule=torch.tensor(timesteps, device=self.device),

@@ -14,7 +14,11 @@ causal feature cache lives in the session), in three placements:
   latent frame at a time), each rank's copy of the session filling only the
   cache slots of its own stages.
 
-All three give the same frames, bit for bit, on one device. ``decode_batch``
+All three give the same frames, bit for bit, on one device. Each session's
+frames come from the decoder it chose (``CausalWanSession.decoder``: the
+model's own, or the tiny streaming one, ``tiny_decoder``); the tiny one is
+not split: its whole chunk is made in front and handed on as a part that
+says so (``WHOLE``). ``decode_batch``
 (and ``decode_latents``, for the rank a session's decodes were given to)
 decodes several sessions' chunks through one decoder batch each group of
 them whose decoders are at the same point (on a CPU, bit for bit what each
@@ -34,12 +38,17 @@ from engine.plan import ChunkOutput
 from workers.pipelines.causal_wan_state import CausalWanSession
 from workers.pipelines.vae_stream import FrontPart, StreamingDecoder
 
+WHOLE = -1  # a split decode's part that is a whole chunk's pixels already (a decoder that is not split)
+
 
 class CausalWanDecoding:
-    """Needs ``decoder`` (a ``StreamingDecoder``), ``device``, ``default_size``,
-    ``spatial`` (pixels per latent) and ``latent_frames`` of the pipeline."""
+    """Needs ``decoder`` (the model's ``StreamingDecoder``), ``decoders`` (every
+    decoder loaded, by ``StartSession.decoder`` name), ``device``,
+    ``default_size``, ``spatial`` (pixels per latent) and ``latent_frames`` of
+    the pipeline."""
 
     decoder: StreamingDecoder
+    decoders: dict
     device: torch.device
 
     @torch.no_grad()
@@ -115,6 +124,15 @@ class CausalWanDecoding:
         (``slot``) and the activation on the host. Fills this copy of the
         session's front cache slots."""
         with self._decode_stream(None):
+            if session.decoder != "full":
+                yield (
+                    {"slot": WHOLE},
+                    self._decoder_of(session)
+                    .decode(clean.to(self.device).float(), session.vae_cache, first=not session.decoded_any)
+                    .cpu(),
+                )
+                session.decoded_any = True
+                return
             for part in self.decoder.decode_front(clean.to(self.device).float(), session.vae_cache, split):
                 yield {"slot": part.slot}, part.activation.cpu()
 
@@ -123,7 +141,10 @@ class CausalWanDecoding:
         self, session: CausalWanSession, header: dict, activation: torch.Tensor, split: int
     ) -> torch.Tensor:
         """The other decoder stages of one latent frame (``decode_front``'s),
-        with this copy of the session's back cache slots: its pixels."""
+        with this copy of the session's back cache slots: its pixels (a
+        ``WHOLE`` part is its chunk's pixels already)."""
+        if int(header["slot"]) == WHOLE:
+            return activation.to(self.device)
         part = FrontPart(activation.to(self.device), int(header["slot"]))
         with self._decode_stream(None):
             return self.decoder.decode_back(part, session.vae_cache, split)
@@ -135,7 +156,8 @@ class CausalWanDecoding:
         their decoder caches agree in shape and whose streams have begun alike."""
         groups: dict[tuple, list[int]] = {}
         for row, (session, clean) in enumerate(zip(sessions, cleans, strict=True)):
-            key = (tuple(clean.shape), session.decoded_any, self.decoder.cache_shape(session.vae_cache))
+            decoder = self._decoder_of(session)
+            key = (session.decoder, tuple(clean.shape), session.decoded_any, decoder.cache_shape(session.vae_cache))
             groups.setdefault(key, []).append(row)
         return list(groups.values())
 
@@ -150,6 +172,9 @@ class CausalWanDecoding:
         _distinct(sessions, "decode_fronts")
         latents = [clean.to(self.device).float() for clean in cleans]
         with self._decode_stream(None):
+            if sessions[0].decoder != "full":  # one group: one decoder
+                yield {"slot": WHOLE}, torch.cat(self._decode_rows(sessions, latents, as_pixels=True)).cpu()
+                return
             for part in self.decoder.decode_front_rows(latents, [session.vae_cache for session in sessions], split):
                 yield {"slot": part.slot}, part.activation.cpu()
 
@@ -164,27 +189,35 @@ class CausalWanDecoding:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _decode_rows(self, sessions: Sequence[CausalWanSession], cleans: Sequence[torch.Tensor]) -> list[ChunkOutput]:
+    def _decode_rows(
+        self, sessions: Sequence[CausalWanSession], cleans: Sequence[torch.Tensor], as_pixels: bool = False
+    ) -> list:
         """Each session's chunk (its clean latent in ``cleans``) through its
-        decoder, those that agree in latent shape, cache shape and whether
-        their stream has begun as one batch; the sessions' caches change only
-        once every row is decoded."""
+        decoder, those that agree in decoder, latent shape, cache shape and
+        whether their stream has begun as one batch; the sessions' caches
+        change only once every row is decoded. Each chunk's ``ChunkOutput``
+        (``as_pixels``: its pixels)."""
         caches = [list(session.vae_cache) for session in sessions]  # filled here, kept once all decoded
         pixels: list[torch.Tensor | None] = [None] * len(sessions)
         for rows in self.decode_groups(sessions, cleans):
             latents = [cleans[row].float() for row in rows]
             first = not sessions[rows[0]].decoded_any
-            decoded = self.decoder.decode_rows(latents, [caches[row] for row in rows], first=first)
+            decoder = self._decoder_of(sessions[rows[0]])
+            decoded = decoder.decode_rows(latents, [caches[row] for row in rows], first=first)
             for row, frames in zip(rows, decoded, strict=True):
                 pixels[row] = frames
-        outputs = [_chunk_output(frames) for frames in pixels]
+        outputs = pixels if as_pixels else [_chunk_output(frames) for frames in pixels]
         for session, cache in zip(sessions, caches, strict=True):
             session.vae_cache[:] = cache
             session.decoded_any = True
         return outputs
 
+    def _decoder_of(self, session: CausalWanSession):
+        return self.decoders[session.decoder]
+
     def _decode_clean(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
-        pixels = self.decoder.decode(clean.float(), session.vae_cache, first=not session.decoded_any)
+        decoder = self._decoder_of(session)
+        pixels = decoder.decode(clean.float(), session.vae_cache, first=not session.decoded_any)
         output = _chunk_output(pixels)
         session.decoded_any = True
         return output
@@ -231,6 +264,9 @@ class BackRows:
         if activation.shape[0] != len(self._sessions):
             raise ValueError(f"a part of {activation.shape[0]} rows for a batch of {len(self._sessions)}")
         pipeline = self._pipeline
+        if int(header["slot"]) == WHOLE:  # the rows' pixels were made in front
+            self._pixels.append(activation.to(pipeline.device))
+            return
         part = FrontPart(activation.to(pipeline.device), int(header["slot"]))
         with pipeline._decode_stream(None):
             self._pixels.append(pipeline.decoder.decode_back(part, self._work, split))

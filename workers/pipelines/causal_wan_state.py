@@ -36,7 +36,8 @@ class CausalWanSession(SessionState[CausalWanChunk]):
     """One session's caches and schedule."""
 
     kv: SessionKVCache  # every layer's keys and values: sink + rolling window
-    vae_cache: list  # the streaming decoder's causal feature cache
+    decoder: str = "full"  # which of the pipeline's decoders makes its frames (``StartSession.decoder``)
+    vae_cache: list  # that decoder's per-session state: its causal feature cache
     latent_shape: tuple[int, ...]  # [1, channels, latent frames per chunk, height / 8, width / 8]
     timesteps: list[float]  # the denoise schedule (the sampler's sigmas are these / 1000)
     schedule: torch.Tensor  # the same, on the device: the forward's timesteps, no host round trip

@@ -85,6 +85,7 @@ class Components:
     # The KV cache a chunk attends to besides itself, in latent frames: the span the weights were trained with.
     sink_frames: int = SELF_FORCING_SINK_FRAMES
     window_frames: int = SELF_FORCING_WINDOW_FRAMES
+    tiny_decoder: str | None = None  # the tiny decoder's weights file, where the directory has one
 
 
 def build_tiny(seed: int = 0) -> Components:
@@ -146,7 +147,26 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
         default_size=tuple(extra.get("default_size", (832, 480))),
         sink_frames=_frames(extra, "sink_frames", SELF_FORCING_SINK_FRAMES, root),
         window_frames=_frames(extra, "window_frames", SELF_FORCING_WINDOW_FRAMES, root),
+        tiny_decoder=_tiny_decoder_file(extra, root),
     )
+
+
+def _tiny_decoder_file(extra: dict, root: Path) -> str | None:
+    """The tiny decoder's weights of a model directory: ``rtvideo.json``'s
+    ``tiny_decoder`` (a path, relative to the directory or absolute), else
+    ``tiny_decoder/`` as ``rtvideo convert --tiny-decoder`` writes it, else None."""
+    from workers.pipelines.tiny_decoder import WEIGHTS_NAME
+
+    named = extra.get("tiny_decoder")
+    if named is None:
+        default = root / WEIGHTS_NAME
+        return str(default) if default.is_file() else None
+    if not isinstance(named, str):
+        raise ValueError(f"{root / 'rtvideo.json'}: tiny_decoder must be a path, got {named!r}")
+    path = root / named
+    if not path.is_file():
+        raise ValueError(f"{root / 'rtvideo.json'}: tiny_decoder {named!r}: no such file ({path})")
+    return str(path)
 
 
 def _vae_class(root: Path) -> type:

@@ -50,6 +50,7 @@ from workers.pipelines.base import (
     abandon_point,
     block_range,
     check_hidden,
+    chosen_decoder,
     refuse_negative_prompt,
 )
 from workers.pipelines.conditioning import PromptBlend
@@ -169,6 +170,7 @@ class StubPipeline:
 
     def describe(self, start: StartSession) -> SessionGeometry:
         refuse_negative_prompt(start, self.name)
+        chosen_decoder(start, "full", ("full",), self.name)
         width, height, fps, steps = self.defaults
         width = start.width if start.width is not None else width
         height = start.height if start.height is not None else height
