@@ -1,4 +1,5 @@
-"""``rtvideo convert``: a Self-Forcing / CausVid checkpoint into a diffusers ``transformer/`` folder.
+"""``rtvideo convert``: a Self-Forcing / CausVid checkpoint into a diffusers ``transformer/`` folder,
+and a tiny decoder's weights into ``tiny_decoder/``.
 
 Runs in its own process (the CLI dispatches here by name). The checkpoint is
 read with ``weights_only=True`` (no code is unpickled). Steps: take the
@@ -10,6 +11,12 @@ any missing or unexpected key is an error that names it — and save it.
 It also records the attention span the generator was trained with
 (``sink_frames``, ``window_frames``; Self-Forcing's by default) in the
 directory's ``rtvideo.json``, keeping any other key already there.
+
+With ``--tiny-decoder FILE`` it also (or only) copies a tiny decoder's
+weights (the ``taew2_1`` file, ``workers.pipelines.tiny_decoder``) into the
+directory: the decoder's tensors, checked against its layout, saved where a
+model directory's tiny decoder is read from, so ``--decoder tiny`` (or a
+session's ``decoder``) can use them.
 """
 
 from __future__ import annotations
@@ -99,10 +106,42 @@ def convert(
     return target
 
 
+def convert_tiny_decoder(weights: str | Path, out_dir: str | Path) -> Path:
+    """Save the tiny decoder of ``weights`` as ``out_dir``'s (``WEIGHTS_NAME``);
+    ``ValueError`` (``TinyDecoderWeightsError``) names a file that is not one."""
+    from safetensors.torch import save_file
+
+    from workers.pipelines.tiny_decoder import WEIGHTS_NAME, read_decoder_weights
+
+    tensors = read_decoder_weights(weights)
+    if not Path(out_dir).is_dir():
+        raise ValueError(f"model directory {str(out_dir)!r} does not exist")
+    target = Path(out_dir) / WEIGHTS_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    published = {"decoder." + key.removeprefix("layers."): t.contiguous() for key, t in tensors.items()}
+    save_file(published, str(target), metadata={"format": "pt", "source": Path(weights).name})
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rtvideo convert", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a Self-Forcing .pt checkpoint")
-    parser.add_argument("out_dir", help="the model directory to write transformer/ into")
+    parser = argparse.ArgumentParser(
+        prog="rtvideo convert",
+        description=__doc__.splitlines()[0],
+        usage="rtvideo convert [CHECKPOINT] MODEL_DIR [--tiny-decoder FILE] [options]",
+    )
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="CHECKPOINT MODEL_DIR",
+        help="a Self-Forcing .pt checkpoint and the model directory to write transformer/ into "
+        "(with --tiny-decoder, the checkpoint may be left out)",
+    )
+    parser.add_argument(
+        "--tiny-decoder",
+        metavar="FILE",
+        default=None,
+        help="also write a tiny decoder's weights (taew2_1.safetensors or .pth) into MODEL_DIR/tiny_decoder/",
+    )
     parser.add_argument("--config", default="wan2.1-1.3b", help=f"{' | '.join(CONFIGS)} | path to a config.json")
     parser.add_argument("--key", default=None, help="which generator to take (default: generator_ema, else generator)")
     parser.add_argument(
@@ -118,12 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         help=f"latent frames of the rolling window (default {SELF_FORCING_WINDOW_FRAMES}, Self-Forcing's)",
     )
     args = parser.parse_args(argv)
+    wanted = 1 if args.tiny_decoder is not None else 2
+    if len(args.paths) not in (wanted, 2):
+        parser.error("give CHECKPOINT MODEL_DIR, or MODEL_DIR with --tiny-decoder FILE")
+    *checkpoint, out_dir = args.paths
     try:
-        target = convert(args.checkpoint, args.out_dir, args.config, args.key, args.sink_frames, args.window_frames)
+        if checkpoint:
+            target = convert(checkpoint[0], out_dir, args.config, args.key, args.sink_frames, args.window_frames)
+            print(f"wrote {target}")
+        if args.tiny_decoder is not None:
+            print(f"wrote {convert_tiny_decoder(args.tiny_decoder, out_dir)}")
     except ValueError as error:
         print(f"rtvideo convert: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {target}")
     return 0
 
 

@@ -127,3 +127,39 @@ def test_convert_records_the_trained_attention_span_in_rtvideo_json(tmp_path):
     assert (written["sink_frames"], written["window_frames"]) == (0, 12)
     with pytest.raises(ValueError, match="window_frames >= 1"):
         convert(tmp_path / "self_forcing_dmd.pt", tmp_path / "third", config="tiny", window_frames=0)
+
+
+def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_finds_them(tmp_path):
+    """``rtvideo convert --tiny-decoder FILE MODEL_DIR``: the decoder's tensors of
+    a published weights file land in ``tiny_decoder/``, a model directory built
+    from it offers sessions the tiny decoder, and a file that is not one is
+    refused naming it."""
+    from safetensors.torch import save_file
+
+    from workers.pipelines.causal_wan import build
+    from workers.pipelines.presets import build_tiny, save_directory
+    from workers.pipelines.tiny_decoder import WEIGHTS_NAME, random_tiny_decoder
+
+    network = random_tiny_decoder(torch.device("cpu"), torch.float32, seed=4).network
+    published = {"decoder." + key.removeprefix("layers."): t for key, t in network.state_dict().items()}
+    save_file({**published, "encoder.0.weight": torch.zeros(64, 3, 3, 3)}, str(tmp_path / "taew2_1.safetensors"))
+    model = tmp_path / "model"
+    save_directory(build_tiny(), model)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "server.cli", "convert", *args]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    result = run("--tiny-decoder", str(tmp_path / "taew2_1.safetensors"), str(model))
+    assert result.returncode == 0, result.stderr
+    assert (model / WEIGHTS_NAME).is_file() and str(model / WEIGHTS_NAME) in result.stdout
+    pipeline = build(model_dir=str(model), device="cpu", decoder="tiny")
+    loaded = pipeline.decoders["tiny"].network.state_dict()
+    assert all(torch.equal(loaded[key], tensor) for key, tensor in network.state_dict().items())
+
+    (tmp_path / "notes.txt").write_text("hello")
+    result = run("--tiny-decoder", str(tmp_path / "notes.txt"), str(model))
+    assert result.returncode == 2 and "notes.txt' could not be read" in result.stderr
+    result = run(str(model))
+    assert result.returncode == 2
+    assert "give CHECKPOINT MODEL_DIR, or MODEL_DIR with --tiny-decoder FILE" in result.stderr
