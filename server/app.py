@@ -57,6 +57,8 @@ SWAGGER_UI = str(importlib.resources.files("swagger_ui") / "static")  # Swagger 
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
     """A pipeline name (``tiny``, ``stub``) as it is; a path means a model directory."""
     options = dict(settings.pipeline_options)
+    if settings.decoder != "full":  # the model's own decoder is every pipeline's default
+        options["decoder"] = settings.decoder
     if "/" in settings.model or Path(settings.model).is_dir():
         return PipelineSpec("causal_wan", {"model_dir": settings.model, **options})
     return PipelineSpec(settings.model, options)

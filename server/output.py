@@ -238,6 +238,7 @@ class SessionOutput:
             "format": c.format,
             "transition_chunks": c.transition_chunks,
             "prompt_change": c.prompt_change,
+            "decoder": c.decoder,
             "interactions": [
                 {"at_chunk": a.at_chunk, "prompt": a.prompt, "transition_chunks": a.transition_chunks}
                 for a in done.applied

@@ -15,7 +15,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.limits import MAX_INFERENCE_STEPS, MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
+from engine.limits import (
+    DECODERS,
+    MAX_INFERENCE_STEPS,
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    MAX_TRANSITION_CHUNKS,
+    PROMPT_CHANGE_MODES,
+)
 from engine.messages import Interaction, ScheduledInteraction, SessionGeometry, StartSession
 from server.settings import ServerSettings
 
@@ -66,6 +73,10 @@ class VideoRequest(_Strict):
     max_lead_seconds: float | None = Field(2.0, gt=0, allow_inf_nan=False)
     """Pacing: how far generated media may run ahead of the viewer (null: no pacing).
     Jobs are never paced."""
+    decoder: Literal[DECODERS] | None = None
+    """What makes the frames: full (the model's VAE decoder) or tiny (the tiny
+    streaming decoder, where the server has its weights); null: the server's
+    (rtvideo serve --decoder)."""
 
     @model_validator(mode="after")
     def _one_length(self) -> VideoRequest:
@@ -402,6 +413,7 @@ class EffectiveConfig:
     transition_chunks: int
     prompt_change: str
     max_lead_seconds: float | None  # None: not paced (always for a job)
+    decoder: str = "full"  # full or tiny
 
     def wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -475,6 +487,7 @@ def resolve(
         transition_chunks=request.transition_chunks,
         prompt_change=request.prompt_change,
         max_lead_seconds=request.max_lead_seconds if paced else None,
+        decoder=request.decoder,
         scheduled=tuple(scheduled),
         reports_delivery=paced,  # a live session's server reports each chunk it wrote; a job's has no client
     )
@@ -495,5 +508,6 @@ def resolve(
         transition_chunks=request.transition_chunks,
         prompt_change=request.prompt_change,
         max_lead_seconds=request.max_lead_seconds if paced else None,
+        decoder=request.decoder or settings.decoder,
     )
     return start, config

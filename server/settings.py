@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from engine.config import LOG_LEVELS, PP_DECODES, PP_TRANSPORTS
+from engine.limits import DECODERS
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class ServerSettings:
     pipeline_options: dict = field(default_factory=dict)
     """The pipeline's options as a JSON object, e.g. '{"dtype": "bfloat16", "compile": true}' for causal Wan
     (dtype, vae_dtype, sink_frames, window_frames, warm_up_chunks, compile: docs/MODEL.md)."""
+    decoder: str = "full"
+    """What makes sessions' frames unless a request says otherwise: full (the model's
+    VAE decoder) or tiny (the tiny streaming decoder: several times faster, less
+    detail; its weights in the model directory, rtvideo convert --tiny-decoder)."""
     max_sessions: int = 4
     """Realtime sessions and running jobs at once (the worker's admission limit).
     Beyond it a new realtime session gets ``error{code: "server_full"}`` and close
@@ -228,6 +233,8 @@ class ServerSettings:
             raise ValueError(f"pp_port must leave room for {self.pp} ports: 1 to {65536 - self.pp}, got {self.pp_port}")
         if self.decode_nice is not None and not 0 <= self.decode_nice <= 19:
             raise ValueError(f"decode_nice must be 0 to 19, got {self.decode_nice}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
         if self.pp_decode not in PP_DECODES:
             raise ValueError(f"pp_decode must be one of {', '.join(PP_DECODES)}, got {self.pp_decode!r}")
         if self.log_level not in LOG_LEVELS:

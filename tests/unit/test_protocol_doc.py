@@ -348,6 +348,7 @@ NOT_LIMITS = {
     "port",
     "model",
     "pipeline_options",
+    "decoder",
     "group_chunk_steps",
     "overlap_decode",
     "decode_nice",
