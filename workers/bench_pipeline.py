@@ -174,6 +174,7 @@ def _build(
     warm: bool = True,
     compile: bool = False,
     sessions: int = 1,
+    tiny_decoder: str | None = None,
 ) -> CausalWanPipeline:
     return CausalWanPipeline(
         _components(preset, device),
@@ -183,6 +184,7 @@ def _build(
         warm_up_chunks=2 if warm else 0,
         compile=compile,
         max_batch_rows=sessions,
+        tiny_decoder=tiny_decoder,
     )
 
 
@@ -190,8 +192,11 @@ def _versus(args: argparse.Namespace) -> dict:
     """``--versus``: the variant against these options, side by side (``workers.bench_versus``)."""
     from workers.bench_versus import versus
 
-    def build(compile: bool = args.compile, vae_dtype: str | None = args.vae_dtype) -> CausalWanPipeline:
-        return _build(args.preset, args.device, args.dtype, vae_dtype, compile=compile)
+    def build(
+        compile: bool = args.compile, vae_dtype: str | None = args.vae_dtype, tiny_decoder: str | None = None
+    ) -> CausalWanPipeline:
+        tiny_decoder = args.tiny_decoder or tiny_decoder
+        return _build(args.preset, args.device, args.dtype, vae_dtype, compile=compile, tiny_decoder=tiny_decoder)
 
     start = StartSession(
         session_id="versus",
@@ -250,22 +255,32 @@ def _decode_overlap(pipeline: CausalWanPipeline, start: StartSession, chunks: in
     return {**best, "fps_overlapped_over_in_line": best["overlapped"]["fps"] / best["in_line"]["fps"]}
 
 
-def one_session(pipeline: CausalWanPipeline, start: StartSession, chunks: int, *, overlap_decode: bool = False) -> dict:
+def one_session(
+    pipeline: CausalWanPipeline,
+    start: StartSession,
+    chunks: int,
+    *,
+    overlap_decode: bool = False,
+    frames: list | None = None,
+) -> dict:
     """A fresh session of ``start``: seconds to its first chunk (open to its
     frames), then frames per second over the ``chunks - 1`` after it (at least
-    one), the device waited for at both ends of each span."""
+    one), the device waited for at both ends of each span. ``frames``: a list
+    its chunks (``ChunkOutput``) are added to."""
     driver = ChunkDriver(pipeline, overlap_decode=overlap_decode)
     began = _synchronized(pipeline)
     driver.open(start)
-    driver.run([start.session_id])
+    first_chunk = driver.run([start.session_id])
     first = _synchronized(pipeline) - began
     began = _synchronized(pipeline)
     made = driver.run([start.session_id], max(1, chunks - 1))
     seconds = _synchronized(pipeline) - began
     driver.release(start.session_id)
     driver.close()
-    frames = sum(out.num_frames for out in made[start.session_id])
-    return {"time_to_first_chunk_s": first, "fps": frames / seconds}
+    if frames is not None:
+        frames.extend([first_chunk[start.session_id][0], *made[start.session_id]])
+    count = sum(out.num_frames for out in made[start.session_id])
+    return {"time_to_first_chunk_s": first, "fps": count / seconds}
 
 
 def _profiler(device: torch.device) -> torch.profiler.profile:
@@ -307,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: that setting against these options, in alternating rounds in one process",
     )
     parser.add_argument("--rounds", type=int, default=3, help="--versus: rounds of one session each way")
+    parser.add_argument(
+        "--tiny-decoder",
+        default=None,
+        metavar="FILE",
+        help="--versus tiny-decoder: its weights (default: the model directory's, else random weights)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
     args = parser.parse_args(argv)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark

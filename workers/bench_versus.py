@@ -18,15 +18,29 @@ Variants (``VARIANTS``):
 - ``cudnn-benchmark``: the same pipeline, cuDNN's algorithm timing switched
   on for the variant's runs only (its warm-up ran with it on, so it paid the
   timing for the measured shapes);
-- ``vae-float32``: a second pipeline whose VAE runs in fp32.
+- ``vae-float32``: a second pipeline whose VAE runs in fp32;
+- ``tiny-decoder``: the same pipeline, the variant's sessions decoded by the
+  tiny streaming decoder (``workers.pipelines.tiny_decoder``): its weights
+  from ``--tiny-decoder`` or the model directory, else random ones (its
+  speed is the same; its quality figure then means nothing, and the summary
+  says ``tiny_decoder_weights: random``).
+
+Each round also compares the variant's frames with the default's (the same
+seed, prompt and noise): PSNR in dB and the mean absolute difference in
+levels of 255 over every pixel of every frame (``quality``; identical frames
+have no PSNR: ``null``, and ``identical`` true). On a GPU each session's
+peak memory is reported too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+import msgspec
+import numpy as np
 import torch
 
 from engine.messages import StartSession
@@ -34,7 +48,7 @@ from workers.bench_pipeline import one_session
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 
-VARIANTS = ("compile", "cudnn-benchmark", "vae-float32")
+VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder")
 
 
 @contextlib.contextmanager
@@ -75,28 +89,44 @@ def versus(
         raise ValueError("the default it is measured against is compiled already")
     if variant == "vae-float32" and default.vae_dtype == torch.float32:
         raise ValueError("the default pipeline's VAE is fp32 already (--dtype bfloat16 makes it bf16)")
+    weights = None
+    if variant == "tiny-decoder" and "tiny" not in default.decoders:
+        default, weights = build(tiny_decoder="random"), "random"
+    elif variant == "tiny-decoder":
+        weights = "given"
+    tiny = msgspec.structs.replace(start, decoder="tiny")
     if variant == "cudnn-benchmark":
-        contenders = {"default": (default, False), variant: (default, True)}
+        contenders = {"default": (default, False, start), variant: (default, True, start)}
+    elif variant == "tiny-decoder":
+        contenders = {"default": (default, cudnn_benchmark, start), variant: (default, cudnn_benchmark, tiny)}
     else:
         options = {"compile": True} if variant == "compile" else {"vae_dtype": "float32"}
-        contenders = {"default": (default, cudnn_benchmark), variant: (build(**options), cudnn_benchmark)}
-    for pipeline, benchmark in contenders.values():  # the default twice for cudnn-benchmark: once each way
+        contenders = {
+            "default": (default, cudnn_benchmark, start),
+            variant: (build(**options), cudnn_benchmark, start),
+        }
+    for pipeline, benchmark, _ in contenders.values():  # the default twice for cudnn-benchmark: once each way
         with _cudnn_benchmark(benchmark):
             warm_up(pipeline, start.width, start.height)
+    if variant == "tiny-decoder":  # the warm-up runs the default decoder: one session warms the tiny one
+        one_session(default, tiny, 2)
     results = []
     for number in range(rounds):
         order = list(contenders) if number % 2 == 0 else list(reversed(contenders))
-        figures = {}
+        figures, frames = {}, {}
         for name in order:
-            pipeline, benchmark = contenders[name]
-            with _cudnn_benchmark(benchmark):
-                figures[name] = one_session(pipeline, start, chunks)
+            pipeline, benchmark, session = contenders[name]
+            frames[name] = []
+            with _cudnn_benchmark(benchmark), _peak_memory(pipeline.device) as peak:
+                figures[name] = one_session(pipeline, session, chunks, frames=frames[name])
+            figures[name]["peak_memory_bytes"] = peak()
         results.append(
             {
                 "first": order[0],
                 "default": figures["default"],
                 "variant": figures[variant],
                 "fps_ratio": figures[variant]["fps"] / figures["default"]["fps"],
+                "quality": frame_difference(frames["default"], frames[variant]),
             }
         )
     ratios = [r["fps_ratio"] for r in results]
@@ -112,14 +142,40 @@ def versus(
         "rounds": results,
         "fps_ratios": ratios,
         "median_fps_ratio": statistics.median(ratios),
+        "tiny_decoder_weights": weights,
     }
 
 
-def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool) -> dict:
+@contextlib.contextmanager
+def _peak_memory(device: torch.device) -> Iterator[Callable[[], int | None]]:
+    """The device memory's peak over the block (a GPU's; None elsewhere)."""
+    if device.type != "cuda":
+        yield lambda: None
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield lambda: torch.cuda.max_memory_allocated(device)
+
+
+def frame_difference(reference: Sequence, other: Sequence) -> dict:
+    """How far ``other``'s frames are from ``reference``'s (``ChunkOutput``s of one
+    session each, the same count and size): PSNR in dB (None when identical)
+    and the mean absolute difference, in levels of 255."""
+    if [(c.num_frames, c.width, c.height) for c in reference] != [(c.num_frames, c.width, c.height) for c in other]:
+        raise ValueError("the two sessions' chunks differ in frames or size")
+    a = np.frombuffer(b"".join(c.payload for c in reference), np.uint8).astype(np.float64)
+    b = np.frombuffer(b"".join(c.payload for c in other), np.uint8).astype(np.float64)
+    squared = float(np.mean((a - b) ** 2))
+    psnr = None if squared == 0 else 10.0 * math.log10(255.0**2 / squared)
+    return {"psnr_db": psnr, "mean_abs_levels": float(np.mean(np.abs(a - b))), "identical": squared == 0}
+
+
+def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSession) -> dict:
     """What a contender ran with, as the pipeline reports it."""
     return {
         "dtype": str(pipeline.dtype).replace("torch.", ""),
         "vae_dtype": str(pipeline.vae_dtype).replace("torch.", ""),
         "compiled": pipeline.compiled,
         "cudnn_benchmark": cudnn_benchmark,
+        "decoder": start.decoder or pipeline.default_decoder,
     }

@@ -68,3 +68,16 @@ def test_bench_pipeline_versus_refuses_a_comparison_that_would_measure_nothing()
     ):
         result = subprocess.run([*command, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode != 0 and why in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_pipeline_versus_the_tiny_decoder_reports_its_speed_and_how_far_its_frames_are():
+    summary = _bench("--versus", "tiny-decoder", "--rounds", "2")
+    assert summary["variant"] == "tiny-decoder" and summary["tiny_decoder_weights"] == "random"
+    assert summary["pipelines"]["default"]["decoder"] == "full"
+    assert summary["pipelines"]["tiny-decoder"]["decoder"] == "tiny"
+    for one in summary["rounds"]:
+        quality = one["quality"]
+        assert not quality["identical"] and quality["psnr_db"] > 0 and 0 < quality["mean_abs_levels"] <= 255
+        assert one["default"]["peak_memory_bytes"] is None  # a CPU: no device memory to read
+    vae = _bench("--versus", "vae-float32", "--dtype", "bfloat16", "--rounds", "1")["rounds"][0]["quality"]
+    assert vae["mean_abs_levels"] < 5  # the same decoder in another precision: a level or so
