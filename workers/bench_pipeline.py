@@ -175,6 +175,7 @@ def _build(
     compile: bool = False,
     sessions: int = 1,
     tiny_decoder: str | None = None,
+    commit_from_last_step: bool = False,
 ) -> CausalWanPipeline:
     return CausalWanPipeline(
         _components(preset, device),
@@ -185,6 +186,7 @@ def _build(
         compile=compile,
         max_batch_rows=sessions,
         tiny_decoder=tiny_decoder,
+        commit_from_last_step=commit_from_last_step,
     )
 
 
@@ -193,10 +195,21 @@ def _versus(args: argparse.Namespace) -> dict:
     from workers.bench_versus import versus
 
     def build(
-        compile: bool = args.compile, vae_dtype: str | None = args.vae_dtype, tiny_decoder: str | None = None
+        compile: bool = args.compile,
+        vae_dtype: str | None = args.vae_dtype,
+        tiny_decoder: str | None = None,
+        commit_from_last_step: bool = False,
     ) -> CausalWanPipeline:
         tiny_decoder = args.tiny_decoder or tiny_decoder
-        return _build(args.preset, args.device, args.dtype, vae_dtype, compile=compile, tiny_decoder=tiny_decoder)
+        return _build(
+            args.preset,
+            args.device,
+            args.dtype,
+            vae_dtype,
+            compile=compile,
+            tiny_decoder=tiny_decoder,
+            commit_from_last_step=commit_from_last_step,
+        )
 
     start = StartSession(
         session_id="versus",

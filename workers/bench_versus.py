@@ -23,7 +23,10 @@ Variants (``VARIANTS``):
   tiny streaming decoder (``workers.pipelines.tiny_decoder``): its weights
   from ``--tiny-decoder`` or the model directory, else random ones (its
   speed is the same; its quality figure then means nothing, and the summary
-  says ``tiny_decoder_weights: random``).
+  says ``tiny_decoder_weights: random``);
+- ``commit-from-last-step``: a second pipeline whose commits write the keys
+  and values of each chunk's last denoise step instead of running a clean
+  pass (a forward less a chunk; its quality figure is what that costs).
 
 Each round also compares the variant's frames with the default's (the same
 seed, prompt and noise): PSNR in dB and the mean absolute difference in
@@ -48,7 +51,12 @@ from workers.bench_pipeline import one_session
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 
-VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder")
+VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder", "commit-from-last-step")
+OPTIONS = {  # a variant that is a second pipeline: its options
+    "compile": {"compile": True},
+    "vae-float32": {"vae_dtype": "float32"},
+    "commit-from-last-step": {"commit_from_last_step": True},
+}
 
 
 @contextlib.contextmanager
@@ -100,10 +108,9 @@ def versus(
     elif variant == "tiny-decoder":
         contenders = {"default": (default, cudnn_benchmark, start), variant: (default, cudnn_benchmark, tiny)}
     else:
-        options = {"compile": True} if variant == "compile" else {"vae_dtype": "float32"}
         contenders = {
             "default": (default, cudnn_benchmark, start),
-            variant: (build(**options), cudnn_benchmark, start),
+            variant: (build(**OPTIONS[variant]), cudnn_benchmark, start),
         }
     for pipeline, benchmark, _ in contenders.values():  # the default twice for cudnn-benchmark: once each way
         with _cudnn_benchmark(benchmark):
@@ -176,6 +183,7 @@ def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSe
         "dtype": str(pipeline.dtype).replace("torch.", ""),
         "vae_dtype": str(pipeline.vae_dtype).replace("torch.", ""),
         "compiled": pipeline.compiled,
+        "commit_from_last_step": pipeline.commit_from_last_step,
         "cudnn_benchmark": cudnn_benchmark,
         "decoder": start.decoder or pipeline.default_decoder,
     }

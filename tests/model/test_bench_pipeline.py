@@ -81,3 +81,11 @@ def test_bench_pipeline_versus_the_tiny_decoder_reports_its_speed_and_how_far_it
         assert one["default"]["peak_memory_bytes"] is None  # a CPU: no device memory to read
     vae = _bench("--versus", "vae-float32", "--dtype", "bfloat16", "--rounds", "1")["rounds"][0]["quality"]
     assert vae["mean_abs_levels"] < 5  # the same decoder in another precision: a level or so
+
+
+def test_bench_pipeline_versus_commit_from_last_step_measures_the_forward_it_saves_and_what_it_costs():
+    summary = _bench("--versus", "commit-from-last-step", "--rounds", "1", "--chunks", "4")
+    assert summary["pipelines"]["commit-from-last-step"]["commit_from_last_step"] is True
+    assert summary["pipelines"]["default"]["commit_from_last_step"] is False
+    [one] = summary["rounds"]
+    assert one["fps_ratio"] > 0 and not one["quality"]["identical"]  # the chunks after the first differ

@@ -120,12 +120,19 @@ class CausalWanPipeline(CausalWanDecoding):
         compile: bool = False,
         decoder: str = "full",
         tiny_decoder: str | None = None,
+        commit_from_last_step: bool = False,
         name: str = "causal_wan",
     ) -> None:
         """``decoder``: what makes a session's frames unless it asks otherwise
         (``full``, the model's VAE decoder, or ``tiny``); ``tiny_decoder``: the
         tiny decoder's weights file (``random``: random weights, for tests),
-        else the model directory's (``Components.tiny_decoder``), else none."""
+        else the model directory's (``Components.tiny_decoder``), else none.
+        ``commit_from_last_step``: a chunk's commit writes the keys and values
+        its last denoise step computed (from the noisy latent at that step's
+        timestep) instead of running a clean pass at t = 0 (StreamDiffusionV2's
+        choice: a forward less a chunk; later chunks attend to a slightly
+        different past, the quality cost ``bench pipeline --versus
+        commit-from-last-step`` measures). One rank only."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
@@ -141,6 +148,7 @@ class CausalWanPipeline(CausalWanDecoding):
         self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
         self.context = make_causal(self.transformer, rows=max_batch_rows)
         self.compiled = compile
+        self.commit_from_last_step = commit_from_last_step
         if compile:  # regional: each block's norms, modulation, FFN, cross-attention; self-attention stays eager
             for block in self.transformer.blocks:
                 block.compile()
@@ -383,6 +391,10 @@ class CausalWanPipeline(CausalWanDecoding):
                     commit=False,
                     chunks=tuple(batch.rows[i].chunk_index for i in indices),
                     provisional=tuple(sessions[i].lookahead > 1 for i in indices),
+                    staged=tuple(
+                        self.commit_from_last_step and batch.rows[i].step == len(sessions[i].timesteps) - 1
+                        for i in indices
+                    ),
                 ),
             )
             for indices, activations in groups
@@ -427,6 +439,12 @@ class CausalWanPipeline(CausalWanDecoding):
         blocks = block_range(blocks, self.num_blocks)
         sid = session.session_id
         caches = (session.kv,)
+        if self.commit_from_last_step:  # one rank: the last step staged every layer's keys and values
+            chunk = session.chunk_to_commit(chunk_index)
+            session.kv.commit(chunk.clean.shape[2])
+            session.kv.drop_provisional(chunk_index)
+            self.finish_commit(session, chunk_index)
+            return None
         if blocks.start == 0:
             chunk = session.chunk_to_commit(chunk_index)
             chunk.committing = True
@@ -461,6 +479,14 @@ class CausalWanPipeline(CausalWanDecoding):
         if len(sessions) != len(chunk_indices) or len({s.session_id for s in sessions}) != len(sessions):
             raise ValueError("commit_batch takes one chunk of each session")
         chunks = [s.chunk_to_commit(index) for s, index in zip(sessions, chunk_indices, strict=True)]
+        if self.commit_from_last_step:
+            for session in sessions:  # all or nothing: each has every layer staged, or none commits
+                session.kv.check_staged()
+            for session, index, chunk in zip(sessions, chunk_indices, chunks, strict=True):
+                session.kv.commit(chunk.clean.shape[2])
+                session.kv.drop_provisional(index)
+                self.finish_commit(session, index)
+            return
         groups: dict[tuple, list[int]] = {}
         for i, session in enumerate(sessions):
             groups.setdefault(session.latent_shape, []).append(i)
@@ -508,6 +534,11 @@ class CausalWanPipeline(CausalWanDecoding):
         what a session's state costs the fullest GPU (``state_bytes``). Called
         once, before any session opens."""
         blocks = block_range(blocks, self.num_blocks)
+        if self.commit_from_last_step and len(blocks) != self.num_blocks:
+            raise ValueError(
+                "commit_from_last_step: a chunk's commit is a pass of its own across pipeline ranks; "
+                "the option runs on one rank (--pp 1)"
+            )
         if self.device.type == "cuda":
             self.kv_layers = most_per_rank or len(blocks)
         if self._held:
@@ -667,18 +698,21 @@ class CausalWanPipeline(CausalWanDecoding):
         chunks: tuple[int, ...] = (),
         provisional: tuple[bool, ...] = (),
         write: bool = True,
+        staged: tuple[bool, ...] = (),
     ) -> Activations:
         """Blocks ``blocks``, each row attending to its cache at its own position
         (``chunks``: each row's chunk index, for the provisional frames before it;
         ``provisional``: which rows keep theirs, stream batch); a commit pass
         stages each row's keys and values into its cache and, with ``write``
         (one row), commits them once the last block has run, replacing the
-        chunk's provisional ones (``commit_batch`` writes its rows itself)."""
+        chunk's provisional ones (``commit_batch`` writes its rows itself);
+        ``staged``: the rows of a denoise pass that stage theirs for their
+        chunk's commit (``commit_from_last_step``)."""
         if commit and write and len(caches) != 1:
             raise ValueError("a commit forward that writes its cache carries one row")
         ctx = self.context
         ctx.caches, ctx.commit, ctx.grid = caches, commit, activations.latent_shape[3:]
-        ctx.chunks, ctx.provisional = chunks, provisional
+        ctx.chunks, ctx.provisional, ctx.staged = chunks, provisional, staged
         try:
             activations = run_blocks(self.transformer, activations, blocks)
             if commit and write and blocks.stop == self.owned.stop:
@@ -686,7 +720,7 @@ class CausalWanPipeline(CausalWanDecoding):
                 if chunks:
                     caches[0].drop_provisional(chunks[0])
         finally:
-            ctx.caches, ctx.commit, ctx.chunks, ctx.provisional = (), False, (), ()
+            ctx.caches, ctx.commit, ctx.chunks, ctx.provisional, ctx.staged = (), False, (), (), ()
         return activations
 
     def _run(

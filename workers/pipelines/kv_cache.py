@@ -74,11 +74,15 @@ class SessionKVCache:
         """Keep one layer's keys and values of the chunk being committed."""
         self._staged[layer] = (keys, values)
 
+    def check_staged(self) -> None:
+        """``RuntimeError`` unless every layer held has a chunk staged (``commit`` can run)."""
+        if self._staged.keys() != self.keys.keys():
+            raise RuntimeError(f"commit needs every layer staged, got {len(self._staged)} of {len(self.keys)}")
+
     def commit(self, num_frames: int) -> None:
         """Append the staged chunk (``num_frames`` frames) to every layer held, evicting
         the oldest window frames when full."""
-        if self._staged.keys() != self.keys.keys():
-            raise RuntimeError(f"commit needs every layer staged, got {len(self._staged)} of {len(self.keys)}")
+        self.check_staged()
         if num_frames > self.window_frames:
             raise ValueError(f"a chunk of {num_frames} frames does not fit a window of {self.window_frames}")
         t = self.tokens_per_frame

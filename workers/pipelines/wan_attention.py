@@ -104,6 +104,7 @@ class ForwardContext:
     chunks: tuple[int, ...] = ()  # one per batch row: the index of the chunk it computes
     provisional: tuple[bool, ...] = ()  # per batch row: keep its keys and values provisionally (stream batch)
     commit: bool = False  # stage this forward's keys and values, each row's into its own cache
+    staged: tuple[bool, ...] = ()  # per batch row: stage its keys and values as its chunk's (commit from last step)
     grid: tuple[int, int] = (0, 0)  # the call's latent height and width (for the cache's RoPE)
     mask: torch.Tensor | None = None  # boolean [tokens, tokens], True = may attend (no-cache calls only)
 
@@ -191,6 +192,12 @@ class CausalSelfAttnProcessor:
                 for row, cache in enumerate(ctx.caches):
                     cache.stage(self.layer, key[row : row + 1], value[row : row + 1])
         rows = len(ctx.caches)
+        for row, keep in enumerate(ctx.staged):
+            if keep:  # this denoise pass's keys and values are what the chunk's commit will write
+                row_key, row_value = key[row : row + 1], value[row : row + 1]
+                if rows > 1:
+                    row_key, row_value = row_key.clone(), row_value.clone()
+                ctx.caches[row].stage(self.layer, row_key, row_value)
         for row, keep in enumerate(ctx.provisional):
             if keep:
                 row_key, row_value = key[row : row + 1], value[row : row + 1]
