@@ -59,6 +59,8 @@ def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
     options = dict(settings.pipeline_options)
     if settings.decoder != "full":  # the model's own decoder is every pipeline's default
         options["decoder"] = settings.decoder
+    if settings.quantize is not None:
+        options["quantize"] = settings.quantize
     if "/" in settings.model or Path(settings.model).is_dir():
         return PipelineSpec("causal_wan", {"model_dir": settings.model, **options})
     return PipelineSpec(settings.model, options)

@@ -29,6 +29,9 @@ class ServerSettings:
     """What makes sessions' frames unless a request says otherwise: full (the model's
     VAE decoder) or tiny (the tiny streaming decoder: several times faster, less
     detail; its weights in the model directory, rtvideo convert --tiny-decoder)."""
+    quantize: str | None = None
+    """fp8: the transformer blocks' linears in FP8 with per-row scales (a GPU of compute
+    capability 8.9 or newer: Ada, Hopper, Blackwell; refused elsewhere at start). Null: off."""
     max_sessions: int = 4
     """Realtime sessions and running jobs at once (the worker's admission limit).
     Beyond it a new realtime session gets ``error{code: "server_full"}`` and close
@@ -235,6 +238,8 @@ class ServerSettings:
             raise ValueError(f"decode_nice must be 0 to 19, got {self.decode_nice}")
         if self.decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
+        if self.quantize not in (None, "fp8"):
+            raise ValueError(f"quantize must be fp8 or none, got {self.quantize!r}")
         if self.pp_decode not in PP_DECODES:
             raise ValueError(f"pp_decode must be one of {', '.join(PP_DECODES)}, got {self.pp_decode!r}")
         if self.log_level not in LOG_LEVELS:

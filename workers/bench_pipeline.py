@@ -176,6 +176,7 @@ def _build(
     sessions: int = 1,
     tiny_decoder: str | None = None,
     commit_from_last_step: bool = False,
+    quantize: str | None = None,
 ) -> CausalWanPipeline:
     return CausalWanPipeline(
         _components(preset, device),
@@ -187,6 +188,7 @@ def _build(
         max_batch_rows=sessions,
         tiny_decoder=tiny_decoder,
         commit_from_last_step=commit_from_last_step,
+        quantize=quantize,
     )
 
 
@@ -199,6 +201,7 @@ def _versus(args: argparse.Namespace) -> dict:
         vae_dtype: str | None = args.vae_dtype,
         tiny_decoder: str | None = None,
         commit_from_last_step: bool = False,
+        quantize: str | None = None,
     ) -> CausalWanPipeline:
         tiny_decoder = args.tiny_decoder or tiny_decoder
         return _build(
@@ -209,6 +212,7 @@ def _versus(args: argparse.Namespace) -> dict:
             compile=compile,
             tiny_decoder=tiny_decoder,
             commit_from_last_step=commit_from_last_step,
+            quantize=quantize,
         )
 
     start = StartSession(

@@ -24,6 +24,8 @@ Variants (``VARIANTS``):
   from ``--tiny-decoder`` or the model directory, else random ones (its
   speed is the same; its quality figure then means nothing, and the summary
   says ``tiny_decoder_weights: random``);
+- ``fp8``: a second pipeline whose blocks' linears run in FP8
+  (``workers.pipelines.quantize``; refused, naming why, where they cannot);
 - ``commit-from-last-step``: a second pipeline whose commits write the keys
   and values of each chunk's last denoise step instead of running a clean
   pass (a forward less a chunk; its quality figure is what that costs).
@@ -51,11 +53,12 @@ from workers.bench_pipeline import one_session
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 
-VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder", "commit-from-last-step")
+VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder", "commit-from-last-step", "fp8")
 OPTIONS = {  # a variant that is a second pipeline: its options
     "compile": {"compile": True},
     "vae-float32": {"vae_dtype": "float32"},
     "commit-from-last-step": {"commit_from_last_step": True},
+    "fp8": {"quantize": "fp8"},
 }
 
 
@@ -184,6 +187,7 @@ def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSe
         "vae_dtype": str(pipeline.vae_dtype).replace("torch.", ""),
         "compiled": pipeline.compiled,
         "commit_from_last_step": pipeline.commit_from_last_step,
+        "quantize": pipeline.quantized,
         "cudnn_benchmark": cudnn_benchmark,
         "decoder": start.decoder or pipeline.default_decoder,
     }

@@ -177,3 +177,15 @@ async def test_batch_rows_have_one_knob(make_engine):
     client = EngineClient(EngineConfig(pipeline=PipelineSpec("stub", {"max_batch_rows": 2}), startup_timeout_s=60))
     with pytest.raises(EngineStartupError, match="max_batch_rows: set it as the server's --max-batch-rows"):
         await client.start()
+
+
+async def test_fp8_where_it_cannot_run_fails_the_start_in_one_line_naming_why():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal where FP8 cannot run")
+    spec = PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1, "quantize": "fp8"})
+    engine = EngineClient(EngineConfig(pipeline=spec, startup_timeout_s=60, **PINNED_LIMITS))
+    with pytest.raises(EngineStartupError, match="quantize fp8: FP8 matrix products need a GPU .* runs on cpu"):
+        await engine.start()
+    await engine.shutdown()

@@ -125,3 +125,31 @@ def test_the_memory_budget_on_gpu_is_what_is_free_less_the_warm_up_peak():
     free, total = torch.cuda.mem_get_info()
     assert 0 < budget < total
     assert budget <= free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def test_fp8_linears_track_bf16_on_a_gpu_that_has_them():
+    """Wan2.1-1.3B's block layout (one block): ``quantize_fp8`` swaps its ten
+    linears, and each computes what its bf16 original does within FP8's
+    precision (per-row scales: a few percent of the output's scale)."""
+    import copy
+
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from workers.pipelines.presets import WAN_1_3B_TRANSFORMER
+    from workers.pipelines.quantize import fp8_linears, fp8_refusal, quantize_fp8
+
+    device = torch.device("cuda")
+    if fp8_refusal(device) is not None:
+        pytest.skip(fp8_refusal(device))
+    torch.manual_seed(0)
+    wan = WanTransformer3DModel(**{**WAN_1_3B_TRANSFORMER, "num_layers": 1}).to(device, torch.bfloat16)
+    original = copy.deepcopy(wan)
+    assert quantize_fp8(wan, device) == 10
+    x = torch.randn(2, 64, 1536, device=device, dtype=torch.bfloat16)
+    for name in fp8_linears(original):
+        if original.get_submodule(name).in_features != x.shape[-1]:
+            continue
+        want = original.get_submodule(name)(x).float()
+        got = wan.get_submodule(name)(x).float()
+        assert (got - want).abs().mean() <= 0.05 * want.abs().mean(), name

@@ -349,6 +349,7 @@ NOT_LIMITS = {
     "model",
     "pipeline_options",
     "decoder",
+    "quantize",
     "group_chunk_steps",
     "overlap_decode",
     "decode_nice",

@@ -54,6 +54,7 @@ from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.conditioning import PromptBlend
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
+from workers.pipelines.quantize import QUANTIZE, quantize_fp8
 from workers.pipelines.tiny_decoder import LATENT_CHANNELS, TinyStreamingDecoder, load_tiny_decoder, random_tiny_decoder
 from workers.pipelines.vae_stream import StreamingDecoder
 from workers.pipelines.wan_attention import make_causal
@@ -121,6 +122,7 @@ class CausalWanPipeline(CausalWanDecoding):
         decoder: str = "full",
         tiny_decoder: str | None = None,
         commit_from_last_step: bool = False,
+        quantize: str | None = None,
         name: str = "causal_wan",
     ) -> None:
         """``decoder``: what makes a session's frames unless it asks otherwise
@@ -132,7 +134,9 @@ class CausalWanPipeline(CausalWanDecoding):
         timestep) instead of running a clean pass at t = 0 (StreamDiffusionV2's
         choice: a forward less a chunk; later chunks attend to a slightly
         different past, the quality cost ``bench pipeline --versus
-        commit-from-last-step`` measures). One rank only."""
+        commit-from-last-step`` measures). One rank only. ``quantize``:
+        ``fp8``, the blocks' linears in FP8 (``workers.pipelines.quantize``;
+        a GPU of compute capability 8.9 or newer), else None."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
@@ -147,6 +151,11 @@ class CausalWanPipeline(CausalWanDecoding):
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
         self.context = make_causal(self.transformer, rows=max_batch_rows)
+        if quantize is not None and quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or null, got {quantize!r}")
+        self.quantized = quantize
+        if quantize == "fp8":  # before compiling: the compiled graphs take the FP8 linears
+            quantize_fp8(self.transformer, self.device)
         self.compiled = compile
         self.commit_from_last_step = commit_from_last_step
         if compile:  # regional: each block's norms, modulation, FFN, cross-attention; self-attention stays eager
