@@ -36,8 +36,9 @@ from typing import Any
 
 from engine.plan import MicroStep, StepResult, StepRow
 from workers.parallel.link import Message
-from workers.pipelines.base import Abandoned, BatchRow, StepBatch, abandon_when
-from workers.runner import _CANCELLED, _FAILED, ModelRunner
+from workers.pipelines.base import BatchRow, StepBatch
+from workers.row_executor import Cancelled, Ok
+from workers.runner import ModelRunner
 
 
 class RankError(RuntimeError):
@@ -102,74 +103,43 @@ class RingRunner(ModelRunner):
         width = self.pipeline.max_batch_rows
         for first in range(0, len(denoise), width):
             group = denoise[first : first + width]
-            hidden = self._enter_batch(result, group, blocks) if len(group) > 1 else _FAILED
-            if hidden is _CANCELLED:
-                continue
-            if hidden is not _FAILED:
-                self._add(items, tensors, "forward", hidden)
-                continue
-            for row in group:
+            if len(group) > 1:
+                batch = StepBatch(tuple(BatchRow(r.session_id, r.chunk_index, r.step) for r in group))
+                sessions = [self.states[r.session_id] for r in group]
+                keys = [(r.session_id, r.chunk_index) for r in group]
+                outcome = self.rows.call_batch(result, keys, "forward", self.pipeline.forward, batch, sessions, blocks)
+                if isinstance(outcome, Cancelled):
+                    continue
+                if isinstance(outcome, Ok):
+                    for row in group:
+                        out = result.row(row.session_id, row.chunk_index)
+                        out.denoise_ms += outcome.ms / len(group)
+                        self.rows.note_batch(out, len(group))
+                    self._add(items, tensors, "forward", outcome.value)
+                    continue
+            for row in group:  # alone, or the batch failed: each alone, so only a row failing on its own fails
                 batch = StepBatch((BatchRow(row.session_id, row.chunk_index, row.step),))
                 session = self.states[row.session_id]
-                hidden, ms = self._call(
-                    result,
-                    row.session_id,
-                    row.chunk_index,
-                    "forward",
-                    self.pipeline.forward,
-                    batch,
-                    [session],
-                    blocks,
-                    stoppable=True,
+                sid, index = row.session_id, row.chunk_index
+                outcome = self.rows.call(
+                    result, sid, index, "forward", self.pipeline.forward, batch, [session], blocks, stoppable=True
                 )
-                if hidden is not _FAILED and hidden is not _CANCELLED:
-                    out = result.row(row.session_id, row.chunk_index)
-                    out.denoise_ms += ms
-                    self._note_batch(out, 1)
-                    self._add(items, tensors, "forward", hidden)
+                if isinstance(outcome, Ok):
+                    out = result.row(sid, index)
+                    out.denoise_ms += outcome.ms
+                    self.rows.note_batch(out, 1)
+                    self._add(items, tensors, "forward", outcome.value)
         for row in rows:
             if row.commit:
-                session = self.states[row.session_id]
-                hidden, ms = self._call(
-                    result,
-                    row.session_id,
-                    row.chunk_index,
-                    "commit",
-                    self.pipeline.commit,
-                    session,
-                    row.chunk_index,
-                    blocks,
-                    stoppable=True,
+                sid, index = row.session_id, row.chunk_index
+                session = self.states[sid]
+                outcome = self.rows.call(
+                    result, sid, index, "commit", self.pipeline.commit, session, index, blocks, stoppable=True
                 )
-                if hidden is not _FAILED and hidden is not _CANCELLED:
-                    result.row(row.session_id, row.chunk_index).decode_ms += ms
-                    self._add(items, tensors, "commit", hidden)
+                if isinstance(outcome, Ok):
+                    result.row(sid, index).decode_ms += outcome.ms
+                    self._add(items, tensors, "commit", outcome.value)
         return Message({"items": items, "failed": {}}, tensors)
-
-    def _enter_batch(self, result: StepResult, rows: list[StepRow], blocks: range) -> Any:
-        """One first-rank forward over several rows; ``_FAILED`` when it raises,
-        ``_CANCELLED`` (its rows reported cancelled) when it was abandoned because
-        every row's session is stopping."""
-        batch = StepBatch(tuple(BatchRow(r.session_id, r.chunk_index, r.step) for r in rows))
-        sessions = [self.states[r.session_id] for r in rows]
-        began = time.perf_counter()
-        try:
-            with abandon_when(self.stop_check(r.session_id for r in rows)):
-                hidden = self.pipeline.forward(batch, sessions, blocks)
-        except Abandoned:
-            hidden = _CANCELLED
-            for row in rows:
-                result.row(row.session_id, row.chunk_index).cancelled = True
-        except Exception:
-            hidden = _FAILED
-        seconds = time.perf_counter() - began
-        result.pipeline_s += seconds
-        if hidden is not _FAILED and hidden is not _CANCELLED:
-            for row in rows:
-                out = result.row(row.session_id, row.chunk_index)
-                out.denoise_ms += seconds * 1000.0 / len(rows)
-                self._note_batch(out, len(rows))
-        return hidden
 
     def _add(self, items: list[dict], tensors: list, kind: str, hidden) -> None:
         meta, parts = self.pipeline.pack(hidden)
@@ -187,7 +157,7 @@ class RingRunner(ModelRunner):
         for sid, error in header.get("failed", {}).items():
             if sid in self.states:
                 chunk_index = min((r.chunk_index for r in returning if r.session_id == sid), default=0)
-                self._call(result, sid, chunk_index, "forward", _raise, RankError(error))
+                self.rows.call(result, sid, chunk_index, "forward", _raise, RankError(error))
         offset = 0
         ended: list[tuple[str, int]] = []  # chunks committed here: decoded (or deferred) together after
         for item in header["items"]:
@@ -199,22 +169,22 @@ class RingRunner(ModelRunner):
                     continue
                 session = self.states[sid]
                 if item["kind"] == "commit":
-                    done, ms = self._call(
+                    done = self.rows.call(
                         result, sid, chunk_index, "commit", self.pipeline.finish_commit, session, chunk_index
                     )
-                    if done is not _FAILED:
+                    if isinstance(done, Ok):
                         out = result.row(sid, chunk_index)
-                        out.decode_ms += ms
+                        out.decode_ms += done.ms
                         out.committed = True
                         ended.append((sid, chunk_index))
                     continue
                 prediction = parts[index].to(self.pipeline.device)
                 batch_row = BatchRow(sid, chunk_index, step)
-                stepped, ms = self._call(
+                stepped = self.rows.call(
                     result, sid, chunk_index, "sampler_step", self.pipeline.sampler_step, session, batch_row, prediction
                 )
-                if stepped is not _FAILED:
+                if isinstance(stepped, Ok):
                     out = result.row(sid, chunk_index)
                     out.stepped = True
-                    out.denoise_ms += ms
+                    out.denoise_ms += stepped.ms
         self._committed(result, ended)

@@ -1,0 +1,71 @@
+"""The row executor (``workers.row_executor``): each pipeline call's outcome is
+typed (``Ok``, ``Failed``, ``Cancelled``); a failed call fails its session and
+says what else went wrong releasing it; a batch that fails fails nothing (its
+rows run alone next); a call over stopping sessions is abandoned and its rows
+reported cancelled. And the ring runner overrides no method of the runner
+with another signature (the shape of an earlier crash)."""
+
+from __future__ import annotations
+
+import inspect
+
+from engine.plan import StepResult
+from workers.pipelines.base import abandon_point
+from workers.row_executor import Cancelled, Failed, Ok, RowExecutor, StageCall
+
+
+def executor(failures: list[str], also: str | None = None, heard: list | None = None) -> RowExecutor:
+    def on_failure(session_id: str) -> str | None:
+        failures.append(session_id)
+        return also
+
+    return RowExecutor(on_failure, on_stage=None if heard is None else heard.append)
+
+
+def boom() -> None:
+    raise RuntimeError("boom")
+
+
+def test_a_call_returns_its_value_or_fails_its_session_naming_the_stage():
+    failures, heard = [], []
+    rows = executor(failures, also="release also failed: OSError: gone", heard=heard)
+    result = StepResult(1)
+    done = rows.call(result, "a", 0, "boundary", lambda x: x + 1, 41)
+    assert isinstance(done, Ok) and done.value == 42 and done.ms >= 0
+    failed = rows.call(result, "b", 3, "forward", boom)
+    assert isinstance(failed, Failed) and str(failed.error) == "boom"
+    assert failures == ["b"]
+    assert result.row("b", 3).error == "forward failed: RuntimeError: boom (release also failed: OSError: gone)"
+    assert result.row("a", 0).error is None
+    assert [(c.session_id, c.stage, c.error is None) for c in heard] == [("a", "boundary", True), ("b", "forward", False)]
+    assert all(isinstance(c, StageCall) for c in heard)
+
+
+def test_a_batch_that_fails_fails_no_session_and_one_over_stopping_sessions_is_cancelled():
+    failures = []
+    rows = executor(failures)
+    result = StepResult(1)
+    keys = [("a", 0), ("b", 0)]
+    assert isinstance(rows.call_batch(result, keys, "forward", boom), Failed)
+    assert failures == [] and result.row("a", 0).error is None  # each row runs alone next, to find the culprit
+
+    stopping = {"a"}
+    rows.is_stopping = stopping.__contains__
+    assert isinstance(rows.call_batch(result, keys, "forward", abandon_point), Ok)  # b still wanted: it runs on
+    stopping.add("b")
+    cancelled = rows.call_batch(result, keys, "forward", abandon_point)
+    assert isinstance(cancelled, Cancelled)
+    assert result.row("a", 0).cancelled and result.row("b", 0).cancelled
+    alone = rows.call(result, "a", 1, "decode", abandon_point, stoppable=True)
+    assert isinstance(alone, Cancelled) and result.row("a", 1).cancelled and failures == []
+    assert isinstance(rows.call(result, "a", 2, "boundary", abandon_point), Ok)  # not stoppable: it runs
+
+
+def test_the_ring_runner_overrides_no_runner_method_with_another_signature():
+    from workers.parallel.ring import RingRunner
+    from workers.runner import ModelRunner
+
+    for name, method in vars(RingRunner).items():
+        base = getattr(ModelRunner, name, None)
+        if callable(method) and callable(base) and not name.startswith("__"):
+            assert inspect.signature(method) == inspect.signature(base), name
