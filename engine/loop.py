@@ -25,8 +25,14 @@ it runs. Each iteration:
   in between is slept through.
 
 Hence the guarantee: an interaction accepted while chunk k is being denoised
-(or decoded) is in the mailbox before the boundary of chunk k+1 is taken, and
-is active from chunk k+1, for any number of steps per chunk, grouped or not.
+is in the mailbox before the boundary of chunk k+1 is taken, and is active
+from chunk k+1, for any number of steps per chunk, grouped or not. Chunk
+k+1 begins once k is committed, while k may still be decoding (the decode
+stage): one accepted then lands at the next chunk whose boundary is still to
+come, k+2 while k+1 is being denoised; its ``InteractionQueued`` says which
+(``tests/engine/test_interaction_latency.py`` holds each case at a gate).
+With stream batch it lands at the next chunk to enter the pipeline, behind
+the chunks in flight, as ``InteractionApplied.chunks_in_flight`` says.
 """
 
 from __future__ import annotations

@@ -23,8 +23,11 @@ from engine.messages import SessionGeometry, StartSession
 @dataclass(frozen=True)
 class BoundaryTask:
     """Begin chunk ``chunk_index`` of a session: apply ``prompt`` (if any), then
-    prepare the chunk. Always planned after the latest control drain, and only
-    once the session's previous chunk has come back."""
+    prepare the chunk. Always planned after the latest control drain. Exact
+    (``lookahead`` 1), only once the session's previous chunk is committed (it
+    may still be decoding); with stream batch, once fewer than ``lookahead``
+    of its chunks are in flight and each of them has begun
+    (``EngineSession.next_pass``)."""
 
     session_id: str
     chunk_index: int

@@ -111,7 +111,7 @@ class BoundaryTaken:
 class EngineSession:
     session_id: str
     geometry: SessionGeometry
-    start: StartSession | None = None  # the request, until the runner opened it
+    start: StartSession | None = None  # the request: planned in the micro-step that opens the session
     phase: Phase = Phase.NEW
     next_chunk: int = 0  # the index of the next chunk to begin
     chunks: dict[int, ChunkInFlight] = field(default_factory=dict)

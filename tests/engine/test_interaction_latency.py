@@ -15,6 +15,7 @@ import pytest
 
 from engine.messages import Interaction, InteractionApplied, InteractionQueued, SessionDone, StartSession
 from tests.support import Collected, collect, conditioning_of, expected_row, make_gate, read_until, wait_reached
+from workers.pipelines.stub import DECODE_GATE_STEP
 
 K = 1  # the chunk being denoised when the interaction arrives
 
@@ -51,7 +52,7 @@ async def test_interaction_during_chunk_k_is_active_from_k_plus_1(make_engine, s
     assert applied.queued_to_applied_ms >= 0.0
 
 
-async def test_interaction_before_the_first_chunk_applies_at_chunk_0(make_engine):
+async def test_interaction_while_chunk_0_is_denoised_applies_at_chunk_1(make_engine):
     gate = make_gate(chunk=0, step=0)
     engine = await make_engine(gates=[gate])
     handle = await engine.start_session(StartSession(session_id="s", prompt="first", num_chunks=2))
@@ -64,3 +65,26 @@ async def test_interaction_before_the_first_chunk_applies_at_chunk_0(make_engine
     result = await collect(handle, seen)
     assert (queued.in_progress_chunk_index, queued.expected_chunk_index) == (0, 1)
     assert result.of(InteractionApplied)[0].generation_chunk_index == 1
+
+
+async def test_with_the_decode_stage_one_sent_while_chunk_k_decodes_lands_at_the_next_chunk_not_begun(make_engine):
+    """With the decode stage, chunk k+1 begins as soon as chunk k is committed,
+    while k still decodes: an interaction accepted then (k's decode held at a
+    gate, k+1's first step held at another) lands at k+2, the next chunk whose
+    boundary is still to come, and the acknowledgement says so."""
+    decoding = make_gate(chunk=0, step=DECODE_GATE_STEP)
+    denoising = make_gate(chunk=1, step=0)
+    engine = await make_engine(overlap_decode=True, gates=[decoding, denoising])
+    handle = await engine.start_session(StartSession(session_id="s", prompt="first", num_chunks=4))
+    await wait_reached(decoding)  # chunk 0 committed, its decode held
+    await wait_reached(denoising)  # chunk 1 begun meanwhile: its boundary is taken
+    await handle.interact("e", Interaction(prompt="second"))
+    seen = Collected()
+    queued = await read_until(handle, InteractionQueued, seen)
+    decoding.release.set()
+    denoising.release.set()
+    result = await collect(handle, seen)
+    assert (queued.in_progress_chunk_index, queued.expected_chunk_index) == (1, 2)
+    [applied] = result.of(InteractionApplied)
+    assert applied.generation_chunk_index == 2
+    assert result.chunks[2].started_event_ids == ("e",)
