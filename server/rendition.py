@@ -101,6 +101,11 @@ class Rendition:
         self._pending.clear()
         self._task.cancel()
 
+    async def finished(self) -> None:
+        """Return once the rendition's task has ended: its end was delivered, or it
+        was closed (nothing reaches a viewer after this)."""
+        await asyncio.gather(self._task, return_exceptions=True)
+
     async def _run(self) -> None:
         while True:
             while not self._pending:

@@ -57,8 +57,7 @@ async def test_each_chunk_is_encoded_once_for_every_viewer_and_the_end_comes_aft
     for i in range(3, 6):  # it starts mid-session
         made.offer(i, metadata(i), frames(i), 0.01)
     made.end({"type": "session.done"}, 1000, "session done")
-    await settle(a, 5)
-    await asyncio.sleep(0.05)
+    await made.finished()  # the end was delivered: nothing more comes
     assert [kind for kind, _ in a.got] == ["chunk", "chunk", "chunk", "event", "end"] and not slow
     chunks = [item for kind, item in a.got if kind == "chunk"]
     assert [c.index for c in chunks] == [3, 4, 5]
@@ -98,8 +97,8 @@ async def test_a_rendition_that_falls_behind_gives_up_and_holds_nobody(monkeypat
         await asyncio.sleep(0)
     assert made.closed and len(slow) == 1 and "raw" in slow[0] and "behind" in slow[0]
     made.offer(99, metadata(99), frames(99), 0.01)  # ignored once closed
+    await made.finished()  # closed: its task is over, so nothing it held can reach a viewer
     release.set()
-    await asyncio.sleep(0.05)
     assert viewer.got == []  # what waited was dropped
 
 
