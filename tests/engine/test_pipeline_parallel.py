@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 import pytest_asyncio
@@ -38,8 +37,8 @@ SHARED = pytest.mark.asyncio(loop_scope="module")  # the tests that run on the m
 
 async def start_engine(pp: int, **config) -> EngineClient:
     spec = PipelineSpec("tiny", {"device": "cpu", "warm_up_chunks": 1})
-    config = {**PINNED_LIMITS, "max_sessions": 6, **config}
-    client = EngineClient(EngineConfig(pipeline=spec, pp=pp, startup_timeout_s=120, **config))
+    config = {"startup_timeout_s": 120, **PINNED_LIMITS, "max_sessions": 6, **config}
+    client = EngineClient(EngineConfig(pipeline=spec, pp=pp, **config))
     await client.start()
     return client
 
@@ -155,23 +154,21 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
 
 
 async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():
-    two = await start_engine(2, max_worker_restarts=1)
+    """The rank's death is seen at once (its process, its closed sockets), not
+    when a link gives up waiting: with a link timeout of 10 minutes, the
+    session's failure within the 30 s it is waited for can only come so."""
+    two = await start_engine(2, max_worker_restarts=1, pp_timeout_s=600)
     try:
         follower = two.ready.pipeline_ranks[0]
         rank0 = two.ready.pid
         handle = await two.start_session(start_of("s", 1, None))
         seen = Collected()
         await read_until(handle, ChunkReady, seen)
-        killed_at = time.monotonic()
         os.kill(follower, signal.SIGKILL)
         end = await collect(handle, seen, timeout=30)
         assert isinstance(end.end, SessionFailed)
-        assert time.monotonic() - killed_at < 2.0
         assert "pipeline rank 1" in end.end.message
-        for _ in range(600):  # a fresh group comes up under the restart budget
-            if two.alive and two.ready.pid != rank0:
-                break
-            await asyncio.sleep(0.1)
+        await two.settled()  # a fresh group came up under the restart budget
         assert two.alive and two.ready.pid != rank0
         assert two.ready.pipeline_ranks and two.ready.pipeline_ranks[0] != follower
         for pid in (rank0, follower):  # nothing of the old group is left
@@ -346,7 +343,7 @@ async def test_a_rank_port_already_taken_fails_the_start_naming_it(rank):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", base + rank))
         taken.listen(1)
-        began = time.monotonic()
+        # Its own reason, at once: waiting out the start-up timeout (10 minutes here) would end the test first.
         with pytest.raises(EngineStartupError, match=f"pipeline rank {rank} cannot listen on port {base + rank}"):
-            await start_engine(2, pp_port=base)
-        assert time.monotonic() - began < 60  # the start-up timeout is 120 s
+            async with asyncio.timeout(90):
+                await start_engine(2, pp_port=base, startup_timeout_s=600)
