@@ -1,5 +1,5 @@
-"""A tiny causal Wan pipeline that fails where a test says, for the engine tests
-of pipeline ranks (a worker builds it by import path: ``PipelineSpec(
+"""Tiny causal Wan pipelines that fail or wait where a test says, for the engine
+tests of pipeline ranks (a worker builds one by import path: ``PipelineSpec(
 "tests.engine.faulty_pipeline:build", ...)``)."""
 
 from __future__ import annotations
@@ -19,4 +19,24 @@ def build(*, fail_follow_prompt: str, fail_follow_chunk: int, **options):
         follow(session, chunk_index, prompt_changed)
 
     pipeline.follow_boundary = follow_boundary
+    return pipeline
+
+
+def build_gated(*, gate, **options):
+    """The ``tiny`` preset whose first rank holds the forward of the gate's chunk and
+    step (a ``workers.pipelines.stub.StubGate``: its events cross processes) until
+    the test releases it, having said it got there: a control message then
+    reaches the worker while that chunk is being denoised."""
+    pipeline = build_tiny(**options)
+    forward = pipeline.forward
+
+    def gated_forward(batch, sessions, blocks=None, hidden=None):
+        first_rank = blocks is None or blocks.start == 0
+        if first_rank and any((row.chunk_index, row.step) == (gate.chunk, gate.step) for row in batch.rows):
+            gate.reached.set()
+            if not gate.release.wait(60):
+                raise RuntimeError("the test never released the gate")
+        return forward(batch, sessions, blocks, hidden)
+
+    pipeline.forward = gated_forward
     return pipeline

@@ -2,7 +2,8 @@
 split over two ranks: a session whose boundary failed on a later rank fails,
 naming the rank, instead of running on a cache that missed its boundary, and
 the other session goes on; ranks with no device to run on fail the start
-naming why."""
+naming why; a prompt sent while a chunk is held in the ring at a gate lands
+exactly where the worker said it would."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ import torch
 
 from engine.client import EngineClient, EngineStartupError
 from engine.config import EngineConfig, PipelineSpec
-from engine.messages import SessionDone, SessionFailed, StartSession
+from engine.messages import (
+    Interaction,
+    InteractionApplied,
+    InteractionQueued,
+    SessionDone,
+    SessionFailed,
+    StartSession,
+)
 from tests.conftest import PINNED_LIMITS
-from tests.support import collect
+from tests.support import Collected, collect, make_gate, read_until, wait_reached
 
 SIZE = {"width": 32, "height": 32}
 
@@ -52,3 +60,39 @@ async def test_ranks_with_no_device_to_run_on_fail_the_start_in_one_line_naming_
     ):
         await engine.start()
     await engine.shutdown()
+
+
+@pytest.mark.parametrize("stream_batch", [False, True], ids=["exact", "stream-batch"])
+async def test_a_prompt_sent_while_chunk_k_enters_the_ring_lands_where_its_acknowledgement_says(stream_batch):
+    """Two ranks, the first holding chunk 1's first step at a gate: the prompt
+    reaches the worker while chunk 1 is being denoised. Exact, it lands at
+    chunk 2; with stream batch at the next chunk still to begin (chunk 2 or 3,
+    as far as the loop had planned ahead), and in both exactly where the
+    worker's acknowledgement said, behind as many chunks in flight as the
+    answer says."""
+    gate = make_gate(chunk=1, step=0)
+    options = {"device": "cpu", "warm_up_chunks": 1, "gate": gate}
+    spec = PipelineSpec("tests.engine.faulty_pipeline:build_gated", options)
+    config = EngineConfig(pipeline=spec, pp=2, stream_batch=stream_batch, startup_timeout_s=120, **PINNED_LIMITS)
+    engine = EngineClient(config)
+    await engine.start()
+    try:
+        handle = await engine.start_session(StartSession(session_id="s", prompt="a calm sea", **SIZE))
+        await wait_reached(gate, timeout=120)
+        await handle.interact("e", Interaction(prompt="a storm"))
+        seen = Collected()
+        queued = await read_until(handle, InteractionQueued, seen, timeout=60)
+        gate.release.set()
+        applied = await read_until(handle, InteractionApplied, seen, timeout=120)
+        await handle.stop()
+        await collect(handle, seen, timeout=120)
+    finally:
+        await engine.shutdown()
+    assert applied.generation_chunk_index == queued.expected_chunk_index
+    lookahead = config.lookahead("soft")
+    if stream_batch:
+        assert 2 <= applied.generation_chunk_index <= 1 + lookahead
+        assert 1 <= applied.chunks_in_flight <= lookahead
+    else:
+        assert (queued.in_progress_chunk_index, applied.generation_chunk_index) == (1, 2)
+        assert applied.chunks_in_flight == 1
