@@ -52,7 +52,15 @@ from server.drain import Drainer
 from server.job_store import INTERRUPTED, INTERRUPTED_MESSAGE, JobStore, StoredJob, UnknownCursorError
 from server.metrics import Metrics
 from server.output import SessionOutput
-from server.schemas import EffectiveConfig, JobRequest, RequestError, VideoList, VideoObject, resolve
+from server.schemas import (
+    DEFAULT_JOB_SECONDS,
+    EffectiveConfig,
+    JobRequest,
+    RequestError,
+    VideoList,
+    VideoObject,
+    resolve,
+)
 from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -224,12 +232,11 @@ class JobManager:
                 log.exception("expiring jobs failed; trying again in %g s", interval)
 
     async def create(self, request: JobRequest) -> Job:
-        """Validate and start a job; ``RequestError`` names what is wrong. The
+        """Validate and start a job (``DEFAULT_JOB_SECONDS`` long when the request
+        gives no length); ``RequestError`` names what is wrong. The
         first start attempt happens here, so the worker's own checks (sizes,
         steps) refuse a bad request at once; a full engine leaves it queued.
         The job is in the store (``queued``) when this returns."""
-        if request.num_frames is None and request.num_chunks is None and request.seconds is None:
-            raise RequestError("num_frames: a job needs a length (num_frames, num_chunks or seconds)")
         if (unavailable := self.engine.unavailable()) is not None:
             raise unavailable  # answered 503 before anything is kept
         # Counted with the creates still on their way to the store (the awaits below), so
@@ -247,7 +254,10 @@ class JobManager:
             self._starting += 1
         try:
             job_id = f"video_{uuid.uuid4().hex}"
-            start, config = resolve(request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False)
+            defaults = self.engine.ready.defaults
+            start, config = resolve(
+                request, job_id, defaults, self.settings, self.model, paced=False, default_seconds=DEFAULT_JOB_SECONDS
+            )
             handle = None
             try:
                 handle = await self.engine.start_session(start)

@@ -27,6 +27,9 @@ from engine.messages import Interaction, ScheduledInteraction, SessionGeometry, 
 from server.settings import ServerSettings
 
 FORMAT_ALIASES = {"m4s": "fmp4"}
+DEFAULT_JOB_SECONDS = 4.0
+"""A job's length when its request gives none of num_frames, num_chunks, seconds
+(the OpenAI API's default); a realtime session's is "until stopped"."""
 
 
 class _Strict(BaseModel):
@@ -36,7 +39,8 @@ class _Strict(BaseModel):
 
 class VideoRequest(_Strict):
     """What a client asks for. Lengths: at most one of ``num_frames``,
-    ``num_chunks``, ``seconds``; none means "until stopped" (realtime only)."""
+    ``num_chunks``, ``seconds``; none means "until stopped" for a realtime
+    session and ``DEFAULT_JOB_SECONDS`` (4 s) for a job."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     """What the video shows at first (not blank)."""
@@ -56,11 +60,13 @@ class VideoRequest(_Strict):
     """Frames per second of the media; null: the model's default (causal Wan: at most 60)."""
     num_frames: int | None = Field(None, ge=1)
     """Total frames (the last chunk is trimmed). At most one of num_frames, num_chunks,
-    seconds; none: until stopped (realtime only)."""
+    seconds; none of them: until stopped (a realtime session), 4 seconds (a job, as
+    the OpenAI API: round(4 x fps) frames)."""
     num_chunks: int | None = Field(None, ge=1)
     """Length in chunks (the first chunk may be shorter: see frames_per_chunk in the answer)."""
     seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
-    """Length in seconds of media."""
+    """Length in seconds of media: round(seconds x fps) frames (the last chunk is trimmed).
+    A job that gives no length gets 4; a realtime session runs until stopped."""
     num_inference_steps: int | None = Field(None, ge=1, le=MAX_INFERENCE_STEPS)
     """Denoise steps per chunk; null: the model's default. The model bounds it (causal Wan: 1-4)."""
     format: Literal["fmp4", "m4s", "jpeg", "raw"] = "fmp4"
@@ -419,12 +425,23 @@ class EffectiveConfig:
         return asdict(self)
 
 
-def _frames_asked(request: VideoRequest, fps: float, first: int, per: int, max_frames: int) -> int | None:
-    """The frame count the request's length comes to (None: until stopped). Past
-    the server's ``max_frames`` the error names the field the client sent
-    (``num_frames``, ``num_chunks`` or ``seconds``), in that field's unit, and
-    says which server limit it hit."""
+def _frames_asked(
+    request: VideoRequest, fps: float, first: int, per: int, max_frames: int, default_seconds: float | None
+) -> int | None:
+    """The frame count the request's length comes to: ``default_seconds`` of media
+    when it gives none (None: until stopped). Past the server's ``max_frames`` the
+    error names the field the client sent (``num_frames``, ``num_chunks`` or
+    ``seconds``), in that field's unit, and says which server limit it hit."""
     limit = f"this server's max_frames is {max_frames} frames (rtvideo serve --max-frames)"
+    given = (request.num_frames, request.num_chunks, request.seconds)
+    if default_seconds is not None and all(length is None for length in given):
+        num_frames = max(1, round(default_seconds * fps))
+        if num_frames > max_frames:
+            raise RequestError(
+                f"seconds: none of num_frames, num_chunks, seconds was given, so the job is {default_seconds:g} s "
+                f"({num_frames} frames at {fps:g} fps), past {limit}; give a shorter length"
+            )
+        return num_frames
     if request.seconds is not None:
         if request.seconds * fps > max_frames:  # checked before rounding: a huge float has no int
             most = max_frames / fps
@@ -451,9 +468,11 @@ def resolve(
     settings: ServerSettings,
     model: str,
     paced: bool = True,
+    default_seconds: float | None = None,
 ) -> tuple[StartSession, EffectiveConfig]:
     """The engine start for ``request`` and the effective configuration to echo.
-    ``paced`` False (request mode) runs at full speed whatever ``max_lead_seconds`` says."""
+    ``paced`` False (request mode) runs at full speed whatever ``max_lead_seconds`` says;
+    ``default_seconds`` is the length of a request that gives none (None: until stopped)."""
     if request.model is not None and request.model != model:
         raise RequestError(f"model: this server serves {model!r}, not {request.model!r}")
     width = request.width or defaults.width
@@ -464,7 +483,7 @@ def resolve(
     if height > settings.max_height:
         raise RequestError(f"height: at most {settings.max_height}, got {height}")
     first, per = defaults.first_chunk_frames, defaults.frames_per_chunk
-    num_frames = _frames_asked(request, fps, first, per, settings.max_frames)
+    num_frames = _frames_asked(request, fps, first, per, settings.max_frames, default_seconds)
     num_chunks = None if num_frames is None else 1 + max(0, math.ceil((num_frames - first) / per))
     scheduled = []
     for i, item in enumerate(getattr(request, "interactions", [])):

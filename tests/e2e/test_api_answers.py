@@ -111,8 +111,8 @@ def test_refusals_name_the_field_that_was_sent(served):
     assert bad_json.json()["error"]["message"] == "body: not valid JSON (Expecting value) at character 30"
     text = httpx.post(f"{server.http}/v1/videos", content=b"prompt=p", headers={**AUTH, "content-type": "text/plain"})
     assert "content-type: application/json" in text.json()["error"]["message"]
-    form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p"}, headers=AUTH)  # a form is a body too
-    assert form.status_code == 422 and form.json()["error"]["message"].startswith("num_frames: a job needs a length")
+    form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "seconds": "x"}, headers=AUTH)  # a body too
+    assert form.status_code == 422 and form.json()["error"]["message"].startswith("seconds:")
 
 
 def _bounds(spec: dict, schema_name: str, field: str) -> dict:

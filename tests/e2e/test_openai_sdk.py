@@ -69,6 +69,16 @@ def test_create_and_poll(client):
     client.videos.delete(video.id)
 
 
+def test_create_without_seconds_is_four_seconds(client):
+    """``videos.create(prompt=...)`` alone: 4 s, the OpenAI API's default."""
+    video = client.videos.create_and_poll(prompt="a lighthouse", poll_interval_ms=20)
+    conforms(video)
+    assert video.status == "completed" and video.seconds == "4"
+    with av.open(io.BytesIO(client.videos.download_content(video.id).content)) as container:
+        assert len(list(container.decode(video=0))) == 64  # 4 s at the stub's 16 fps
+    client.videos.delete(video.id)
+
+
 def test_list_pages_through_every_job(client):
     mine = [client.videos.create(prompt=f"scene {i}", seconds="1", size="32x32").id for i in range(3)]
     first = client.videos.list(limit=2)

@@ -60,3 +60,15 @@ def test_a_body_that_is_not_a_json_object_says_what_was_wrong():
     assert describe_body_errors(listed) == "body: expected a JSON object, got list"
     field = [{"type": "int_parsing", "loc": ("body", "interactions", 0, "at_chunk"), "msg": "Input should be an int"}]
     assert describe_body_errors(field) == "interactions.0.at_chunk: Input should be an int"
+
+
+def test_a_job_without_a_length_is_four_seconds_and_a_session_runs_until_stopped():
+    from server.schemas import DEFAULT_JOB_SECONDS
+
+    request = JobRequest(prompt="p")
+    _, job = resolve(request, "job", TINY, ServerSettings(), "tiny", paced=False, default_seconds=DEFAULT_JOB_SECONDS)
+    assert (job.num_frames, job.num_chunks) == (64, 6)  # 9 + 5 x 12 = 69 frames made, the last chunk trimmed to 7
+    _, session = resolve(request, "session", TINY, ServerSettings(), "tiny")
+    assert (session.num_frames, session.num_chunks) == (None, None)
+    with pytest.raises(RequestError, match=r"^seconds: none of num_frames, num_chunks, seconds was given, so the job"):
+        resolve(request, "job", TINY, ServerSettings(max_frames=50), "tiny", paced=False, default_seconds=4.0)
