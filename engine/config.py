@@ -13,6 +13,8 @@ from typing import Any
 PP_TRANSPORTS = ("auto", "torch")  # EngineConfig.pp_transport
 PP_DECODES = ("auto", "first", "spread", "split")  # EngineConfig.pp_decode
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # EngineConfig.log_level
+MODEL_PRESETS = ("demo", "tiny", "stub")  # models a worker builds by name (workers.pipelines.REGISTRY)
+MODEL_DIR_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")  # a model directory's folders (Wan2.1 diffusers)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.client import EngineClient, EngineDeadError, EngineRestartingError
+from engine.client import EngineClient, EngineDeadError, EngineRestartingError, EngineStartupError
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized
 from server.drain import Drainer
@@ -49,6 +49,7 @@ from server.schemas import (
 )
 from server.session_registry import SessionRegistry
 from server.settings import ServerSettings
+from server.startup import StartupFailed
 
 STATIC = Path(__file__).parent / "static"
 SWAGGER_UI = str(importlib.resources.files("swagger_ui") / "static")  # Swagger UI 5's files, from swagger-ui-py
@@ -99,9 +100,16 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
 def create_app(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await open_job_store(settings)  # first: a data_dir in use stops the start before the model loads
+        try:
+            store = await open_job_store(settings)  # first: a data_dir in use stops the start before the model loads
+        except StoreError as error:
+            raise _cannot_start(app, error) from None
         engine = EngineClient(engine_config(settings))
-        await engine.start()
+        try:
+            await engine.start()
+        except EngineStartupError as error:  # the worker was stopped; its traceback is in its log at debug
+            await store.close()
+            raise _cannot_start(app, error) from None
         app.state.engine = engine
         app.state.capacity = asyncio.Condition()
         app.state.metrics = Metrics(
@@ -427,6 +435,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return DeletedVideo(id=video_id, object="video.deleted", deleted=True, status=status)
 
     return app
+
+
+def _cannot_start(app: FastAPI, error: Exception) -> StartupFailed:
+    """The start fails for ``error``'s reason, which ``rtvideo serve`` says in one line (server/startup.py)."""
+    app.state.start_failure = str(error)
+    return StartupFailed(str(error))
 
 
 async def _create(request: Request, body: JobRequest):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import errno
+import functools
 import importlib
 import inspect
 import json
@@ -18,10 +20,16 @@ import socket
 import sys
 import textwrap
 from dataclasses import MISSING, fields
+from pathlib import Path
 
+from engine.config import MODEL_DIR_PARTS, MODEL_PRESETS
 from server.settings import ServerSettings
 
 ENV_PREFIX = "RTVIDEO_"
+OTHER_VARIABLES = ("RTVIDEO_ADVERTISE_HOST", "RTVIDEO_CHURN_SCRIPTS", "RTVIDEO_LOCK", "RTVIDEO_MODEL_DIR")
+"""``RTVIDEO_*`` variables that are not settings, read elsewhere: a launched rank's
+address (workers/launch.py), a test's script count, the install script's lock, the
+compose file's model folder. Any other unknown one draws a warning at start."""
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -98,6 +106,42 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str]) -> ServerSe
         raise SystemExit(f"rtvideo serve: {error}") from None
 
 
+def unknown_variables(environ: dict[str, str]) -> list[str]:
+    """A warning line for each ``RTVIDEO_*`` variable in ``environ`` that names no
+    setting (a misspelling would otherwise be ignored silently), naming the
+    closest known variable when one is close."""
+    known = sorted({ENV_PREFIX + f.name.upper() for f in fields(ServerSettings)} | set(OTHER_VARIABLES))
+    names = [name.removeprefix(ENV_PREFIX) for name in known]  # compared without the prefix they all share
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), names, n=1, cutoff=0.6)
+        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "rtvideo serve --help lists the settings"
+        warnings.append(f"rtvideo serve: warning: {name} is not a setting, ignored; {hint}")
+    return warnings
+
+
+def check_model(model: str) -> None:
+    """Before anything loads: ``SystemExit`` with one line when ``--model`` names
+    neither a model the worker builds by name (``MODEL_PRESETS``, or a factory's
+    import path ``module:function``) nor a directory with a model's folders
+    (``MODEL_DIR_PARTS``). Read as ``server.app.pipeline_spec`` reads it: a path
+    (a ``/`` in it, or an existing directory) is a model directory."""
+    if "/" not in model and not Path(model).is_dir() and (model in MODEL_PRESETS or ":" in model):
+        return
+    parts = ", ".join(f"{part}/" for part in MODEL_DIR_PARTS)
+    expected = f"expected {', '.join(MODEL_PRESETS)} or a model directory with {parts}"
+    path = Path(model)
+    if not path.exists():
+        raise SystemExit(f"rtvideo serve: --model {model}: no such directory; {expected}")
+    if not path.is_dir():
+        raise SystemExit(f"rtvideo serve: --model {model}: not a directory; {expected}")
+    missing = [f"{part}/" for part in MODEL_DIR_PARTS if not (path / part).is_dir()]
+    if missing:
+        raise SystemExit(f"rtvideo serve: --model {model}: the directory lacks {', '.join(missing)}; {expected}")
+
+
 def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """Bind and listen on ``host:port`` now, before anything is loaded, so a busy
     port fails in milliseconds rather than after the model has loaded.
@@ -131,9 +175,14 @@ def _serve(args: argparse.Namespace) -> int:
     from server.drain import DrainingServer
     from server.http_protocol import MAX_HEAD_BYTES, guarded_h11
     from server.logs import logging_config
+    from server.startup import OneLineLifespan
     from server.ws_protocol import RealtimeWebSocketProtocol
 
     settings = settings_from(args, dict(os.environ))
+    for warning in unknown_variables(dict(os.environ)):
+        print(warning, file=sys.stderr)
+    if settings.worker_listen is None:  # a launched group loads the model on its own machines
+        check_model(settings.model)
     sock = listen(settings.host, settings.port)  # before the app exists: nothing loads for a port we cannot have
     app = create_app(settings)
     config = uvicorn.Config(
@@ -149,6 +198,11 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=10,  # sessions were drained before uvicorn stops
         backlog=2048,
+    )
+    config.load()
+    # A start that fails for a reason the app names (server/startup.py) ends in that one line.
+    config.lifespan_class = functools.partial(
+        OneLineLifespan, failure=lambda: getattr(app.state, "start_failure", None)
     )
 
     class ListeningServer(DrainingServer):

@@ -8,7 +8,9 @@ for the open sessions and jobs to end by themselves. At the deadline the
 rest are stopped with reason ``shutdown`` (clients get ``session.done``
 saying so), then uvicorn stops and the lifespan shuts the workers down. A
 session counts as ended once its realtime clients were sent its end, so the
-exit never cuts off a final ``session.done``. A second signal skips the wait.
+exit never cuts off a final ``session.done``. A second signal skips the wait
+(a second Ctrl+C also uvicorn's wait for connections to close); either way the
+lifespan still shuts the workers down, quietly.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class DrainingServer(uvicorn.Server):
         # Runs as a signal handler: hand over to the loop, never re-raise the signal
         # afterwards (uvicorn would, and the process would not exit 0).
         if self._draining or self._loop is None:
+            if self._draining and not self.should_exit:
+                self._loop.call_soon_threadsafe(log.info, "a second signal: stopping now, without waiting")
             self.should_exit = True
             self.force_exit = self.force_exit or (self._draining and sig == signal.SIGINT)
             return
@@ -98,6 +102,17 @@ class DrainingServer(uvicorn.Server):
     def _start_drain(self) -> None:
         # The loop keeps only a weak reference to a task: hold this one until it is done.
         self._drain_task = self._loop.create_task(self._drain_then_exit(), name="drain")
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown; after a forced exit (Ctrl+C while draining) the drain
+        is cancelled and the lifespan shut down all the same, so the workers stop
+        and the app's lifespan is not left to be cancelled (a ``CancelledError``
+        traceback) when the loop closes."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            if self._drain_task is not None:
+                self._drain_task.cancel()
+            await self.lifespan.shutdown()
 
     async def _drain_then_exit(self) -> None:
         try:

@@ -92,7 +92,8 @@ def run_worker(
             inline = not _overlap_decode(config, pipeline)
             decoder_split = _start_ranks(config, pipeline, group, decode_inline=inline, split=placement == "split")
     except Exception as error:
-        log.exception("could not build or warm up pipeline %r", config.pipeline.name)
+        # The API process says why in one line (the reason travels in WorkerStartupFailed); the traceback at debug.
+        log.debug("could not build or warm up pipeline %r", config.pipeline.name, exc_info=True)
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
         if group is not None:
             group.close()

@@ -40,6 +40,38 @@ def test_bad_values_exit_naming_the_option(argv, env, names):
         settings_from(parse(*argv), env)
 
 
+def test_a_variable_that_names_no_setting_is_warned_of_with_the_closest_one():
+    from server.cli import unknown_variables
+
+    environ = {"RTVIDEO_MAX_SESION": "3", "RTVIDEO_PORT": "90", "RTVIDEO_LOCK": "cpu", "PATH": "/", "RTVIDEO_XYZZY": ""}
+    assert unknown_variables(environ) == [
+        "rtvideo serve: warning: RTVIDEO_MAX_SESION is not a setting, ignored; did you mean RTVIDEO_MAX_SESSIONS?",
+        "rtvideo serve: warning: RTVIDEO_XYZZY is not a setting, ignored; rtvideo serve --help lists the settings",
+    ]
+
+
+def test_a_model_that_is_neither_a_preset_nor_a_model_directory_is_refused_in_one_line(tmp_path):
+    from engine.config import MODEL_DIR_PARTS, MODEL_PRESETS
+    from server.cli import check_model
+    from workers.pipelines import REGISTRY  # torch-free: the worker's names, read lazily
+
+    assert set(MODEL_PRESETS) <= set(REGISTRY)
+    for name in (*MODEL_PRESETS, "my_package.models:build"):
+        check_model(name)  # built by the worker, by name
+    expected = "expected demo, tiny, stub or a model directory with transformer/, vae/, text_encoder/, tokenizer/"
+    with pytest.raises(SystemExit, match=f"^rtvideo serve: --model {tmp_path}/x: no such directory; {expected}$"):
+        check_model(str(tmp_path / "x"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="--model .*/file: not a directory"):
+        check_model(str(tmp_path / "file"))
+    (tmp_path / "vae").mkdir()
+    with pytest.raises(SystemExit, match="the directory lacks transformer/, text_encoder/, tokenizer/;"):
+        check_model(str(tmp_path))
+    for part in MODEL_DIR_PARTS:
+        (tmp_path / part).mkdir(exist_ok=True)
+    check_model(str(tmp_path))  # what the folders hold is the worker's to read
+
+
 def test_engine_options_reach_the_engine_config():
     from server.app import engine_config
 

@@ -26,7 +26,9 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from transformers import AutoTokenizer, ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 from transformers.utils import logging as hf_logging
 
-COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer")
+from engine.config import MODEL_DIR_PARTS
+
+COMPONENTS = MODEL_DIR_PARTS  # the folders a model directory needs (the API process checks them at start too)
 
 # Self-Forcing's attention span, the one it is trained on, in latent frames: a chunk attends to 21, its own 3 and
 # the 18 the KV cache holds, which are 3 sinks (the stream's first frames) and a rolling window of the 15 latest.
