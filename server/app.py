@@ -11,6 +11,7 @@ import asyncio
 import copy
 import importlib.resources
 import math
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -434,7 +435,52 @@ def create_app(settings: ServerSettings) -> FastAPI:
             raise _not_found(video_id) from None
         return DeletedVideo(id=video_id, object="video.deleted", deleted=True, status=status)
 
+    for method, path, call in OPENAI_NOT_IMPLEMENTED:
+        app.add_api_route(
+            path,
+            _not_implemented(method, path, call),
+            methods=[method],
+            name=f"{call}_not_implemented",
+            summary=f"Not implemented here: the OpenAI SDK's videos.{call}",
+            tags=["videos"],
+            dependencies=[Depends(authorized)],
+            status_code=501,
+            response_model=None,
+            responses=errors(401, 501),
+            openapi_extra={"parameters": [_path_parameter(name) for name in re.findall(r"{(\w+)}", path)]},
+        )
     return app
+
+
+OPENAI_NOT_IMPLEMENTED = (
+    ("POST", "/v1/videos/{video_id}/remix", "remix"),
+    ("POST", "/v1/videos/edits", "edit"),
+    ("POST", "/v1/videos/extensions", "extend"),
+    ("POST", "/v1/videos/characters", "create_character"),
+    ("GET", "/v1/videos/characters/{character_id}", "get_character"),
+)
+"""Routes of the OpenAI videos API that this server does not implement: each
+answers 501 ``not_implemented`` saying so (not a 404 that reads as a wrong URL),
+with ``x-should-retry: false`` so the OpenAI SDK does not retry it as a 5xx."""
+
+
+def _path_parameter(name: str) -> dict:
+    """An OpenAPI path parameter (its schema built by call: a ``{"type": ...}`` literal reads as a protocol event)."""
+    return {"name": name, "in": "path", "required": True, "schema": dict(type="string")}
+
+
+def _not_implemented(method: str, path: str, call: str):
+    message = (
+        f"{method} {path} (the OpenAI SDK's videos.{call}) exists in the OpenAI API but is not implemented by "
+        "this server; it makes videos from a prompt (POST /v1/videos) and changes the prompt of one playing "
+        "(WS /v1/realtime/video)"
+    )
+
+    async def answer() -> JSONResponse:
+        """Not implemented here: 501 not_implemented."""
+        return _error(501, "not_implemented", message, headers={"x-should-retry": "false"})
+
+    return answer
 
 
 def _cannot_start(app: FastAPI, error: Exception) -> StartupFailed:
@@ -481,6 +527,7 @@ ERROR_MEANINGS = {
     429: "too many jobs kept or waiting (too_many_jobs, queue_full); see Retry-After",
     499: "the client left before the answer; the job was cancelled (client_closed)",
     500: "the job did not complete: its own error code",
+    501: "a route of the OpenAI videos API this server does not implement (not_implemented)",
     503: "no worker can take it (engine_unavailable; Retry-After while one restarts), the server drains, "
     "or the job store's disk failed (storage_unavailable)",
 }

@@ -13,7 +13,10 @@ The contract: each form field is a field of the JSON body, its value as text
 ``interactions`` is a JSON array as text; a field left empty is as if it were
 not sent; a field given twice, a file in any field, ``input_reference`` in any
 form (this server makes video from the prompt alone), and a form that does not
-parse are refused 422 ``invalid_request`` naming the field. It sits inside
+parse are refused 422 ``invalid_request`` naming the field. A urlencoded body
+that begins with ``{`` or ``[`` is JSON sent without its content type (what
+``curl -d`` sends unless told) and is refused saying to add
+``-H 'content-type: application/json'``. It sits inside
 ``BodyLimits``, so ``max_request_bytes`` (413) holds for forms as for JSON.
 """
 
@@ -36,6 +39,10 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 FORM_TYPES = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 JSON_FIELDS = ("interactions",)  # form fields whose text is JSON
 REFUSED = "input_reference"
+JSON_AS_FORM = (
+    "body: this is JSON sent as a form (content-type application/x-www-form-urlencoded, what curl -d sends "
+    "unless told); add -H 'content-type: application/json'"
+)
 REFUSED_MESSAGE = (
     "input_reference: not supported: this server makes video from the prompt alone (no reference image or video)"
 )
@@ -128,6 +135,8 @@ class FormBodies:
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
+        if content_type == b"application/x-www-form-urlencoded" and body.lstrip()[:1] in (b"{", b"["):
+            return await _refuse(send, JSON_AS_FORM)  # no form's field name begins so
         try:
             payload = json.dumps(await _parse(scope, bytes(body))).encode()
         except FormError as error:

@@ -95,6 +95,9 @@ CLIENT_EVENTS: TypeAdapter = TypeAdapter(ClientEvent)
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_ERROR, CLOSE_FULL = 1000, 1008, 1009, 1011, 1013
 SLOW_CLIENT_GRACE_S = 10.0  # a slow client closed now has this long to read up to the close frame
 STOP_WAIT_S = 30.0  # how long a stopping connection waits for its session's end
+START_EXAMPLE = '{"type": "session.start", "prompt": "a red circle moving right"}'
+"""A first message a client can send as it is; quoted by the errors of a first message that is no event."""
+NO_EVENT = ("binary_not_supported", "invalid_message", "unknown_type")  # first-message errors that quote it
 # How a socket that may come back goes: going away (a reload), a close without a
 # code, no close at all (a network drop). Any other close (1000 done, 1009 too big,
 # 1008 ...) ends the session when its last controller goes that way.
@@ -438,13 +441,15 @@ class RealtimeConnection:
             await self._fatal("invalid_message", str(error), CLOSE_POLICY)
             return None
         except ValueError as error:
-            await self._fatal("invalid_json", f"the first message is not JSON: {error}", CLOSE_POLICY)
+            message = f"the first message is not JSON ({error}); begin with a JSON text message like {START_EXAMPLE}"
+            await self._fatal("invalid_json", message, CLOSE_POLICY)
             return None
         event = self._parse(data)
         if isinstance(event, SessionStartEvent | SessionResumeEvent):
             return event
         if isinstance(event, dict):
-            await self._fatal(event["code"], event["message"], CLOSE_POLICY)
+            example = f"; begin with a JSON text message like {START_EXAMPLE}" if event["code"] in NO_EVENT else ""
+            await self._fatal(event["code"], event["message"] + example, CLOSE_POLICY)
         else:
             message = f"the first message must be session.start or session.resume, not {event.type}"
             await self._fatal("start_required", message, CLOSE_POLICY)

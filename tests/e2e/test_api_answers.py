@@ -5,6 +5,9 @@ the schema does not name fails). Driven over HTTP against ``rtvideo serve``."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import time
 
 import httpx
@@ -113,6 +116,43 @@ def test_refusals_name_the_field_that_was_sent(served):
     assert "content-type: application/json" in text.json()["error"]["message"]
     form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "seconds": "x"}, headers=AUTH)  # a body too
     assert form.status_code == 422 and form.json()["error"]["message"].startswith("seconds:")
+
+
+def test_json_sent_as_a_form_says_to_add_the_content_type(served):
+    """``curl -d '{...}'`` without a content type posts the JSON urlencoded (one
+    form field whose name is the JSON): the answer says what to add, not that
+    prompt is missing."""
+    server, spec = served
+    expected = (
+        "body: this is JSON sent as a form (content-type application/x-www-form-urlencoded, what curl -d sends "
+        "unless told); add -H 'content-type: application/json'"
+    )
+    form = {**AUTH, "content-type": "application/x-www-form-urlencoded"}
+    for body in (b'{"prompt": "p", "num_chunks": 2}', b' [{"prompt": "p"}]', b'{"prompt": "a & b = c"}'):
+        refused = httpx.post(f"{server.http}/v1/videos", content=body, headers=form)
+        assert check(spec, "post", "/v1/videos", refused)["error"] == {"code": "invalid_request", "message": expected}
+    if shutil.which("curl") is not None:  # what curl itself sends
+        command = ["curl", "-sS", f"{server.http}/v1/videos", "-H", f"Authorization: Bearer {KEY}"]
+        ran = subprocess.run([*command, "-d", '{"prompt": "p", "num_chunks": 2}'], capture_output=True, text=True)
+        assert json.loads(ran.stdout)["error"]["message"] == expected, ran
+    fields = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "num_chunks": "1"}, headers=AUTH)
+    assert fields.status_code == 202, fields.text  # a real form is still a body
+
+
+def test_openai_routes_not_implemented_answer_as_documented(served):
+    server, spec = served
+    for method, route, path in [
+        ("post", "/v1/videos/{video_id}/remix", "/v1/videos/video_x/remix"),
+        ("post", "/v1/videos/edits", "/v1/videos/edits"),
+        ("post", "/v1/videos/extensions", "/v1/videos/extensions"),
+        ("post", "/v1/videos/characters", "/v1/videos/characters"),
+        ("get", "/v1/videos/characters/{character_id}", "/v1/videos/characters/char_x"),
+    ]:
+        answer = httpx.request(method, server.http + path, json={"prompt": "p"}, headers=AUTH)
+        error = check(spec, method, route, answer)["error"]
+        assert answer.status_code == 501 and answer.headers["x-should-retry"] == "false"
+        assert error["code"] == "not_implemented" and "is not implemented by this server" in error["message"]
+        assert check(spec, method, route, httpx.request(method, server.http + path))["error"]["code"] == "unauthorized"
 
 
 def _bounds(spec: dict, schema_name: str, field: str) -> dict:

@@ -64,6 +64,22 @@ async def test_bad_first_messages_are_fatal_with_1008(server, message, code, nam
     assert close_code == 1008
 
 
+@pytest.mark.parametrize("message", ["hello", "[1]", b"\x00", json.dumps({"type": "start"})])
+async def test_a_first_message_that_is_no_event_quotes_a_session_start_that_works(server, message):
+    """Plain text (or anything that is not an event) as the first message: the
+    error ends with a session.start to send instead, and it starts a session."""
+    error, close_code = await first_message_fails(server.ws, message)
+    assert close_code == 1008
+    head, example = error["message"].split("; begin with a JSON text message like ")
+    assert head.startswith(("the first message is not JSON (", "clients send", "a message must", "unknown message"))
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send(example)  # as the error gives it, text
+        assert (await client.until("video.start"))["config"]["prompt"] == "a red circle moving right"
+        await client.send({"type": "session.stop"})
+        assert (await client.rest()).of("session.done")[0]["reason"] == "stopped"
+
+
 async def test_bad_first_messages_leave_a_streaming_session_unharmed(server):
     async with open_realtime(server.ws) as bystander_ws:
         bystander = Realtime(bystander_ws)

@@ -116,6 +116,38 @@ def test_refusals_name_the_field(client, options, field):
     assert field in error["message"], error
 
 
+def test_remix_and_the_other_routes_not_implemented_say_so_at_once(client):
+    """The SDK's remix, edit, extend and characters calls reach routes that exist in
+    the OpenAI API but not here: 501 not_implemented saying so, not a 404 that
+    reads as a wrong base URL, and the SDK does not retry them (x-should-retry)."""
+    sent = []
+    retrying = openai.OpenAI(
+        base_url=str(client.base_url),
+        api_key=KEY,
+        max_retries=2,  # the SDK's default: a plain 5xx would be tried three times
+        http_client=openai.DefaultHttpxClient(event_hooks={"request": [sent.append]}),
+    )
+    video = client.videos.create(prompt="a kite", seconds="1")
+    with pytest.raises(openai.APIStatusError) as refused:
+        retrying.videos.remix(video.id, prompt="a red kite")
+    assert refused.value.status_code == 501 and len(sent) == 1
+    error = refused.value.body
+    assert error["code"] == "not_implemented", error
+    assert error["message"].startswith(
+        "POST /v1/videos/{video_id}/remix (the OpenAI SDK's videos.remix) exists in the OpenAI API "
+        "but is not implemented by this server"
+    ), error
+    for call in (
+        lambda: client.videos.edit(prompt="p", video=("v.mp4", b"0", "video/mp4")),
+        lambda: client.videos.extend(prompt="p", seconds="4", video=("v.mp4", b"0", "video/mp4")),
+        lambda: client.videos.get_character("char_1"),
+    ):
+        with pytest.raises(openai.APIStatusError) as refused:
+            call()
+        assert refused.value.status_code == 501 and refused.value.body["code"] == "not_implemented"
+    client.videos.delete(video.id)
+
+
 def test_a_wrong_key_is_refused(client):
     stranger = openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
