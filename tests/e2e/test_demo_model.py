@@ -17,7 +17,7 @@ import torch
 from tests.e2e.client import Chunk, Realtime, assert_applied_as_promised, interaction, open_realtime
 from tests.e2e.conftest import start_server, stop_server, train_tiny_demo
 from workers.cpu_threads import candidates
-from workers.demo.classify import dominant_colour
+from workers.demo.classify import classify, dominant_colour
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +106,35 @@ def test_the_shipped_demo_models_card_lists_what_it_knows(demo_server):
     [card] = httpx.get(f"{demo_server.http}/v1/models").json()["data"]
     assert card["id"] == "demo" and len(card["prompts"]) == 60 and "a blue square moving left" in card["prompts"]
     assert (card["defaults"]["width"], card["defaults"]["height"]) == (64, 64)
+
+
+async def test_the_shipped_demo_model_draws_an_unknown_prompt_as_the_known_one_nearest_in_words(demo_server):
+    """What the README promises: a prompt the demo model does not know is drawn as
+    a shape it knows, the caption sharing the most words with it
+    (``conditioning.nearest_known``), in every chunk, not a fade to the dark
+    background. "a paper boat drifting down a rainy street" shares "down" with
+    "a red circle moving down" (and "a" with every caption): a red circle, moving
+    down, in each chunk; so is a switch to "a boat going up in blue" blue, moving up."""
+    async with open_realtime(demo_server.ws) as ws:
+        client = Realtime(ws)
+        start = {"type": "session.start", "prompt": "a paper boat drifting down a rainy street", "format": "raw"}
+        await client.send({**start, "seed": 5, "num_chunks": 8})
+        started = await client.until("video.start")
+        while len(client.received.chunks) < 4:
+            await client.next(timeout=60)
+        await client.send(interaction("a boat going up in blue", "unknown"))
+        applied = await client.until("session.interaction.applied", timeout=60)
+        got = await client.rest()
+    width, height = started["config"]["width"], started["config"]["height"]
+    at = applied["generation_chunk_index"]
+    readings = {}
+    for chunk in got.chunks:
+        reading = classify(np.frombuffer(chunk.payload, np.uint8).reshape(-1, height, width, 3))
+        readings[chunk.metadata["generation_chunk_index"]] = (reading.presence, reading.attributes)
+    assert len(readings) == 8 and 4 <= at < 8, readings
+    for index, (presence, attributes) in readings.items():
+        assert presence == 1.0, readings  # an object in every frame: nothing fades out
+        colour, direction = ("red", "down") if index < at else ("blue", "up")
+        if index == at and (attributes.colour, attributes.direction) != (colour, direction):
+            continue  # the applied chunk may still carry the turn
+        assert (attributes.colour, attributes.shape, attributes.direction) == (colour, "circle", direction), readings

@@ -51,7 +51,7 @@ from workers.pipelines.base import (
 )
 from workers.pipelines.causal_wan_decode import CausalWanDecoding
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
-from workers.pipelines.conditioning import PromptBlend
+from workers.pipelines.conditioning import PromptBlend, nearest_known
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.quantize import QUANTIZE, quantize_fp8
@@ -145,6 +145,7 @@ class CausalWanPipeline(CausalWanDecoding):
         self.vae = _cast(components.vae, self.device, self.vae_dtype).eval()
         self.text_encoder = _cast(components.text_encoder, self.device, self.dtype).eval()
         self.tokenizer = components.tokenizer
+        self.known_prompts = components.known_prompts  # a demo model's: any other prompt is drawn as the nearest
         self.text_length = components.text_length
         self.default_size = components.default_size
         if max_batch_rows < 1:
@@ -290,13 +291,14 @@ class CausalWanPipeline(CausalWanDecoding):
 
     @torch.no_grad()
     def encode_prompt(self, prompt: str) -> torch.Tensor:
-        """Text embeddings ``[1, text_length, text_dim]``, padding rows zeroed; cached by prompt."""
+        """Text embeddings ``[1, text_length, text_dim]``, padding rows zeroed; cached by prompt.
+        A model that knows only a list of prompts gets the nearest of them (``nearest_known``)."""
         cached = self._prompts.get(prompt)
         if cached is not None:
             self._prompts.move_to_end(prompt)
             return cached
         tokens = self.tokenizer(
-            prompt,
+            nearest_known(prompt, self.known_prompts),
             padding="max_length",
             max_length=self.text_length,
             truncation=True,

@@ -11,7 +11,8 @@ with what the layout has no place for: ``text_length``, ``default_size`` and
 the attention span the generator was trained with, ``sink_frames`` and
 ``window_frames`` (Self-Forcing's when absent), and a demo model's ``demo``
 (its trained steps, and the prompts it knows: ``demo_prompts``, which the
-worker passes on for clients to suggest).
+worker passes on for clients to suggest, and which the pipeline conditions
+any other prompt as the nearest of: ``conditioning.nearest_known``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Components:
     sink_frames: int = SELF_FORCING_SINK_FRAMES
     window_frames: int = SELF_FORCING_WINDOW_FRAMES
     tiny_decoder: str | None = None  # the tiny decoder's weights file, where the directory has one
+    known_prompts: tuple[str, ...] = ()  # a demo model's prompts (demo_prompts): any other is drawn as the nearest
 
 
 def build_tiny(seed: int = 0) -> Components:
@@ -139,7 +141,7 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"model directory {str(root)!r} could not be loaded: {error}") from error
     extra = _read_rtvideo_json(root)
-    demo_prompts(root)  # checked while loading, so a malformed list fails the build and says why
+    known = demo_prompts(root)  # checked while loading, so a malformed list fails the build and says why
     return Components(
         transformer,
         vae,
@@ -150,6 +152,7 @@ def load_directory(path: str | Path, dtype: torch.dtype) -> Components:
         sink_frames=_frames(extra, "sink_frames", SELF_FORCING_SINK_FRAMES, root),
         window_frames=_frames(extra, "window_frames", SELF_FORCING_WINDOW_FRAMES, root),
         tiny_decoder=_tiny_decoder_file(extra, root),
+        known_prompts=known,
     )
 
 
