@@ -23,7 +23,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from engine.config import MODEL_DIR_PARTS, MODEL_PRESETS
-from server.settings import ServerSettings
+from server.settings import GROUPS, ServerSettings
 
 ENV_PREFIX = "RTVIDEO_"
 OTHER_VARIABLES = ("RTVIDEO_ADVERTISE_HOST", "RTVIDEO_CHURN_SCRIPTS", "RTVIDEO_LOCK", "RTVIDEO_MODEL_DIR")
@@ -281,14 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the server (each option also reads RTVIDEO_<NAME>)",
+        usage="%(prog)s [-h] [--OPTION VALUE ...]",  # the options, grouped, below
         description="Run the server. Every option can also be set as the environment variable RTVIDEO_<NAME> "
-        "(for example RTVIDEO_PORT=9000); a flag wins over the variable.",
+        "(for example RTVIDEO_PORT=9000); a flag wins over the variable. The options, by what they are about: "
+        + ", ".join(GROUPS)
+        + ".",
     )
     docs = field_docs(ServerSettings)
+    sections = {name: serve.add_argument_group(name, about) for name, about in GROUPS.items()}
     for f in fields(ServerSettings):
         default = f.default if f.default is not MISSING else f.default_factory()
         text = docs.get(f.name, "").replace("%", "%%")
-        serve.add_argument(
+        sections[f.metadata["group"]].add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f.name,
             default=None,

@@ -123,6 +123,29 @@ def test_serve_help_explains_every_option():
     assert "JSON object" in text and "tiny" in text and "``" not in text
 
 
+def test_serve_help_lists_every_option_in_exactly_one_group_of_its_fields_naming():
+    from dataclasses import fields
+
+    from server.settings import GROUPS, ServerSettings, setting
+
+    assert [f.name for f in fields(ServerSettings) if f.metadata.get("group") not in GROUPS] == []
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    listed: dict[str, list[str]] = {}
+    for group in serve._action_groups:
+        for action in group._group_actions:
+            listed.setdefault(action.dest, []).append(group.title)
+    for f in fields(ServerSettings):
+        assert listed[f.name] == [f.metadata["group"]], f.name  # in its own group, and only there
+    assert [group.title for group in serve._action_groups][-len(GROUPS) :] == list(GROUPS)
+    text = serve.format_help()
+    positions = [text.index(f"\n{title}:\n") for title in GROUPS]  # each title heads its section, in order
+    assert positions == sorted(positions)
+    assert text.index("\ncapacity:\n") < text.index("--max-sessions") < text.index("\nsessions:\n")
+    assert text.startswith("usage: rtvideo serve [-h] [--OPTION VALUE ...]\n")
+    with pytest.raises(ValueError, match="setting group must be one of network, model"):
+        setting("misc", 1)
+
+
 def test_stream_batch_options_reach_the_engine_config_and_need_ranks():
     from server.app import engine_config
 
