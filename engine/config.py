@@ -100,7 +100,8 @@ class EngineConfig:
     (invalid_request). None: derived at start, where the pipeline measures its
     chunks (``workers.calibrate``): the largest frame whose chunk costs at most
     ``max_realtime_load`` of its media time (never below the default size); not
-    limited where nothing is measured."""
+    limited where nothing is measured. Set, it is the bound whatever the machine
+    measures, and calibration measures no frame larger than the default."""
     max_realtime_load: float | None = 0.9
     """Admission by chunk cost: a start is refused (server_full) when, with it, the
     open sessions would need more than this fraction of the worker's time for

@@ -262,23 +262,38 @@ def _rank_0_spec(config: EngineConfig, site) -> PipelineSpec:
 
 def _calibrate(config: EngineConfig, pipeline) -> Calibration:
     """Measure what a chunk costs (``workers.calibrate``), unless nothing would use
-    it: the frame bound configured and admission by chunk cost off."""
+    it: the frame bound configured and admission by chunk cost off. With the
+    frame bound configured (``max_pixels``), only what admission needs: the
+    frame bound is never derived then."""
     if config.max_pixels is not None and config.max_realtime_load is None:
         return Calibration((), None, 0.0)
-    calibration = calibrate(pipeline, config.max_realtime_load or 1.0)
+    calibration = calibrate(pipeline, config.max_realtime_load or 1.0, derive_bound=config.max_pixels is None)
     for sample in calibration.samples:
         log.info(
-            "a %dx%d chunk: %.1f ms a denoise step, %.1f ms the rest",
+            "a %dx%d chunk: %.1f ms a denoise step, %.1f ms the rest (medians of up to %d measurements)",
             sample.width,
             sample.height,
             1000 * sample.step_s,
             1000 * sample.chunk_s,
+            calibration.repeats,
         )
-    if calibration.realtime_pixels is not None:
+    if calibration.spread is not None:
+        least, median, most = calibration.spread
         log.info(
-            "calibrated in %.2f s: one session runs in real time up to %d pixels a frame",
+            "calibrated in %.2f s: one session runs in real time up to %d pixels a frame "
+            "(min/median/max over %d measurements of each frame: %d/%d/%d)",
             calibration.seconds,
             calibration.realtime_pixels,
+            calibration.repeats,
+            least,
+            median,
+            most,
+        )
+    elif calibration.samples and config.max_pixels is not None:
+        log.info(
+            "calibrated in %.2f s: chunk costs for admission only; the frame bound is max_pixels, %d pixels",
+            calibration.seconds,
+            config.max_pixels,
         )
     return calibration
 

@@ -70,6 +70,19 @@ async def test_a_configured_frame_area_overrides_the_derived_one(tiny):
     await collect(small)
 
 
+async def test_a_configured_frame_area_pins_the_bound_and_no_larger_frame_is_measured(tiny):
+    """With admission by chunk cost on (so calibration runs) and every frame in real
+    time (so a derived bound would be larger than the default), ``max_pixels`` is the
+    bound, and calibration measures only what admission needs: nothing larger."""
+    engine = await tiny(max_pixels=80 * 80, max_realtime_load=1e6)
+    assert [cost.pixels for cost in engine.ready.chunk_costs] == [32 * 32, 64 * 64]
+    assert (engine.ready.limits.max_pixels, engine.ready.limits.max_pixels_derived) == (80 * 80, False)
+    with pytest.raises(SessionRejectedError, match=r"96x96 is 9216 pixels; this server takes at most 6400"):
+        await engine.start_session(StartSession(session_id="big", prompt="p", width=96, height=96))
+    handle = await engine.start_session(StartSession(session_id="ok", prompt="p", width=80, height=80, num_chunks=1))
+    assert isinstance((await collect(handle)).messages[0], ChunkReady)
+
+
 async def test_a_realtime_session_is_refused_when_the_chunks_measured_would_break_the_others_deadlines(make_engine):
     """Stub chunks of 4 frames at 16 fps play 0.25 s and here take 4 x 0.05 s: a paced
     session needs 0.8 of the worker, so a second one would need 1.6."""
