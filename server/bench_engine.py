@@ -42,6 +42,7 @@ from engine.messages import (
     SessionFailed,
     StartSession,
 )
+from engine.progress import Progress
 from server.benchstats import percentiles
 
 STEP_COUNTS = (1, 2, 3, 4)
@@ -113,13 +114,16 @@ async def _overhead_once(client: EngineClient, chunks: int, steps: int, run: int
     }
 
 
-async def _overhead(client: EngineClient, options: BenchOptions, step_ms: float) -> dict:
+async def _overhead(client: EngineClient, options: BenchOptions, step_ms: float, progress: Progress) -> dict:
     """Per steps-per-chunk count, the quietest of ``repeats`` runs (the least
     disturbed by the rest of the machine), then the linear fit."""
     chunks = options.chunks if step_ms > 0 else ZERO_STEP_CHUNKS  # free steps: afford many chunks
     runs = []
     for steps in STEP_COUNTS:
-        tries = [await _overhead_once(client, chunks, steps, i) for i in range(options.repeats)]
+        tries = []
+        for i in range(options.repeats):
+            tries.append(await _overhead_once(client, chunks, steps, i))
+            progress.advance()
         runs.append(min(tries, key=lambda r: r["loop_overhead_per_chunk_ms"]))
     per_chunk_ms = [r["loop_overhead_per_chunk_ms"] for r in runs]
     per_chunk, per_step = _fit([float(s) for s in STEP_COUNTS], per_chunk_ms)
@@ -177,20 +181,34 @@ async def _interactions(client: EngineClient, options: BenchOptions, rng: random
     }
 
 
-async def _mode(options: BenchOptions, grouped: bool, rng: random.Random) -> dict:
+async def _mode(options: BenchOptions, grouped: bool, rng: random.Random, progress: Progress) -> dict:
+    """One mode's figures; ``progress`` advanced by each overhead run and the interactions' session."""
+    mode = "grouped" if grouped else "ungrouped"
     figures = {}
+    progress.describe(f"{mode}: starting the worker")
     client = await _engine(options, grouped, options.step_ms)
     try:
-        figures["overhead"] = await _overhead(client, options, options.step_ms)
+        progress.describe(f"{mode}: overhead")
+        figures["overhead"] = await _overhead(client, options, options.step_ms, progress)
+        progress.describe(f"{mode}: interactions")
         figures["interactions"] = await _interactions(client, options, rng)
+        progress.advance()
     finally:
         await client.shutdown()
+    progress.describe(f"{mode}: starting the worker")
     client = await _engine(options, grouped, 0.0)
     try:
-        figures["overhead_zero_step"] = await _overhead(client, options, 0.0)
+        progress.describe(f"{mode}: overhead with 0 ms steps")
+        figures["overhead_zero_step"] = await _overhead(client, options, 0.0, progress)
     finally:
         await client.shutdown()
     return figures
+
+
+def bench_runs(options: BenchOptions) -> int:
+    """What ``run``'s progress counts: per mode, the overhead runs at both step
+    times and the interactions' session."""
+    return 2 * (2 * len(STEP_COUNTS) * options.repeats + 1)
 
 
 def _removed(summary: dict, key: str) -> float | None:
@@ -198,7 +216,9 @@ def _removed(summary: dict, key: str) -> float | None:
     return 1.0 - grouped / ungrouped if ungrouped > 0 else None
 
 
-async def run(options: BenchOptions) -> dict:
+async def run(options: BenchOptions, progress: Progress | None = None) -> dict:
+    progress = progress or Progress.silent()
+    progress.expect(bench_runs(options))
     rng = random.Random(options.seed)
     summary: dict = {
         "bench": "engine",
@@ -208,7 +228,7 @@ async def run(options: BenchOptions) -> dict:
         "repeats": options.repeats,
     }
     for mode, grouped in (("grouped", True), ("ungrouped", False)):
-        summary[mode] = await _mode(options, grouped, rng)
+        summary[mode] = await _mode(options, grouped, rng, progress)
     removed = _removed(summary, "overhead")
     removed_zero = _removed(summary, "overhead_zero_step")
     summary["grouping_removes_per_step_overhead"] = removed
@@ -226,7 +246,8 @@ async def run(options: BenchOptions) -> dict:
 
 
 def main(options: BenchOptions, as_json: bool) -> int:
-    summary = asyncio.run(run(options))
+    with Progress("bench engine", unit="run", quiet=as_json) as progress:
+        summary = asyncio.run(run(options, progress))
     if not as_json:
         for mode in ("grouped", "ungrouped"):
             o, z, i = summary[mode]["overhead"], summary[mode]["overhead_zero_step"], summary[mode]["interactions"]

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from engine.client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import ChunkReady, EngineStats, SessionDone, SessionFailed, StartSession
+from engine.progress import Progress
 from server import thread_cpu
 
 
@@ -316,23 +317,30 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS, sized_
     one round, minutes apart at most, on a machine whose speed drifts), and
     each configuration's result the fastest of its rounds. Sessions' chunk
     counts follow ``session_chunks`` over ``sized_as`` (default: ``configs``;
-    a selection passes ``CONFIGS`` so its runs are as long as in a full one)."""
+    a selection passes ``CONFIGS`` so its runs are as long as in a full one).
+    On a terminal, a progress bar counts the configurations run."""
     runs: dict[tuple[str, int], list[dict]] = {}
     payloads: dict[str, list[bytes] | None] = {}
-    for round_ in range(options.repeats):
-        for config in configs:
-            result = asyncio.run(run_config(options, config, session_chunks(options, config, sized_as or configs)))
-            kept = result.pop("_payloads")
-            if kept is not None and round_ == 0:
-                payloads[config.name] = kept
-            runs.setdefault((config.name, config.sessions), []).append(result)
-            if not as_json:
-                bubbles = ", ".join(f"rank {r['rank']} bubble {r['bubble']:.0%}" for r in result.get("ranks", []))
-                cpu = result.get("cpu")
-                if cpu:
-                    bubbles += f"; {cpu['total_s']:.2f} s of CPU, {cpu['cores_busy']:.2f} cores"
-                line = f"{result['config']:>17} x{result['sessions']}: {result['fps']:7.1f} fps  ({bubbles})"
-                print(f"round {round_ + 1}: {line}" if options.repeats > 1 else line, flush=True)
+    progress = Progress("bench pp", options.repeats * len(configs), unit="config", quiet=as_json)
+    with progress:
+        for round_ in range(options.repeats):
+            for config in configs:
+                progress.describe(f"{config.name}@{config.sessions}")
+                chunks = session_chunks(options, config, sized_as or configs)
+                result = asyncio.run(run_config(options, config, chunks))
+                progress.advance()
+                kept = result.pop("_payloads")
+                if kept is not None and round_ == 0:
+                    payloads[config.name] = kept
+                runs.setdefault((config.name, config.sessions), []).append(result)
+                if not as_json:
+                    ranks = result.get("ranks", [])
+                    bubbles = ", ".join(f"rank {r['rank']} bubble {r['bubble']:.0%}" for r in ranks)
+                    cpu = result.get("cpu")
+                    if cpu:
+                        bubbles += f"; {cpu['total_s']:.2f} s of CPU, {cpu['cores_busy']:.2f} cores"
+                    line = f"{result['config']:>17} x{result['sessions']}: {result['fps']:7.1f} fps  ({bubbles})"
+                    progress.print(f"round {round_ + 1}: {line}" if options.repeats > 1 else line)
     results = []
     for rounds in runs.values():
         best = max(rounds, key=lambda result: result["fps"])

@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from engine.messages import StartSession
-from workers.bench_pipeline import one_session
+from engine.progress import Progress
+from workers.bench_pipeline import one_session, session_chunks
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 
@@ -80,13 +81,15 @@ def versus(
     rounds: int,
     *,
     cudnn_benchmark: bool = False,
+    progress: Progress | None = None,
 ) -> dict:
     """``build(**options)`` makes a pipeline (the default with no options); the
     two pipelines (or one, for ``cudnn-benchmark``) are warmed up at
     ``start``'s size, then ``rounds`` alternating rounds of one session of
     ``chunks`` chunks each. Both run with cuDNN's algorithm timing as
     ``cudnn_benchmark`` says, but for the ``cudnn-benchmark`` variant, which
-    switches it on. Returns the summary (module docstring)."""
+    switches it on. Returns the summary (module docstring). ``progress`` counts
+    the rounds' chunks."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: {', '.join(VARIANTS)}")
     if chunks < 2:
@@ -95,6 +98,9 @@ def versus(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if variant == "cudnn-benchmark" and cudnn_benchmark:
         raise ValueError("the default it is measured against has cuDNN's algorithm timing on already")
+    progress = progress or Progress.silent()
+    progress.expect(2 * rounds * session_chunks(chunks))
+    progress.describe("building the pipelines")
     default = build()
     if variant == "compile" and default.compiled:
         raise ValueError("the default it is measured against is compiled already")
@@ -115,6 +121,7 @@ def versus(
             "default": (default, cudnn_benchmark, start),
             variant: (build(**OPTIONS[variant]), cudnn_benchmark, start),
         }
+    progress.describe("warming up")
     for pipeline, benchmark, _ in contenders.values():  # the default twice for cudnn-benchmark: once each way
         with _cudnn_benchmark(benchmark):
             warm_up(pipeline, start.width, start.height)
@@ -122,13 +129,14 @@ def versus(
         one_session(default, tiny, 2)
     results = []
     for number in range(rounds):
+        progress.describe(f"round {number + 1} of {rounds}")
         order = list(contenders) if number % 2 == 0 else list(reversed(contenders))
         figures, frames = {}, {}
         for name in order:
             pipeline, benchmark, session = contenders[name]
             frames[name] = []
             with _cudnn_benchmark(benchmark), _peak_memory(pipeline.device) as peak:
-                figures[name] = one_session(pipeline, session, chunks, frames=frames[name])
+                figures[name] = one_session(pipeline, session, chunks, frames=frames[name], progress=progress)
             figures[name]["peak_memory_bytes"] = peak()
         results.append(
             {

@@ -30,6 +30,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
+from engine.progress import Progress
 from workers.pipelines.presets import (
     SELF_FORCING_SINK_FRAMES,
     SELF_FORCING_WINDOW_FRAMES,
@@ -39,6 +40,8 @@ from workers.pipelines.presets import (
 )
 
 CONFIGS = {"wan2.1-1.3b": WAN_1_3B_TRANSFORMER, "tiny": TINY_TRANSFORMER}
+CONVERT_STAGES = 4
+"""``convert``'s stages, for its progress: read, rename, load, save."""
 PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "module.", "model.")
 
 
@@ -63,12 +66,15 @@ def convert(
     key: str | None = None,
     sink_frames: int = SELF_FORCING_SINK_FRAMES,
     window_frames: int = SELF_FORCING_WINDOW_FRAMES,
+    progress: Progress | None = None,
 ) -> Path:
     """Convert ``checkpoint`` and save ``out_dir/transformer``; ``ValueError`` says what is wrong.
     ``key`` names the generator entry; by default ``generator_ema``, else
     ``generator`` (a checkpoint saved without EMA weights, as CausVid's are).
     ``sink_frames`` and ``window_frames`` (latent frames the KV cache holds
-    besides the chunk) go into ``out_dir/rtvideo.json``."""
+    besides the chunk) go into ``out_dir/rtvideo.json``. ``progress`` advances
+    by one at each of ``CONVERT_STAGES`` stages (read, rename, load, save)."""
+    progress = progress or Progress.silent()
     if sink_frames < 0 or window_frames < 1:
         raise ValueError(f"need sink_frames >= 0 and window_frames >= 1, got {sink_frames} and {window_frames}")
     path = Path(checkpoint)
@@ -80,7 +86,9 @@ def convert(
         if not config_file.is_file():
             raise ValueError(f"config must be one of {', '.join(CONFIGS)} or a config.json path, got {config!r}")
         settings = json.loads(config_file.read_text())
+    progress.describe(f"reading {path.name}")
     loaded = torch.load(path, map_location="cpu", weights_only=True)
+    progress.advance()
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} does not hold a state dict")
     candidates = [key] if key is not None else ["generator_ema", "generator"]
@@ -92,17 +100,23 @@ def convert(
     else:
         wanted = " or ".join(repr(name) for name in candidates)
         raise ValueError(f"{path} has no {wanted} entry; it has: {', '.join(sorted(map(str, loaded)))}")
+    progress.describe("renaming its keys")
     converted = convert_wan_transformer_to_diffusers(strip_prefixes(dict(state)))
+    progress.advance()
+    progress.describe("loading the transformer")
     model = WanTransformer3DModel(**{k: v for k, v in settings.items() if not k.startswith("_")})
     result = model.load_state_dict(converted, strict=False)
+    progress.advance()
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(
             f"the checkpoint does not match the {config} transformer: "
             f"missing {result.missing_keys[:8]}, unexpected {result.unexpected_keys[:8]}"
         )
+    progress.describe("saving it")
     target = Path(out_dir) / "transformer"
     model.save_pretrained(target)
     write_rtvideo_json(out_dir, sink_frames=sink_frames, window_frames=window_frames)
+    progress.advance()
     return target
 
 
@@ -161,12 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.paths) not in (wanted, 2):
         parser.error("give CHECKPOINT MODEL_DIR, or MODEL_DIR with --tiny-decoder FILE")
     *checkpoint, out_dir = args.paths
+    stages = CONVERT_STAGES * len(checkpoint) + (args.tiny_decoder is not None)
     try:
-        if checkpoint:
-            target = convert(checkpoint[0], out_dir, args.config, args.key, args.sink_frames, args.window_frames)
-            print(f"wrote {target}")
-        if args.tiny_decoder is not None:
-            print(f"wrote {convert_tiny_decoder(args.tiny_decoder, out_dir)}")
+        with Progress("convert", stages, unit="stage") as progress:
+            if checkpoint:
+                target = convert(
+                    checkpoint[0], out_dir, args.config, args.key, args.sink_frames, args.window_frames, progress
+                )
+                progress.print(f"wrote {target}")
+            if args.tiny_decoder is not None:
+                progress.describe("the tiny decoder")
+                progress.print(f"wrote {convert_tiny_decoder(args.tiny_decoder, out_dir)}")
+                progress.advance()
     except ValueError as error:
         print(f"rtvideo convert: {error}", file=sys.stderr)
         return 2

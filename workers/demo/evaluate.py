@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.progress import Progress
 from workers.demo import WEIGHTS, metrics
 from workers.demo.metrics import StreamJudge, Trial
 
@@ -46,18 +47,24 @@ def _groups(trials: list[Trial], rows: int) -> list[list[Trial]]:
     return groups
 
 
-def judge_model(model: str, trials: list[Trial], rows: int = 8, device: str = "cpu") -> list[StreamJudge]:
+def judge_model(
+    model: str, trials: list[Trial], rows: int = 8, device: str = "cpu", progress: Progress | None = None
+) -> list[StreamJudge]:
     """Run every trial through the served pipeline of ``model`` (a model directory,
-    ``demo`` or ``tiny``), ``rows`` sessions a forward, and judge each chunk."""
+    ``demo`` or ``tiny``), ``rows`` sessions a forward, and judge each chunk
+    (``progress`` advanced by each chunk made)."""
     from engine.messages import StartSession
     from workers.chunk_driver import ChunkDriver
     from workers.pipelines.causal_wan import build
 
+    progress = progress or Progress.silent()
+    progress.describe(f"loading {model}")
     if model in ("tiny", "demo"):
         pipeline = build(preset=model, device=device, max_batch_rows=rows)
     else:
         pipeline = build(model_dir=model, device=device, max_batch_rows=rows)
     driver = ChunkDriver(pipeline)
+    progress.describe("")
     judges: list[StreamJudge] = []
     try:
         for group in _groups(trials, rows):
@@ -75,6 +82,7 @@ def judge_model(model: str, trials: list[Trial], rows: int = 8, device: str = "c
                     [output] = outputs[judge.trial.name]
                     shape = (output.num_frames, output.height, output.width, 3)
                     judge.add(np.frombuffer(output.payload, dtype=np.uint8).reshape(shape))
+                progress.advance(len(group))
             driver.release(*names)
             judges += group_judges
     finally:
@@ -82,13 +90,16 @@ def judge_model(model: str, trials: list[Trial], rows: int = 8, device: str = "c
     return judges
 
 
-def judge_ground_truth(trials: list[Trial], size: int = 64) -> list[StreamJudge]:
-    """Judge the scenes' own rendering of every trial (no model)."""
+def judge_ground_truth(trials: list[Trial], size: int = 64, progress: Progress | None = None) -> list[StreamJudge]:
+    """Judge the scenes' own rendering of every trial (no model; ``progress``
+    advanced by each chunk judged)."""
+    progress = progress or Progress.silent()
     judges = []
     for trial in trials:
         judge = StreamJudge(trial)
         for frames in metrics.ground_truth(trial, size):
             judge.add(frames)
+            progress.advance()
         judges.append(judge)
     return judges
 
@@ -118,13 +129,20 @@ def evaluate(
     long_chunks: int = 200,
     seed: int = 0,
     rows: int = 8,
+    progress: Progress | None = None,
 ) -> dict:
-    """The summary of one evaluation; ``model`` None judges ground truth."""
+    """The summary of one evaluation; ``model`` None judges ground truth.
+    ``progress`` counts the chunks judged."""
     streams = metrics.switch_trials(trials, chunks, switch_at, seed) + metrics.long_trials(
         long_streams, long_chunks, seed
     )
+    progress = progress or Progress.silent()
+    progress.expect(sum(trial.chunks for trial in streams))
     began = time.perf_counter()
-    judges = judge_ground_truth(streams) if model is None else judge_model(model, streams, rows)
+    if model is None:
+        judges = judge_ground_truth(streams, progress=progress)
+    else:
+        judges = judge_model(model, streams, rows, progress=progress)
     seconds = time.perf_counter() - began
     summary = metrics.summarize(judges)
     judged = sum(len(j.readings) for j in judges)
@@ -174,16 +192,18 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    summary = evaluate(
-        None if args.ground_truth else args.model,
-        trials=args.trials,
-        chunks=args.chunks,
-        switch_at=args.switch_at,
-        long_streams=args.long_streams,
-        long_chunks=args.long_chunks,
-        seed=args.seed,
-        rows=args.rows,
-    )
+    with Progress("eval-demo", unit="chunk", quiet=args.json) as progress:
+        summary = evaluate(
+            None if args.ground_truth else args.model,
+            trials=args.trials,
+            chunks=args.chunks,
+            switch_at=args.switch_at,
+            long_streams=args.long_streams,
+            long_chunks=args.long_chunks,
+            seed=args.seed,
+            rows=args.rows,
+            progress=progress,
+        )
     if args.record:
         record(args.model, args.record, summary)
     if not args.json:

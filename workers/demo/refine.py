@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.progress import Progress
 from workers.demo import WEIGHTS, scenes
 from workers.demo.codec import LinearVideoCodec
 
@@ -70,9 +70,13 @@ def train(
     noise: float = 0.3,
     lr: float = 2e-3,
     log_every: int = 100,
+    progress: Progress | None = None,
 ) -> tuple[LinearVideoCodec, float]:
     """A copy of ``codec`` with a refiner trained for ``steps`` steps; and the mean
-    loss of the last ``log_every`` steps."""
+    loss of the last ``log_every`` steps. ``progress`` counts the steps; the log's
+    lines go through it."""
+    progress = progress or Progress.silent()
+    progress.expect(steps)
     torch.manual_seed(seed)
     refined = refined_copy(codec, width)
     parameters = list(refined.decoder.refiner.parameters())
@@ -98,10 +102,12 @@ def train(
         optimizer.step()
         schedule.step()
         losses.append(total)
+        progress.advance()
         if log_every and (step + 1) % log_every == 0:
             mean = float(np.mean(losses[-log_every:]))
-            print(json.dumps({"step": step + 1, "loss": round(mean, 6), "s": round(time.perf_counter() - began, 1)}))
-            sys.stdout.flush()
+            line = {"step": step + 1, "loss": round(mean, 6), "s": round(time.perf_counter() - began, 1)}
+            progress.print(json.dumps(line))
+            progress.describe(f"loss {line['loss']}")
     return refined, float(np.mean(losses[-max(1, log_every) :]))
 
 
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(WEIGHTS if args.model == "demo" else args.model)
     codec = LinearVideoCodec.from_pretrained(root, subfolder="vae", torch_dtype=torch.float32, local_files_only=True)
     base = refined_copy(codec, 0)  # the linear decode, whatever the directory held
-    refined, loss = train(base, args.steps, args.seed, args.width, noise=args.noise, lr=args.lr)
+    with Progress("refine-demo-decoder", args.steps, unit="step") as progress:
+        refined, loss = train(base, args.steps, args.seed, args.width, noise=args.noise, lr=args.lr, progress=progress)
     refined.save_pretrained(root / "vae")
     meta = root / "rtvideo.json"
     data = json.loads(meta.read_text())

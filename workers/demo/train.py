@@ -49,6 +49,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from transformers import ByT5Tokenizer, UMT5EncoderModel
 
+from engine.progress import Progress
 from workers.demo import scenes
 from workers.demo.codec import LinearVideoCodec
 from workers.demo.config import BEFORE_FIELD, TINY, TrainConfig
@@ -313,9 +314,12 @@ class Trainer:
         context[rows] = torch.where(keep, clean[rows], made)
         return context
 
-    def run(self, steps: int, checkpoint_minutes: float, log_every: int) -> None:
+    def run(self, steps: int, checkpoint_minutes: float, log_every: int, progress: Progress | None = None) -> None:
         """Train until step ``steps``; checkpoint every ``checkpoint_minutes``, at the end
-        and on SIGTERM / SIGINT (then return)."""
+        and on SIGTERM / SIGINT (then return). ``progress`` counts the steps; the
+        log's lines go through it."""
+        progress = progress or Progress.silent()
+        progress.expect(steps, done=self.step)
         stop = []
         previous = {s: signal.signal(s, lambda *_: stop.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -323,18 +327,22 @@ class Trainer:
             losses, since = [], time.monotonic()
             while self.step < steps and not stop:
                 losses.append(self.train_step())
+                progress.advance()
                 if self.step % log_every == 0 or self.step == steps:
                     now = time.monotonic()
                     line = {"step": self.step, "loss": round(float(np.mean(losses)), 5)}
                     line["s_per_step"] = round((now - since) / len(losses), 3)
-                    print(json.dumps(line), flush=True)
+                    progress.print(json.dumps(line))
+                    progress.describe(f"loss {line['loss']}")
                     losses, since = [], now
                 if time.monotonic() - last_save >= checkpoint_minutes * 60:
+                    progress.describe("saving a checkpoint")
                     self.save()
-                    print(json.dumps({"checkpoint": self.step}), flush=True)
+                    progress.print(json.dumps({"checkpoint": self.step}))
                     last_save = time.monotonic()
+            progress.describe("saving a checkpoint")
             self.save()
-            print(json.dumps({"checkpoint": self.step, "stopped": bool(stop)}), flush=True)
+            progress.print(json.dumps({"checkpoint": self.step, "stopped": bool(stop)}))
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -363,10 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    trainer = Trainer(config, Path(args.out), device)
-    trainer.start(args.resume, args.init_from)
-    print(json.dumps({"start_step": trainer.step, "device": str(device), "config": dataclasses.asdict(config)}))
-    trainer.run(args.steps, args.checkpoint_minutes, args.log_every)
+    with Progress("train-demo", args.steps, unit="step") as progress:
+        progress.describe("building the models")
+        trainer = Trainer(config, Path(args.out), device)
+        progress.describe("fitting the codec, or loading the run to resume")
+        trainer.start(args.resume, args.init_from)
+        start = {"start_step": trainer.step, "device": str(device), "config": dataclasses.asdict(config)}
+        progress.print(json.dumps(start))
+        progress.describe("")
+        trainer.run(args.steps, args.checkpoint_minutes, args.log_every, progress)
     return 0
 
 
