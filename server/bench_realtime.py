@@ -1,7 +1,15 @@
 """``rtvideo bench realtime``: K concurrent WebSocket sessions against a running server.
 
 Each session sends ``session.start`` (``num_chunks`` chunks, fmp4), sends a
-new prompt once its ``interact_at`` chunk has arrived, and reads to the end.
+new prompt at a random moment (seeded by the session's index) within the
+chunk period after its ``interact_at`` chunk has arrived, and again every
+``interact_every`` chunks after that when that is set, and reads to the end.
+Each session is watched by a simulated viewer (``server/playback.py``): a
+playhead that starts with the first chunk, plays in real time, stalls when it
+catches up with what arrived, and reports itself every 0.25 s for pacing under
+the bundled page's buffer policy (``max_lead_seconds`` ``"adaptive"``, the
+default: the lead starts at half a second, grows after each underrun and
+shrinks back), or under a fixed budget (a number), or unpaced (``None``).
 Figures, over all sessions:
 
 - time to first chunk (``session.start`` sent to the first chunk received),
@@ -10,12 +18,17 @@ Figures, over all sessions:
   counted from the start) and the inter-chunk gap (chunks after the first);
 - interaction to visible: the prompt sent, to the first chunk received whose
   ``started_event_ids`` carries it;
+- key to pixel: the prompt sent, to the moment the simulated viewer shows the
+  first frame of the chunk the ``session.interaction.applied`` event names
+  (what a viewer of the page feels); underruns (playback ran dry while the
+  session went on), in all and per minute of viewing (playing or stalled);
 - realtime factor (media seconds received per wall second, per session) and
   deadline attainment (chunks received before their playback time, the
-  viewer starting with the first chunk);
+  viewer starting with the first chunk and never stalling);
 - serving overhead: wall time of the run over the worker's compute for the
   same chunks (``compute_ms`` in each chunk's metadata). One worker computes
-  sessions one after another, so 1.0 is the floor.
+  sessions one after another, so 1.0 is the floor; meaningful unpaced
+  (``--max-lead off``), where no session waits for its viewer.
 
 The last line printed is one JSON object.
 """
@@ -23,14 +36,19 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 
 from server.benchstats import percentiles
+from server.playback import REPORT_EVERY_S, START_S, LeadPolicy, SimulatedPlayer
+
+ADAPTIVE = "adaptive"
 
 
 @dataclass(frozen=True)
@@ -39,9 +57,33 @@ class RealtimeBenchOptions:
     sessions: int = 4
     chunks: int = 12
     interact_at: int = 3
-    max_lead_seconds: float | None = None
+    interact_every: int = 0  # chunks between further prompts after the first; 0: one prompt per session
+    max_lead_seconds: float | str | None = ADAPTIVE  # "adaptive": the page's policy; a number: fixed; None: unpaced
     api_key: str | None = None
     prompt: str = "a paper boat drifting down a rainy street"
+
+    def __post_init__(self) -> None:
+        lead = self.max_lead_seconds
+        if not (lead is None or lead == ADAPTIVE or (isinstance(lead, int | float) and lead > 0)):
+            raise ValueError(f"max_lead_seconds must be {ADAPTIVE!r}, a number > 0 or None, got {lead!r}")
+        if self.interact_at < 0 or self.interact_every < 0:
+            raise ValueError("interact_at and interact_every must be >= 0")
+
+    def policy(self) -> LeadPolicy:
+        """A session's buffer policy (its start value is the ``max_lead_seconds`` it asks for)."""
+        lead = self.max_lead_seconds
+        if lead == ADAPTIVE:
+            return LeadPolicy()
+        return LeadPolicy(START_S if lead is None else float(lead), adaptive=False)
+
+    def budget(self) -> float | None:
+        """``max_lead_seconds`` for ``session.start``."""
+        return None if self.max_lead_seconds is None else self.policy().start_s
+
+    def prompt_after(self, chunks: int) -> bool:
+        """Whether a new prompt is due once ``chunks`` chunks have arrived."""
+        after = chunks - 1 - self.interact_at
+        return after == 0 or (after > 0 and self.interact_every > 0 and after % self.interact_every == 0)
 
 
 @dataclass
@@ -51,15 +93,38 @@ class SessionResult:
     compute_ms: list[float] = field(default_factory=list)
     media_start: list[float] = field(default_factory=list)
     media_seconds: float = 0.0
-    interaction_sent: float | None = None
-    interaction_visible: float | None = None
+    sent: dict[str, float] = field(default_factory=dict)  # event id -> when the prompt was sent
+    visible: dict[str, float] = field(default_factory=dict)  # event id -> its first chunk's arrival
+    key_to_pixel_s: list[float] = field(default_factory=list)
+    underruns: int = 0
+    viewing_s: float = 0.0  # from the first chunk to the end of playback
     error: str | None = None
+
+
+async def _report(ws: ClientConnection, player: SimulatedPlayer) -> None:
+    """Every ``REPORT_EVERY_S`` once playback started: the playhead, as the policy reports it."""
+    while True:
+        await asyncio.sleep(REPORT_EVERY_S)
+        if player.started:
+            player.advance(time.perf_counter())
+            position = player.policy.reported(player.position)
+            await ws.send(json.dumps({"type": "session.playback", "position_seconds": position}))
+
+
+async def _prompt(ws: ClientConnection, result: SessionResult, event_id: str, prompt: str, delay: float) -> None:
+    """A viewer pressing Send ``delay`` seconds from now."""
+    await asyncio.sleep(delay)
+    result.sent[event_id] = time.perf_counter()
+    interaction = {"event_id": event_id, "event": {"prompt": prompt}}
+    await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
 
 
 async def _session(options: RealtimeBenchOptions, index: int) -> SessionResult:
     result = SessionResult()
+    player = SimulatedPlayer(options.policy())
+    moments = random.Random(index)  # when within a chunk period each prompt is sent: seeded, so runs compare
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else None
-    event_id = f"bench-{index}-{uuid.uuid4().hex[:8]}"
+    tasks: set[asyncio.Task] = set()
     async with connect(options.url, max_size=None, additional_headers=headers) as ws:
         start = {
             "type": "session.start",
@@ -67,35 +132,54 @@ async def _session(options: RealtimeBenchOptions, index: int) -> SessionResult:
             "seed": index,
             "num_chunks": options.chunks,
             "format": "fmp4",
-            "max_lead_seconds": options.max_lead_seconds,
+            "max_lead_seconds": options.budget(),
         }
         result.started = time.perf_counter()
         await ws.send(json.dumps(start))
-        fps = 16.0
-        while True:
-            message = await ws.recv()
-            if isinstance(message, bytes):
-                continue
-            event = json.loads(message)
-            kind = event["type"]
-            if kind == "video.start":
-                fps = event["config"]["fps"]
-            elif kind == "video.chunk_metadata":
+        fps, period = 16.0, 0.75
+        if options.max_lead_seconds is not None:
+            tasks.add(asyncio.create_task(_report(ws, player)))
+        try:
+            while True:
+                message = await ws.recv()
+                if isinstance(message, bytes):
+                    continue
+                event = json.loads(message)
+                kind = event["type"]
                 now = time.perf_counter()
-                result.arrivals.append(now)
-                result.compute_ms.append(event["compute_ms"])
-                result.media_start.append(event["media_start_seconds"])
-                result.media_seconds += event["num_frames"] / fps
-                if event_id in event["started_event_ids"] and result.interaction_visible is None:
-                    result.interaction_visible = now
-                if len(result.arrivals) == options.interact_at + 1:
-                    result.interaction_sent = time.perf_counter()
-                    interaction = {"event_id": event_id, "event": {"prompt": f"a storm at sea #{index}"}}
-                    await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
-            elif kind == "error" and event.get("fatal"):
-                result.error = f"{event['code']}: {event['message']}"
-            elif kind == "session.done":
-                return result
+                if kind == "video.start":
+                    fps = event["config"]["fps"]
+                    period = event["config"]["frames_per_chunk"] / fps
+                elif kind == "video.chunk_metadata":
+                    result.arrivals.append(now)
+                    result.compute_ms.append(event["compute_ms"])
+                    result.media_start.append(event["media_start_seconds"])
+                    result.media_seconds += event["num_frames"] / fps
+                    player.received(now, event["media_start_seconds"] + event["num_frames"] / fps)
+                    for event_id in event["started_event_ids"]:
+                        result.visible.setdefault(event_id, now)
+                    if options.prompt_after(len(result.arrivals)):
+                        event_id = f"bench-{index}-{len(result.sent)}-{uuid.uuid4().hex[:8]}"
+                        prompt = f"a storm at sea #{index}.{len(result.sent)}"
+                        delay = moments.uniform(0.0, period)
+                        tasks.add(asyncio.create_task(_prompt(ws, result, event_id, prompt, delay)))
+                elif kind == "session.interaction.applied" and event["event_id"] in result.sent:
+                    player.watch(event["media_start_seconds"], result.sent[event["event_id"]])
+                elif kind == "error" and event.get("fatal"):
+                    result.error = f"{event['code']}: {event['message']}"
+                elif kind == "session.done":
+                    player.finish(now)
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    result.key_to_pixel_s = player.shown_after()
+    result.underruns = player.policy.underruns
+    if result.arrivals:
+        result.viewing_s = player.clock - result.arrivals[0]
+    return result
 
 
 async def run(options: RealtimeBenchOptions) -> dict:
@@ -113,13 +197,14 @@ async def run(options: RealtimeBenchOptions) -> dict:
             latency.append((arrival - previous) * 1e3)
             previous = arrival
         gaps += [(b - a) * 1e3 for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
-        if r.interaction_sent is not None and r.interaction_visible is not None:
-            visible.append((r.interaction_visible - r.interaction_sent) * 1e3)
+        visible += [(r.visible[e] - sent) * 1e3 for e, sent in r.sent.items() if e in r.visible]
         factor.append(r.media_seconds / (r.arrivals[-1] - r.started))
         for arrival, media_start in zip(r.arrivals, r.media_start, strict=True):
             total += 1
             attained += arrival - r.arrivals[0] <= media_start
     compute_s = sum(sum(r.compute_ms) for r in ok) / 1e3
+    underruns = sum(r.underruns for r in ok)
+    viewing_s = sum(r.viewing_s for r in ok)
     return {
         "bench": "realtime",
         "url": options.url,
@@ -132,6 +217,10 @@ async def run(options: RealtimeBenchOptions) -> dict:
         "chunk_latency_ms": percentiles(latency),
         "inter_chunk_gap_ms": percentiles(gaps),
         "interaction_to_visible_ms": percentiles(visible),
+        "key_to_pixel_ms": percentiles([s * 1e3 for r in ok for s in r.key_to_pixel_s]),
+        "underruns": underruns,
+        "underruns_per_minute": underruns / (viewing_s / 60) if viewing_s else None,
+        "viewing_s": viewing_s,
         "realtime_factor": percentiles(factor),
         "deadline_attainment": attained / total if total else None,
         "wall_s": wall,
@@ -153,6 +242,8 @@ def main(options: RealtimeBenchOptions, as_json: bool) -> int:
             f"(serving {p('ttff_minus_first_chunk_compute_ms'):.1f} ms), "
             f"gap p95 {p('inter_chunk_gap_ms', 'p95'):.0f} ms, "
             f"interaction visible p50 {p('interaction_to_visible_ms'):.0f} ms, "
+            f"key to pixel p50 {p('key_to_pixel_ms'):.0f} ms p95 {p('key_to_pixel_ms', 'p95'):.0f} ms, "
+            f"underruns {s['underruns']} ({s['underruns_per_minute'] or 0:.2f}/min), "
             f"overhead {s['serving_overhead_ratio'] or 0:.3f}, deadlines {s['deadline_attainment'] or 0:.0%}"
         )
     print(json.dumps(summary))

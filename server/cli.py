@@ -219,6 +219,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def _max_lead(text: str) -> float | str | None:
+    """``bench realtime --max-lead``: ``adaptive``, ``off`` (None) or seconds > 0."""
+    if text in ("adaptive", "off"):
+        return None if text == "off" else text
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected adaptive, off or a number of seconds > 0")
+    return seconds
+
+
 def _bench_realtime(args: argparse.Namespace) -> int:
     from server import bench_realtime
 
@@ -229,6 +242,7 @@ def _bench_realtime(args: argparse.Namespace) -> int:
         sessions=args.sessions,
         chunks=args.chunks,
         interact_at=args.interact_at,
+        interact_every=args.interact_every,
         max_lead_seconds=args.max_lead,
         api_key=args.api_key,
     )
@@ -329,8 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     realtime.add_argument("--url", default="ws://127.0.0.1:8000", help="the server (http(s):// or ws(s)://)")
     realtime.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
     realtime.add_argument("--chunks", type=int, default=12, help="chunks per session (default 12)")
-    realtime.add_argument("--interact-at", type=int, default=3, help="send a new prompt after this chunk")
-    realtime.add_argument("--max-lead", type=float, default=None, help="pacing budget in seconds (default: off)")
+    realtime.add_argument(
+        "--interact-at", type=int, default=3, help="send a new prompt within a chunk period after this chunk"
+    )
+    realtime.add_argument(
+        "--interact-every", type=int, default=0, help="and again every N chunks after it (default 0: once)"
+    )
+    realtime.add_argument(
+        "--max-lead",
+        type=_max_lead,
+        default="adaptive",
+        help="pacing: 'adaptive' (the page's buffer policy, the default), a fixed budget in seconds, or 'off'",
+    )
     realtime.add_argument("--api-key", default=None)
     realtime.add_argument("--json", action="store_true", help="print only the JSON summary")
     realtime.set_defaults(func=_bench_realtime)

@@ -1,4 +1,5 @@
-"""``rtvideo bench realtime`` against a test server: its JSON has every figure."""
+"""``rtvideo bench realtime`` against a test server: its JSON has every figure,
+key to pixel and underruns under the page's buffer policy included."""
 
 from __future__ import annotations
 
@@ -8,15 +9,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCH = [sys.executable, "-m", "server.cli", "bench", "realtime"]
 
 
 def test_bench_realtime_reports_every_figure(server):
     command = [
-        sys.executable,
-        "-m",
-        "server.cli",
-        "bench",
-        "realtime",
+        *BENCH,
         "--url",
         server.http,
         "--sessions",
@@ -25,20 +23,36 @@ def test_bench_realtime_reports_every_figure(server):
         "6",
         "--interact-at",
         "1",
+        "--interact-every",
+        "2",
         "--json",
     ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["bench"] == "realtime" and summary["sessions"] == 2 and summary["failed_sessions"] == []
+    assert summary["max_lead_seconds"] == "adaptive"
     for key in (
         "ttff_ms",
         "ttff_minus_first_chunk_compute_ms",
         "chunk_latency_ms",
         "inter_chunk_gap_ms",
         "interaction_to_visible_ms",
+        "key_to_pixel_ms",
         "realtime_factor",
     ):
         assert {"p50", "p95", "p99", "max"} <= set(summary[key]), key
+    # A prompt shows no sooner than it is sent and, on a server far faster than real time,
+    # within the lead (half a second, grown only by an underrun) and a chunk (0.25 s here), and some.
+    assert 0 < summary["key_to_pixel_ms"]["min"] and summary["key_to_pixel_ms"]["max"] < 4000
+    played = 2 * 6 * 4 / 16  # the stub's chunks are 4 frames at 16 fps: all of them were played
+    assert summary["underruns"] >= 0 and summary["viewing_s"] >= played - 1e-9
+    assert summary["underruns_per_minute"] == summary["underruns"] / (summary["viewing_s"] / 60)
     assert 0.0 <= summary["deadline_attainment"] <= 1.0
     assert summary["serving_overhead_ratio"] > 0 and summary["pipeline_compute_s"] > 0
+
+
+def test_bench_realtime_refuses_a_pacing_it_does_not_know():
+    result = subprocess.run([*BENCH, "--max-lead", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "argument --max-lead: '0': expected adaptive, off or a number of seconds > 0" in result.stderr
