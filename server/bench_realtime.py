@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from websockets.asyncio.client import ClientConnection, connect
 
+from engine.progress import Progress
 from server.benchstats import percentiles
 from server.playback import REPORT_EVERY_S, START_S, LeadPolicy, SimulatedPlayer
 
@@ -119,7 +120,8 @@ async def _prompt(ws: ClientConnection, result: SessionResult, event_id: str, pr
     await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
 
 
-async def _session(options: RealtimeBenchOptions, index: int) -> SessionResult:
+async def _session(options: RealtimeBenchOptions, index: int, progress: Progress | None = None) -> SessionResult:
+    progress = progress or Progress.silent()  # advanced by each chunk received
     result = SessionResult()
     player = SimulatedPlayer(options.policy())
     moments = random.Random(index)  # when within a chunk period each prompt is sent: seeded, so runs compare
@@ -151,6 +153,7 @@ async def _session(options: RealtimeBenchOptions, index: int) -> SessionResult:
                     fps = event["config"]["fps"]
                     period = event["config"]["frames_per_chunk"] / fps
                 elif kind == "video.chunk_metadata":
+                    progress.advance()
                     result.arrivals.append(now)
                     result.compute_ms.append(event["compute_ms"])
                     result.media_start.append(event["media_start_seconds"])
@@ -182,9 +185,9 @@ async def _session(options: RealtimeBenchOptions, index: int) -> SessionResult:
     return result
 
 
-async def run(options: RealtimeBenchOptions) -> dict:
+async def run(options: RealtimeBenchOptions, progress: Progress | None = None) -> dict:
     began = time.perf_counter()
-    results = await asyncio.gather(*(_session(options, i) for i in range(options.sessions)))
+    results = await asyncio.gather(*(_session(options, i, progress) for i in range(options.sessions)))
     wall = time.perf_counter() - began
     failed = [r.error for r in results if r.error]
     ok = [r for r in results if not r.error and r.arrivals]
@@ -230,7 +233,8 @@ async def run(options: RealtimeBenchOptions) -> dict:
 
 
 def main(options: RealtimeBenchOptions, as_json: bool) -> int:
-    summary = asyncio.run(run(options))
+    with Progress("bench realtime", options.sessions * options.chunks, unit="chunk", quiet=as_json) as progress:
+        summary = asyncio.run(run(options, progress))
     if not as_json:
         s = summary
 
