@@ -37,7 +37,8 @@ def test_a_call_returns_its_value_or_fails_its_session_naming_the_stage():
     assert failures == ["b"]
     assert result.row("b", 3).error == "forward failed: RuntimeError: boom (release also failed: OSError: gone)"
     assert result.row("a", 0).error is None
-    assert [(c.session_id, c.stage, c.error is None) for c in heard] == [("a", "boundary", True), ("b", "forward", False)]
+    reported = [(c.session_id, c.stage, c.error is None) for c in heard]
+    assert reported == [("a", "boundary", True), ("b", "forward", False)]
     assert all(isinstance(c, StageCall) for c in heard)
 
 
