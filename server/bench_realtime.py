@@ -36,7 +36,6 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -176,8 +175,7 @@ async def _session(options: RealtimeBenchOptions, index: int, progress: Progress
         finally:
             for task in tasks:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await asyncio.gather(*tasks, return_exceptions=True)  # their cancels, not this task's
     result.key_to_pixel_s = player.shown_after()
     result.underruns = player.policy.underruns
     if result.arrivals:
