@@ -451,10 +451,7 @@ class CausalWanPipeline(CausalWanDecoding):
         sid = session.session_id
         caches = (session.kv,)
         if self.commit_from_last_step:  # one rank: the last step staged every layer's keys and values
-            chunk = session.chunk_to_commit(chunk_index)
-            session.kv.commit(chunk.clean.shape[2])
-            session.kv.drop_provisional(chunk_index)
-            self.finish_commit(session, chunk_index)
+            self._take_staged(session, chunk_index, session.chunk_to_commit(chunk_index))
             return None
         if blocks.start == 0:
             chunk = session.chunk_to_commit(chunk_index)
@@ -490,17 +487,13 @@ class CausalWanPipeline(CausalWanDecoding):
         if len(sessions) != len(chunk_indices) or len({s.session_id for s in sessions}) != len(sessions):
             raise ValueError("commit_batch takes one chunk of each session")
         chunks = [s.chunk_to_commit(index) for s, index in zip(sessions, chunk_indices, strict=True)]
-        if self.commit_from_last_step:
-            for session in sessions:  # all or nothing: each has every layer staged, or none commits
+        groups: dict[tuple, list[int]] = {}  # a pass per latent shape
+        if self.commit_from_last_step:  # the last steps staged them: no pass, but all or nothing all the same
+            for session in sessions:
                 session.kv.check_staged()
-            for session, index, chunk in zip(sessions, chunk_indices, chunks, strict=True):
-                session.kv.commit(chunk.clean.shape[2])
-                session.kv.drop_provisional(index)
-                self.finish_commit(session, index)
-            return
-        groups: dict[tuple, list[int]] = {}
-        for i, session in enumerate(sessions):
-            groups.setdefault(session.latent_shape, []).append(i)
+        else:
+            for i, session in enumerate(sessions):
+                groups.setdefault(session.latent_shape, []).append(i)
         for indices in groups.values():
             caches = tuple(sessions[i].kv for i in indices)
             at = tuple(chunk_indices[i] for i in indices)
@@ -509,9 +502,14 @@ class CausalWanPipeline(CausalWanDecoding):
             activations = self._embed(caches, clean, self._t_zero, text, at)
             self._blocks(caches, activations, range(self.num_blocks), commit=True, chunks=at, write=False)
         for session, index, chunk in zip(sessions, chunk_indices, chunks, strict=True):
-            session.kv.commit(chunk.clean.shape[2])
-            session.kv.drop_provisional(index)
-            self.finish_commit(session, index)
+            self._take_staged(session, index, chunk)
+
+    def _take_staged(self, session: CausalWanSession, chunk_index: int, chunk: CausalWanChunk) -> None:
+        """The chunk's staged keys and values go into the session's cache, in
+        place of its provisional ones, and its record is committed."""
+        session.kv.commit(chunk.clean.shape[2])
+        session.kv.drop_provisional(chunk_index)
+        self.finish_commit(session, chunk_index)
 
     def finish_commit(self, session: CausalWanSession, chunk_index: int) -> None:
         """The commit pass has run through every block: mark the record committed

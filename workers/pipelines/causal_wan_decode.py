@@ -124,14 +124,8 @@ class CausalWanDecoding:
         (``slot``) and the activation on the host. Fills this copy of the
         session's front cache slots."""
         with self._decode_stream(None):
-            if session.decoder != "full":
-                yield (
-                    {"slot": WHOLE},
-                    self._decoder_of(session)
-                    .decode(clean.to(self.device).float(), session.vae_cache, first=not session.decoded_any)
-                    .cpu(),
-                )
-                session.decoded_any = True
+            if session.decoder != "full":  # not split: the whole chunk here, handed on as one part
+                yield {"slot": WHOLE}, self._pixels(session, clean.to(self.device)).cpu()
                 return
             for part in self.decoder.decode_front(clean.to(self.device).float(), session.vae_cache, split):
                 yield {"slot": part.slot}, part.activation.cpu()
@@ -215,12 +209,14 @@ class CausalWanDecoding:
     def _decoder_of(self, session: CausalWanSession):
         return self.decoders[session.decoder]
 
-    def _decode_clean(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
-        decoder = self._decoder_of(session)
-        pixels = decoder.decode(clean.float(), session.vae_cache, first=not session.decoded_any)
-        output = _chunk_output(pixels)
+    def _pixels(self, session: CausalWanSession, clean: torch.Tensor) -> torch.Tensor:
+        """The chunk's pixels through the session's decoder, which has then seen the stream begin."""
+        pixels = self._decoder_of(session).decode(clean.float(), session.vae_cache, first=not session.decoded_any)
         session.decoded_any = True
-        return output
+        return pixels
+
+    def _decode_clean(self, session: CausalWanSession, clean: torch.Tensor) -> ChunkOutput:
+        return _chunk_output(self._pixels(session, clean))
 
     def _decode_stream(self, *committed: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
         """On a GPU, a CUDA stream of the calling thread's own, waiting for the

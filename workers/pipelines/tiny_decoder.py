@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.pipelines.base import abandon_point
+from workers.pipelines.vae_stream import StreamingDecoder
 
 LATENT_CHANNELS = 16  # Wan 2.1's latent channels
 WIDTHS = (256, 128, 64, 64)  # the channels of each stage, and of the last convolution's input
@@ -186,23 +187,18 @@ class TinyStreamingDecoder:
         cache[:] = after
         return frames.transpose(1, 2).float() * 2.0 - 1.0
 
-    @staticmethod
-    def cache_shape(cache: list) -> tuple:
-        return tuple(tuple(slot.shape) if isinstance(slot, torch.Tensor) else slot for slot in cache)
+    cache_shape = staticmethod(StreamingDecoder.cache_shape)  # a state is a list of tensors or None, as Wan's
 
     @torch.no_grad()
     def decode_rows(self, latents: Sequence[torch.Tensor], caches: Sequence[list], first: bool) -> list[torch.Tensor]:
         """``decode`` of several streams as one batch (latents of one shape, caches
-        of one ``cache_shape``); each row's pixels. The caches change only once
-        every row is decoded."""
-        if len(latents) != len(caches) or not latents:
-            raise ValueError(f"decode_rows takes a cache per latent, got {len(latents)} and {len(caches)}")
-        if len({tuple(x.shape) for x in latents}) > 1 or len({self.cache_shape(c) for c in caches}) > 1:
-            raise ValueError("decode_rows takes streams of one latent shape and one cache shape")
-        work = [torch.cat(slot) if isinstance(slot[0], torch.Tensor) else None for slot in zip(*caches, strict=True)]
+        of one ``cache_shape``), stacked and unstacked as the streaming VAE
+        decoder's are; each row's pixels. The caches change only once every row
+        is decoded."""
+        StreamingDecoder.check_rows(latents, caches, "decode_rows")
+        work = StreamingDecoder.stacked(caches)
         pixels = self.decode(torch.cat(list(latents)), work, first)
-        for row, cache in enumerate(caches):
-            cache[:] = [slot[row : row + 1] for slot in work]
+        StreamingDecoder.unstack(work, caches)
         return list(pixels.split(1))
 
 

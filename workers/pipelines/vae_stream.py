@@ -214,14 +214,14 @@ class StreamingDecoder:
         and all at the stream's first frame or none. Returns each row's pixels.
         The caches change only once every row is decoded: when the decode
         raises or is abandoned, each is as it was."""
-        self._check_rows(latents, caches, "decode_rows")
+        self.check_rows(latents, caches, "decode_rows")
         work = self.stacked(caches)
         pixels = self.decode(latents[0] if len(latents) == 1 else torch.cat(list(latents)), work, first)
         self.unstack(work, caches)
         return list(pixels.split(1))
 
     @staticmethod
-    def _check_rows(latents: Sequence[torch.Tensor], caches: Sequence[list], method: str) -> None:
+    def check_rows(latents: Sequence[torch.Tensor], caches: Sequence[list], method: str) -> None:
         """A batch is a cache per latent, the latents of one shape (``stacked``
         checks the caches)."""
         if len(latents) != len(caches) or not latents:
@@ -304,7 +304,7 @@ class StreamingDecoder:
         activation holds every row, in order. The caches change only once the
         last frame is made: a batch abandoned or failed part-way leaves each as
         it was."""
-        self._check_rows(latents, caches, "decode_front_rows")
+        self.check_rows(latents, caches, "decode_front_rows")
         work = self.stacked(caches)
         yield from self.decode_front(torch.cat(list(latents)), work, split)
         self.unstack(work, caches)
