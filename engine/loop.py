@@ -149,9 +149,7 @@ class EngineLoop:
                 continue
             self.stats.iterations += 1
             self.stats.pipeline_s += result.pipeline_s
-            for sid in self._carrying.pop(result.number, ()):
-                if sid in self.sessions:
-                    self.sessions[sid].steps_in_flight -= 1
+            self._carrying.pop(result.number, None)
             self.emit(result)
             self._control_rows(result)
         self._send_stats()
@@ -253,9 +251,7 @@ class EngineLoop:
             self.scheduler.advance(entering)
             self._entering[step.number] = len(entering)
             self._rows_entered += len(entering)
-            self._carrying[step.number] = carried = step.sessions() & self.sessions.keys()
-            for sid in carried:
-                self.sessions[sid].steps_in_flight += 1
+            self._carrying[step.number] = step.sessions()
         return step, wake_in
 
     def _idle(self, session: EngineSession) -> bool:
@@ -265,9 +261,9 @@ class EngineLoop:
         ring, and no chunk of it is decoding. Only then may its state be freed:
         a release runs in a micro-step of its own, while the decode stage may
         still be reading that state on another thread."""
-        return (
-            session.steps_in_flight == 0 and not session.decoding and not self.scheduler.in_flight(session.session_id)
-        )
+        sid = session.session_id
+        carried = any(sid in sessions for sessions in self._carrying.values())  # at most the executor's depth
+        return not carried and not session.decoding and not self.scheduler.in_flight(sid)
 
     def _paced(self, playheads: dict[str, Playhead]) -> tuple[set[str], float | None]:
         """Sessions held back by pacing, and the soonest one of them may run."""

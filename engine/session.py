@@ -123,10 +123,6 @@ class EngineSession:
     frames_done: int = 0
     end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
     release_planned: bool = False  # FINISHING: the micro-step that frees its state was submitted
-    steps_in_flight: int = 0
-    """Micro-steps submitted that carry it (a row on any rank, a row coming back,
-    its open or a boundary) and whose results the loop has not collected: its
-    state is freed only once this is 0 and nothing of it is left to decode."""
     decoding: dict[int, ChunkInFlight] = field(default_factory=dict)  # committed chunks the decode stage has
     failure: str | None = None  # why it failed; said (SessionFailed) once its state was released
     decodes_dropped: bool = False  # a decode failed: later chunks would leave a gap, so none is emitted
