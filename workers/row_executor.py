@@ -106,27 +106,27 @@ class RowExecutor:
         is stopping: ``Cancelled``, the row reported cancelled."""
         self.sync(stage)
         started = perf_counter()
-        outcome: Outcome
+        value, failure, cancelled = None, None, False
         try:
             with abandon_when(self.stop_check((session_id,)) if stoppable else None):
                 value = function(*args)
         except Abandoned:
             result.row(session_id, chunk_index).cancelled = True
-            outcome = Cancelled(0.0)
+            cancelled = True
         except Exception as error:
+            failure = error
             row = result.row(session_id, chunk_index)
             row.error = f"{stage} failed: {type(error).__name__}: {error}"
             also = self._on_failure(session_id)
             if also is not None:
                 row.error += f" ({also})"
-            outcome = Failed(error, 0.0)
-        else:
-            outcome = Ok(value, 0.0)
         self.sync(stage)
         ms = (perf_counter() - started) * 1000.0
         result.pipeline_s += ms / 1000.0
-        self.report(session_id, stage, ms, outcome.error if isinstance(outcome, Failed) else None)
-        return _timed(outcome, ms)
+        self.report(session_id, stage, ms, failure)
+        if failure is not None:
+            return Failed(failure, ms)
+        return Cancelled(ms) if cancelled else Ok(value, ms)
 
     def call_batch(
         self, result: StepResult, keys: list[tuple[str, int]], stage: str, function: Callable, *args: Any
@@ -188,14 +188,6 @@ class RowExecutor:
             _log_failure(stage, session_id, error)
         if self._on_stage is not None:
             self._on_stage(StageCall(session_id, stage, ms, error))
-
-
-def _timed(outcome: Outcome, ms: float) -> Outcome:
-    if isinstance(outcome, Ok):
-        return Ok(outcome.value, ms)
-    if isinstance(outcome, Failed):
-        return Failed(outcome.error, ms)
-    return Cancelled(ms)
 
 
 def _log_failure(stage: str, session_id: str, error: BaseException) -> None:
