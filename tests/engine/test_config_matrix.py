@@ -54,11 +54,14 @@ class Mode:
         parts = [f"pp{self.pp}", decode] + (["stream-batch"] if self.stream_batch else [])
         return "-".join(parts + ([self.pp_decode] if self.pp > 1 and self.overlap_decode else []))
 
-    def config(self, device: str = "cpu", rows: int = 2, transport: str = "auto") -> EngineConfig:
+    def config(
+        self, device: str = "cpu", rows: int = 2, transport: str = "auto", options: dict | None = None
+    ) -> EngineConfig:
         """On ``device`` (every rank on it: ``cuda:0`` puts two ranks on one GPU),
-        forwards of up to ``rows`` rows, the ring on ``transport``."""
+        forwards of up to ``rows`` rows, the ring on ``transport``, with the
+        pipeline's ``options`` besides."""
         return EngineConfig(
-            pipeline=PipelineSpec("tiny", {"device": device, "warm_up_chunks": 1}),
+            pipeline=PipelineSpec("tiny", {"device": device, "warm_up_chunks": 1, **(options or {})}),
             pp=self.pp,
             overlap_decode=self.overlap_decode,
             stream_batch=self.stream_batch,
@@ -131,6 +134,28 @@ def payloads(result: Collected) -> list[bytes]:
 @pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.name)
 async def test_every_configuration_serves_two_sessions_with_an_interaction(mode: Mode, reference: EngineClient):
     await check_mode(mode, mode.config(), reference, same=mode == REFERENCE)
+
+
+SPEED_OPTIONS = {  # pipeline options that change the frames: each checked against one rank in line with it too
+    "commit-from-last-step": (Mode(pp=1, overlap_decode=True), {"commit_from_last_step": True}),
+    "tiny-decoder": (Mode(pp=2, overlap_decode=True, pp_decode="split"), {"tiny_decoder": "random", "decoder": "tiny"}),
+}
+
+
+@pytest.mark.parametrize("name", SPEED_OPTIONS)
+async def test_a_speed_option_through_the_workers_makes_what_one_rank_in_line_makes_with_it(name: str):
+    """The options a server may be started with for speed, through real worker
+    processes: the last step's keys committed (decoded on the decode stage, two
+    sessions' commits batched), and the tiny decoder (the decoder split over
+    two ranks: the tiny one decodes whole in front). Each against one rank
+    deciding everything in line with the same option: bit for bit."""
+    mode, options = SPEED_OPTIONS[name]
+    reference = EngineClient(REFERENCE.config(options=options))
+    await reference.start()
+    try:
+        await check_mode(mode, mode.config(options=options), reference)
+    finally:
+        await reference.shutdown()
 
 
 async def check_mode(mode: Mode, config: EngineConfig, reference: EngineClient, same: bool = False) -> None:
