@@ -28,3 +28,9 @@ re-encodes it under the new prompt, ``reset`` starts afresh."""
 DECODERS = ("full", "tiny")
 """What makes a session's frames from its latents: the model's own VAE decoder,
 or the tiny streaming decoder where its weights are loaded."""
+
+INPUT_KINDS = ("video",)
+"""What a session's ``input`` may be: a stream of video frames (video to video)."""
+
+INPUT_FORMATS = ("jpeg", "raw")
+"""How an input stream's frames travel: JPEG images, or raw uint8 RGB."""

@@ -54,6 +54,23 @@ class AppliedInteraction(msgspec.Struct, frozen=True, kw_only=True):
     transition_chunks: int
 
 
+class VideoInput(msgspec.Struct, frozen=True, kw_only=True):
+    """A session's input stream (video to video): frames the client sends, which
+    the model encodes and restyles under the prompt (docs/MODEL.md, "Video to
+    video"). ``strength`` 1 ignores the input's content (the whole denoise
+    schedule from pure noise), 0 returns the input as the VAE reconstructs it;
+    in between, each chunk starts from the encoded frames noised to the
+    schedule's level nearest ``strength``. Its frames come at ``fps``,
+    ``width`` x ``height``, as JPEG images or raw RGB (``format``)."""
+
+    kind: str = "video"  # INPUT_KINDS
+    strength: float
+    format: str = "jpeg"  # INPUT_FORMATS: jpeg / raw (uint8 RGB, row-major)
+    width: int
+    height: int
+    fps: float
+
+
 class SessionGeometry(msgspec.Struct, frozen=True, kw_only=True):
     """The effective shape of a session, as the pipeline will produce it."""
 
@@ -135,6 +152,7 @@ class StartSession(_Wire, tag="start_session"):
     transition_chunks: int = 0
     prompt_change: str = "soft"  # soft / recache / reset: what a prompt change does to the model's cache
     decoder: str | None = None  # full / tiny: what turns its latents into frames; None: the server's (--decoder)
+    input: VideoInput | None = None  # video to video: the stream its chunks start from; None: text to video
     max_lead_seconds: float | None = None  # pacing: how far generation may run ahead of the playhead
     scheduled: tuple[ScheduledInteraction, ...] = ()
     # The API process reports ``Delivered`` after each chunk it wrote to the client (a live session): until its

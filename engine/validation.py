@@ -7,8 +7,16 @@ limits (sizes, step counts) are checked by the pipeline's ``describe``.
 
 from __future__ import annotations
 
-from engine.limits import DECODERS, MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
-from engine.messages import Interaction, StartSession
+from engine.limits import (
+    DECODERS,
+    INPUT_FORMATS,
+    INPUT_KINDS,
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    MAX_TRANSITION_CHUNKS,
+    PROMPT_CHANGE_MODES,
+)
+from engine.messages import Interaction, StartSession, VideoInput
 
 
 def check_prompt(prompt: str, field: str) -> None:
@@ -28,6 +36,23 @@ def check_interaction(interaction: Interaction) -> None:
     check_transition(interaction.transition_chunks, "interaction.transition_chunks")
 
 
+def check_input(given: VideoInput) -> None:
+    """A session's input stream, model-independent: its kind, format, a strength
+    from 0 to 1, a positive size and rate. (Whether the model can encode it, and
+    at which size, is its ``describe``'s to say.)"""
+    if given.kind not in INPUT_KINDS:
+        raise ValueError(f"input.kind must be one of {', '.join(INPUT_KINDS)}, got {given.kind!r}")
+    if given.format not in INPUT_FORMATS:
+        raise ValueError(f"input.format must be one of {', '.join(INPUT_FORMATS)}, got {given.format!r}")
+    if not 0.0 <= given.strength <= 1.0:
+        raise ValueError(f"input.strength must be between 0 and 1, got {given.strength}")
+    for name, value in (("width", given.width), ("height", given.height)):
+        if value < 1:
+            raise ValueError(f"input.{name} must be >= 1, got {value}")
+    if not 0.0 < given.fps < float("inf"):
+        raise ValueError(f"input.fps must be > 0, got {given.fps}")
+
+
 def check_start(start: StartSession) -> None:
     if not start.session_id:
         raise ValueError("session_id must not be empty")
@@ -41,6 +66,8 @@ def check_start(start: StartSession) -> None:
     if start.num_chunks is not None and start.num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {start.num_chunks}")
     check_transition(start.transition_chunks, "transition_chunks")
+    if start.input is not None:
+        check_input(start.input)
     if start.max_lead_seconds is not None and not start.max_lead_seconds > 0:
         raise ValueError(f"max_lead_seconds must be > 0 or null, got {start.max_lead_seconds}")
     seen_chunks: set[int] = set()

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.limits import MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
-from engine.messages import Interaction, StartSession
+from engine.messages import Interaction, StartSession, VideoInput
 from engine.validation import check_interaction, check_start
 from server.schemas import InteractionPayload, ScheduledPrompt, VideoRequest
 
@@ -89,3 +89,31 @@ def test_an_integer_too_long_is_named_by_its_field():
     within = "9" * MAX_JSON_INT_DIGITS
     assert parse_json(f'{{"seed": {within}, "prompt": "{long}", "x": {long}.5}}')["seed"] == int(within)
     assert long_integers("not JSON " + long) is None  # the parser that runs next says what is wrong
+
+
+VIDEO_INPUT = {"kind": "video", "strength": 0.5, "format": "jpeg", "width": 64, "height": 64, "fps": 16.0}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("kind", "audio"),
+        ("format", "png"),
+        ("strength", -0.01),
+        ("strength", 1.01),
+        ("strength", float("nan")),
+        ("width", 0),
+        ("height", -8),
+        ("fps", 0.0),
+        ("fps", float("inf")),
+    ],
+)
+def test_a_start_with_a_bad_input_is_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"input\.{field}"):
+        check_start(StartSession(session_id="s", prompt="p", input=VideoInput(**{**VIDEO_INPUT, field: value})))
+
+
+@pytest.mark.parametrize("strength", [0.0, 0.5, 1.0])
+def test_a_start_with_an_input_is_admitted(strength):
+    assert engine_admits(input=VideoInput(**{**VIDEO_INPUT, "strength": strength, "format": "raw"}))
+    assert engine_admits(input=None)

@@ -35,6 +35,11 @@ CONTROL = [
         scheduled=(m.ScheduledInteraction(at_chunk=3, event_id="e", interaction=m.Interaction(prompt="x")),),
     ),
     m.StartSession(session_id="minimal", prompt="p"),
+    m.StartSession(
+        session_id="v2v",
+        prompt="a watercolour painting",
+        input=m.VideoInput(strength=0.6, format="raw", width=64, height=48, fps=16.0),
+    ),
     m.SubmitInteraction(
         session_id="s", event_id="e1", interaction=m.Interaction(prompt="ünïcødé ✓", transition_chunks=0)
     ),
