@@ -1,12 +1,17 @@
 """Helpers shared by the test tiers: reading stub frames back, collecting a
-session's results, and gates that hold a stub pipeline mid-chunk."""
+session's results, gates that hold a stub pipeline mid-chunk, and running an
+``rtvideo`` command as a user does."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -16,6 +21,9 @@ from workers.pipelines.conditioning import blend
 from workers.pipelines.stub import StubGate, conditioning_row, embed
 
 SPAWN = multiprocessing.get_context("spawn")
+ROOT = Path(__file__).resolve().parents[1]
+RTVIDEO = (sys.executable, "-m", "server.cli")
+"""The ``rtvideo`` command, as this interpreter runs it from ``ROOT``."""
 
 
 def make_gate(chunk: int, step: int, prompt: str | None = None) -> StubGate:
@@ -113,3 +121,22 @@ def free_ports(count: int) -> int:
                 sock.close()
         return port
     raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def run_rtvideo(*argv: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+    """``rtvideo ARGV`` run from the repository root as a subprocess, its stdout and
+    stderr captured as text; returned whatever its exit status."""
+    return subprocess.run([*RTVIDEO, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def last_json(stdout: str) -> dict:
+    """The JSON summary a command prints as its last line of stdout."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def rtvideo_summary(*argv: str, timeout: float = 300.0) -> dict:
+    """The JSON summary of ``rtvideo ARGV`` (a bench, ``eval-demo`` ...), which must
+    exit 0: otherwise the test fails, showing the command's stderr."""
+    result = run_rtvideo(*argv, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return last_json(result.stdout)

@@ -3,33 +3,14 @@ key to pixel and underruns under the page's buffer policy included."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from tests.support import rtvideo_summary, run_rtvideo
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = [sys.executable, "-m", "server.cli", "bench", "realtime"]
+BENCH = ("bench", "realtime")
 
 
 def test_bench_realtime_reports_every_figure(server):
-    command = [
-        *BENCH,
-        "--url",
-        server.http,
-        "--sessions",
-        "2",
-        "--chunks",
-        "6",
-        "--interact-at",
-        "1",
-        "--interact-every",
-        "2",
-        "--json",
-    ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    flags = ("--url", server.http, "--sessions", "2", "--chunks", "6", "--interact-at", "1", "--interact-every", "2")
+    summary = rtvideo_summary(*BENCH, *flags, "--json", timeout=120)
     assert summary["bench"] == "realtime" and summary["sessions"] == 2 and summary["failed_sessions"] == []
     assert summary["max_lead_seconds"] == "adaptive"
     for key in (
@@ -53,6 +34,6 @@ def test_bench_realtime_reports_every_figure(server):
 
 
 def test_bench_realtime_refuses_a_pacing_it_does_not_know():
-    result = subprocess.run([*BENCH, "--max-lead", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = run_rtvideo(*BENCH, "--max-lead", "0", timeout=60)
     assert result.returncode == 2
     assert "argument --max-lead: '0': expected adaptive, off or a number of seconds > 0" in result.stderr

@@ -11,12 +11,11 @@ import os
 import pty
 import struct
 import subprocess
-import sys
 import termios
 import threading
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT, RTVIDEO, last_json, run_rtvideo
+
 EVAL = ("eval-demo", "--ground-truth", "--trials", "4", "--long-streams", "1", "--long-chunks", "8")
 CHUNKS = 4 * 6 + 1 * 8  # every chunk judged: the switched streams' six each, the long one's eight
 
@@ -42,7 +41,7 @@ def on_a_terminal(*argv: str) -> tuple[int, str, str]:
     reader.start()
     try:
         with subprocess.Popen(
-            [sys.executable, "-m", "server.cli", *argv],
+            [*RTVIDEO, *argv],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -64,7 +63,7 @@ def test_on_a_terminal_a_command_draws_its_progress_and_its_summary_stays_last()
     assert status == 0, drawn
     assert "eval-demo:" in drawn and f"{CHUNKS}/{CHUNKS}" in drawn and "chunk/s" in drawn
     lines = out.splitlines()
-    assert json.loads(lines[-1])["chunks_judged"] == CHUNKS  # the summary, last
+    assert last_json(out)["chunks_judged"] == CHUNKS  # the summary, last
     assert any(line.startswith("colour ") for line in lines[:-1])  # the bars' lines as before
     assert "eval-demo:" not in out and "\r" not in out  # nothing of the bar on stdout
 
@@ -77,9 +76,7 @@ def test_with_json_on_a_terminal_nothing_is_drawn():
 
 
 def test_where_stderr_is_not_a_terminal_nothing_is_drawn():
-    result = subprocess.run(
-        [sys.executable, "-m", "server.cli", *EVAL], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    result = run_rtvideo(*EVAL, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    assert json.loads(result.stdout.splitlines()[-1])["chunks_judged"] == CHUNKS
+    assert last_json(result.stdout)["chunks_judged"] == CHUNKS

@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import rtvideo_summary
 
 
 def test_bench_engine_prints_a_complete_json_summary_last():
-    command = [
-        sys.executable,
-        "-m",
-        "server.cli",
-        "bench",
-        "engine",
-        "--json",
-        "--step-ms",
-        "2",
-        "--chunks",
-        "4",
-        "--interactions",
-        "3",
-        "--repeats",
-        "1",
-    ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    summary = rtvideo_summary(
+        "bench", "engine", "--json", "--step-ms", "2", "--chunks", "4", "--interactions", "3", "--repeats", "1"
+    )
     assert summary["bench"] == "engine"
     for mode in ("grouped", "ungrouped"):
         overhead = summary[mode]["overhead"]

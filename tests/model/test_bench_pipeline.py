@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import rtvideo_summary, run_rtvideo
 
 
 def _bench(*flags: str) -> dict:
-    command = [sys.executable, "-m", "server.cli", "bench", "pipeline", "--json", "--chunks", "3", "--steps", "2"]
-    result = subprocess.run([*command, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return rtvideo_summary("bench", "pipeline", "--json", "--chunks", "3", "--steps", "2", *flags)
 
 
 def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
@@ -60,13 +52,13 @@ def test_bench_pipeline_versus_alternates_the_two_in_rounds_and_reports_each_rat
 
 
 def test_bench_pipeline_versus_refuses_a_comparison_that_would_measure_nothing():
-    command = [sys.executable, "-m", "server.cli", "bench", "pipeline", "--chunks", "3", "--versus"]
+    command = ("bench", "pipeline", "--chunks", "3", "--versus")
     for flags, why in (
         (["vae-float32"], "fp32 already"),  # the CPU's default dtype is fp32, and the VAE follows it
         (["compile", "--compile"], "compiled already"),
         (["cudnn-benchmark", "--cudnn-benchmark"], "timing on already"),
     ):
-        result = subprocess.run([*command, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        result = run_rtvideo(*command, *flags)
         assert result.returncode != 0 and why in result.stderr and "Traceback" not in result.stderr
 
 
