@@ -110,7 +110,7 @@ class ServerSettings:
     still being denoised, so a single session fills every rank (more frames per
     second for few sessions). The frames differ from the exact ones by design: a
     chunk attends to the chunks before it as far as they are denoised (measured
-    in docs/ENGINE.md). Sessions with prompt_change "reset" or "recache" run exact."""
+    in docs/PP_MEASUREMENTS.md). Sessions with prompt_change "reset" or "recache" run exact."""
     max_chunks_in_flight: int | None = setting("parallel ranks", None)
     """With --stream-batch: the chunks a session may have under way at once, and so
     the most chunks a new prompt may wait behind (default: --pp)."""
