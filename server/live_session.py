@@ -21,7 +21,8 @@ Controllers' interactions pass a token bucket per session
 (``max_interactions_per_s``, ``interaction_burst``): one past it is answered
 ``rate_limited`` here and never reaches the engine.
 
-One task, the pump, turns engine results into events: every chunk goes into
+One task, the pump, turns engine results into events, each by its type (one
+handler per result type, ``server.dispatch``): every chunk goes into
 the buffer and to every viewer's own bounded outbox, the controllers' first
 (never awaited, so a slow viewer holds nobody; every viewer of a format gets
 the same chunk object, whose bytes its connection writes as they are); an
@@ -66,6 +67,7 @@ from engine.messages import (
     SessionDone,
     SessionFailed,
 )
+from server.dispatch import TypeDispatcher
 from server.events import VideoStart
 from server.metrics import Metrics
 from server.output import SessionOutput, error_event
@@ -157,6 +159,19 @@ class LiveSession:
         self._grace: asyncio.Task | None = None
         # Interactions from all its controllers together (max_interactions_per_s, interaction_burst).
         self._interactions = TokenBucket(settings.max_interactions_per_s, settings.interaction_burst, time.monotonic())
+        # What a session's handle yields, by type: one entry per result.
+        self._results: TypeDispatcher[Awaitable[None]] = TypeDispatcher(
+            "LiveSession result",
+            {
+                ChunkReady: self._on_chunk,
+                InteractionQueued: self._on_answer,
+                InteractionRejected: self._on_answer,
+                InteractionApplied: self._on_outcome,
+                InteractionSuperseded: self._on_outcome,
+                SessionFailed: self._on_failed,
+                SessionDone: self._on_done,
+            },
+        )
         registry.add(self, {"resume": self.resume_token, "watch": self.watch_token, "control": self.control_token})
         metrics.sessions_active.inc()
         self._pump_task = asyncio.create_task(self._pump(), name=f"session-pump-{self.request_id}")
@@ -355,7 +370,9 @@ class LiveSession:
     # ------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        """Engine results to every viewer, until the session ends."""
+        """Engine results to every viewer, until the session ends. A failure here
+        (a server bug: a result type without a handler is one, named in the log)
+        fails the session: ``_fail_internally``."""
         try:
             async for message in self.handle:
                 await self._result(message)
@@ -365,38 +382,47 @@ class LiveSession:
                 await self._fail_internally()
 
     async def _result(self, message: ResultMessage) -> None:
-        if isinstance(message, ChunkReady):
-            chunk = await self.output.chunk(message)
-            if chunk is None:
-                return
-            buffered = BufferedChunk(
-                index=message.generation_chunk_index,
-                metadata=chunk.metadata,
-                fragment=chunk.payload[chunk.init_length :],
-                init=self.output.init_segment,
-                compute_s=chunk.compute_s,
-                fps=chunk.fps,
-            )
-            self.buffer.add(buffered)
-            # Controllers first: their writers are woken first, so spectators never come before them.
-            for viewer in sorted(self.viewers, key=lambda v: v.role != "controller"):
-                if viewer.format == self.format:
-                    viewer.send_chunk(buffered)
-            for rendition in self.renditions.values():
-                rendition.offer(buffered.index, chunk.metadata, chunk.frames, chunk.compute_s)
+        """One engine result, by its type (``_results``): ``UnhandledMessageError``
+        for a type that is no session result (the pump then fails the session)."""
+        await self._results(message)
+
+    async def _on_chunk(self, message: ChunkReady) -> None:
+        """Encode the chunk once, keep it for a resume and queue it on every viewer
+        of the session's format (controllers first) and on each rendition."""
+        chunk = await self.output.chunk(message)
+        if chunk is None:
             return
+        buffered = BufferedChunk(
+            index=message.generation_chunk_index,
+            metadata=chunk.metadata,
+            fragment=chunk.payload[chunk.init_length :],
+            init=self.output.init_segment,
+            compute_s=chunk.compute_s,
+            fps=chunk.fps,
+        )
+        self.buffer.add(buffered)
+        # Controllers first: their writers are woken first, so spectators never come before them.
+        for viewer in sorted(self.viewers, key=lambda v: v.role != "controller"):
+            if viewer.format == self.format:
+                viewer.send_chunk(buffered)
+        for rendition in self.renditions.values():
+            rendition.offer(buffered.index, chunk.metadata, chunk.frames, chunk.compute_s)
+
+    async def _on_answer(self, message: InteractionQueued | InteractionRejected) -> None:
+        """An interaction's answer: to the controller that sent it."""
+        self._to_controller(self._answer(message.event_id), self.output.event(message))
+
+    async def _on_outcome(self, message: InteractionApplied | InteractionSuperseded) -> None:
+        """An interaction's outcome: to every controller."""
+        self._to_controllers(self.output.event(message))
+
+    async def _on_failed(self, message: SessionFailed) -> None:
         event = self.output.event(message)
-        if event is None:
-            return
-        if isinstance(message, InteractionQueued | InteractionRejected):
-            self._to_controller(self._answer(message.event_id), event)
-        elif isinstance(message, InteractionApplied | InteractionSuperseded):
-            self._to_controllers(event)
-        elif isinstance(message, SessionFailed):
-            log.warning("session %s failed: %s: %s", self.request_id, message.code, message.message)
-            self._end("failed", event, CLOSE_ERROR, "generation failed")
-        elif isinstance(message, SessionDone):
-            self._end(message.reason, event, CLOSE_NORMAL, "session done")
+        log.warning("session %s failed: %s: %s", self.request_id, message.code, message.message)
+        self._end("failed", event, CLOSE_ERROR, "generation failed")
+
+    async def _on_done(self, message: SessionDone) -> None:
+        self._end(message.reason, self.output.event(message), CLOSE_NORMAL, "session done")
 
     def _answer(self, event_id: str) -> str | None:
         """The controller an answer about ``event_id`` goes to: the one whose

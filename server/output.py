@@ -29,6 +29,7 @@ from engine.messages import (
     SessionDone,
     SessionFailed,
 )
+from server.dispatch import TypeDispatcher
 from server.events import (
     ChunkMetadata,
     ErrorEvent,
@@ -59,7 +60,9 @@ class MediaChunk:
 
 class SessionOutput:
     """``metrics`` counts frames and interactions; ``clock`` (realtime sessions
-    only) also times the deliveries."""
+    only) also times the deliveries. A chunk goes through ``chunk``; every other
+    session result through ``event`` (realtime) or ``count`` (request mode), each
+    dispatched by the result's type."""
 
     def __init__(
         self, request_id: str, config: EffectiveConfig, metrics: Metrics, clock: SessionClock | None = None
@@ -77,6 +80,29 @@ class SessionOutput:
         self.inexact: dict[str, str] = {}  # why a replay would not be bit-exact: kind -> the first instance
         # event_id -> the controller that sent it (realtime sessions), for the newest ids, as the mailbox keeps them
         self.senders: IdWindow[str | None] = IdWindow(EVENT_ID_WINDOW)
+        # The non-media session results (what a session's handle yields besides ChunkReady), by type.
+        self._events: TypeDispatcher[dict[str, Any]] = TypeDispatcher(
+            "SessionOutput.event",
+            {
+                InteractionQueued: self._queued_event,
+                InteractionApplied: self._applied_event,
+                InteractionSuperseded: self._superseded_event,
+                InteractionRejected: self._rejected_event,
+                SessionDone: self._done_event,
+                SessionFailed: self._failed_event,
+            },
+        )
+        self._counts: TypeDispatcher[None] = TypeDispatcher(
+            "SessionOutput.count",
+            {
+                InteractionQueued: self._count_queued,
+                InteractionApplied: self._count_applied,
+                InteractionSuperseded: self._count_superseded,
+                InteractionRejected: self._count_rejected,
+                SessionDone: self._count_nothing,
+                SessionFailed: self._count_nothing,
+            },
+        )
 
     async def chunk(self, ready: ChunkReady) -> MediaChunk | None:
         """Encode one chunk; None when every frame of it is past ``num_frames``."""
@@ -149,76 +175,93 @@ class SessionOutput:
         frames = chunk.metadata["num_frames"]
         self.clock.chunk(chunk.metadata["media_start_seconds"], frames / chunk.fps, frames, chunk.compute_s)
 
-    def event(self, message: ResultMessage) -> dict[str, Any] | None:
-        """The protocol event for a non-media engine result (None: nothing to say)."""
-        rid = self.request_id
+    def event(self, message: ResultMessage) -> dict[str, Any]:
+        """The protocol event for a non-media session result (an interaction's
+        answer or outcome, the session's end), counted on /metrics first
+        (``count``). ``UnhandledMessageError`` for any other type (a chunk goes
+        through ``chunk``)."""
         self.count(message)
-        if isinstance(message, InteractionQueued):
-            return InteractionQueuedEvent(
-                request_id=rid,
-                event_id=message.event_id,
-                in_progress_chunk_index=message.in_progress_chunk_index,
-                expected_chunk_index=message.expected_chunk_index,
-                duplicate=message.duplicate,
-            ).wire()
-        if isinstance(message, InteractionApplied):
-            return InteractionAppliedEvent(
-                request_id=rid,
-                event_id=message.event_id,
-                generation_chunk_index=message.generation_chunk_index,
-                first_frame_index=message.first_frame_index,
-                media_start_seconds=message.media_start_seconds,
-                queued_to_applied_ms=message.queued_to_applied_ms,
-                transition_chunks=message.transition_chunks,
-                chunks_in_flight=message.chunks_in_flight,
-                controller=self.senders.get(message.event_id),
-            ).wire()
-        if isinstance(message, InteractionSuperseded):
-            return InteractionSupersededEvent(
-                request_id=rid,
-                event_id=message.event_id,
-                by_event_id=message.by_event_id,
-                controller=self.senders.get(message.event_id),
-                by_controller=self.senders.get(message.by_event_id),
-            ).wire()
-        if isinstance(message, InteractionRejected):
-            return error_event(message.code, message.message, request_id=rid, event_id=message.event_id)
-        if isinstance(message, SessionDone):
-            return SessionDoneEvent(
-                request_id=rid,
-                chunks=self.chunks_sent,
-                frames=self.frames_sent,
-                stopped=message.stopped,
-                reason=message.reason,
-                replay=self.replay(message),
-            ).wire()
-        if isinstance(message, SessionFailed):
-            return error_event(message.code, message.message, request_id=rid, fatal=True)
-        return None
+        return self._events(message)
+
+    def _queued_event(self, message: InteractionQueued) -> dict[str, Any]:
+        return InteractionQueuedEvent(
+            request_id=self.request_id,
+            event_id=message.event_id,
+            in_progress_chunk_index=message.in_progress_chunk_index,
+            expected_chunk_index=message.expected_chunk_index,
+            duplicate=message.duplicate,
+        ).wire()
+
+    def _applied_event(self, message: InteractionApplied) -> dict[str, Any]:
+        return InteractionAppliedEvent(
+            request_id=self.request_id,
+            event_id=message.event_id,
+            generation_chunk_index=message.generation_chunk_index,
+            first_frame_index=message.first_frame_index,
+            media_start_seconds=message.media_start_seconds,
+            queued_to_applied_ms=message.queued_to_applied_ms,
+            transition_chunks=message.transition_chunks,
+            chunks_in_flight=message.chunks_in_flight,
+            controller=self.senders.get(message.event_id),
+        ).wire()
+
+    def _superseded_event(self, message: InteractionSuperseded) -> dict[str, Any]:
+        return InteractionSupersededEvent(
+            request_id=self.request_id,
+            event_id=message.event_id,
+            by_event_id=message.by_event_id,
+            controller=self.senders.get(message.event_id),
+            by_controller=self.senders.get(message.by_event_id),
+        ).wire()
+
+    def _rejected_event(self, message: InteractionRejected) -> dict[str, Any]:
+        return error_event(message.code, message.message, request_id=self.request_id, event_id=message.event_id)
+
+    def _done_event(self, message: SessionDone) -> dict[str, Any]:
+        return SessionDoneEvent(
+            request_id=self.request_id,
+            chunks=self.chunks_sent,
+            frames=self.frames_sent,
+            stopped=message.stopped,
+            reason=message.reason,
+            replay=self.replay(message),
+        ).wire()
+
+    def _failed_event(self, message: SessionFailed) -> dict[str, Any]:
+        return error_event(message.code, message.message, request_id=self.request_id, fatal=True)
 
     def count(self, message: ResultMessage) -> None:
-        """Count an interaction outcome on /metrics (queued, applied, ...). Latency and lag
-        are observed for interactions that were queued while the session ran, not
-        for prompts scheduled at a chunk in advance (request mode), which wait for
-        their chunk by design."""
-        interactions = self.metrics.interactions
-        if isinstance(message, InteractionQueued):
-            interactions.labels("queued").inc()
-            if not message.duplicate:  # a repeat's original is the one that applies
-                self._queued[message.event_id] = message
-        elif isinstance(message, InteractionApplied):
-            interactions.labels("applied").inc()
-            queued = self._queued.pop(message.event_id, None)
-            if queued is not None:
-                self.metrics.interaction_latency.observe(message.queued_to_applied_ms / 1000.0)
-                in_progress = queued.in_progress_chunk_index
-                reference = queued.expected_chunk_index - 1 if in_progress is None else in_progress
-                self.metrics.interaction_lag.observe(message.generation_chunk_index - reference)
-        elif isinstance(message, InteractionSuperseded):
-            interactions.labels("superseded").inc()
-            self._queued.pop(message.event_id, None)  # it never applies
-        elif isinstance(message, InteractionRejected):
-            interactions.labels("rejected").inc()
+        """Count an interaction outcome on /metrics (queued, applied, ...); the
+        session's end counts nothing here. Latency and lag are observed for
+        interactions that were queued while the session ran, not for prompts
+        scheduled at a chunk in advance (request mode), which wait for their
+        chunk by design. ``UnhandledMessageError`` for a type that is no
+        non-media session result."""
+        self._counts(message)
+
+    def _count_queued(self, message: InteractionQueued) -> None:
+        self.metrics.interactions.labels("queued").inc()
+        if not message.duplicate:  # a repeat's original is the one that applies
+            self._queued[message.event_id] = message
+
+    def _count_applied(self, message: InteractionApplied) -> None:
+        self.metrics.interactions.labels("applied").inc()
+        queued = self._queued.pop(message.event_id, None)
+        if queued is not None:
+            self.metrics.interaction_latency.observe(message.queued_to_applied_ms / 1000.0)
+            in_progress = queued.in_progress_chunk_index
+            reference = queued.expected_chunk_index - 1 if in_progress is None else in_progress
+            self.metrics.interaction_lag.observe(message.generation_chunk_index - reference)
+
+    def _count_superseded(self, message: InteractionSuperseded) -> None:
+        self.metrics.interactions.labels("superseded").inc()
+        self._queued.pop(message.event_id, None)  # it never applies
+
+    def _count_rejected(self, message: InteractionRejected) -> None:
+        self.metrics.interactions.labels("rejected").inc()
+
+    def _count_nothing(self, message: SessionDone | SessionFailed) -> None:
+        """The session's end: counted by whoever ends the session (``sessions`` on /metrics)."""
 
     def replay(self, done: SessionDone) -> dict[str, Any]:
         """A ``POST /v1/videos`` body that regenerates the frames sent: bit for bit

@@ -13,7 +13,8 @@ connections; this module is the connection side. A connection becomes one of:
 Per connection two tasks cooperate with the session's pump:
 
 - the **reader** validates client events (``server.schemas``) and hands
-  interactions, playback positions and stops to the session; bad input gets an
+  interactions, playback positions and stops to the session, each by its type
+  through its role's table (``server.dispatch``); bad input gets an
   ``error`` and, after the start, the session goes on;
 - the **writer** is the only task that sends on the socket, so a
   ``video.chunk_metadata`` and its binary frame are never split.
@@ -48,6 +49,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +65,7 @@ from engine.client import (
 )
 from engine.messages import Interaction
 from server.auth import is_authorized, key_subprotocol
+from server.dispatch import TypeDispatcher
 from server.drain import Drainer
 from server.events import SessionPong
 from server.limits import JsonLimitError, parse_json
@@ -102,6 +105,11 @@ NO_EVENT = ("binary_not_supported", "invalid_message", "unknown_type")  # first-
 # code, no close at all (a network drop). Any other close (1000 done, 1009 too big,
 # 1008 ...) ends the session when its last controller goes that way.
 RESUMABLE_CLOSES = (1001, 1005, 1006)
+
+
+def unknown_type_error(kind: Any) -> dict[str, Any]:
+    """The ``error`` a client gets for an event of a type the server does not take."""
+    return error_event("unknown_type", f"unknown message type {kind!r}; known: {', '.join(CLIENT_EVENT_TYPES)}")
 
 
 class _Closed(Exception):
@@ -199,6 +207,40 @@ class RealtimeConnection:
         self.transport_index = 0  # chunks sent on this connection
         self._needs_init = True  # an fmp4 connection's first chunk carries the init segment
         self._delivering = False  # counted in the drainer's ``delivering`` (attached, close not yet written)
+        # The first client event, by type: it starts or resumes a session; any other is refused.
+        self._openers: TypeDispatcher[Awaitable[None]] = TypeDispatcher(
+            "first client event",
+            {SessionStartEvent: self._start, SessionResumeEvent: self._resume},
+            on_unknown=self._start_required,
+        )
+        # The client events of an attached connection, by its role and the event's type.
+        attached = {
+            SessionPingEvent: self._pong,
+            SessionStartEvent: self._already_started,
+            SessionResumeEvent: self._already_started,
+        }
+        self._events_by_role: dict[str, TypeDispatcher[Awaitable[str | None]]] = {
+            "controller": TypeDispatcher(
+                "controller event",
+                {
+                    **attached,
+                    SessionPlaybackEvent: self._playback,
+                    SessionInteractionEvent: self._interaction,
+                    SessionStopEvent: self._stop,
+                },
+                on_unknown=self._unknown_event,
+            ),
+            "spectator": TypeDispatcher(
+                "spectator event",
+                {
+                    **attached,
+                    SessionPlaybackEvent: self._spectator_playback,
+                    SessionInteractionEvent: self._read_only_interaction,
+                    SessionStopEvent: self._read_only,
+                },
+                on_unknown=self._unknown_event,
+            ),
+        }
 
     # ------------------------------------------------------------------
     # Viewer: what the session calls (each queues and returns at once)
@@ -286,10 +328,8 @@ class RealtimeConnection:
                 return await self._fatal("unknown_control_token", message, CLOSE_POLICY)
             return await self._attached(session, session.join)
         first = await self._receive_first()
-        if isinstance(first, SessionResumeEvent):
-            await self._resume(first)
-        elif first is not None:
-            await self._start(first)
+        if first is not None:
+            await self._openers(first)
 
     async def _start(self, start: SessionStartEvent) -> None:
         if self.drainer.draining:
@@ -420,8 +460,7 @@ class RealtimeConnection:
             return error_event("invalid_message", f"a message must be a JSON object, got {type(data).__name__}")
         kind = data.get("type")
         if kind not in CLIENT_EVENT_TYPES:
-            known = ", ".join(CLIENT_EVENT_TYPES)
-            return error_event("unknown_type", f"unknown message type {kind!r}; known: {known}")
+            return unknown_type_error(kind)
         try:
             return CLIENT_EVENTS.validate_python(data)
         except ValidationError as error:
@@ -430,7 +469,10 @@ class RealtimeConnection:
             event_id = event_id if isinstance(event_id, str) else None
             return error_event(code, f"{kind}: {describe_validation_error(error)}", event_id=event_id)
 
-    async def _receive_first(self) -> SessionStartEvent | SessionResumeEvent | None:
+    async def _receive_first(self) -> Any:
+        """The first client event, validated; None once it was refused (not JSON,
+        no event, no message within ``start_timeout_s``). ``_openers`` then
+        starts or resumes by its type, or refuses it (``start_required``)."""
         timeout = self.settings.start_timeout_s
         try:
             data = await self._receive(timeout)
@@ -445,22 +487,24 @@ class RealtimeConnection:
             await self._fatal("invalid_json", message, CLOSE_POLICY)
             return None
         event = self._parse(data)
-        if isinstance(event, SessionStartEvent | SessionResumeEvent):
+        if not isinstance(event, dict):
             return event
-        if isinstance(event, dict):
-            example = f"; begin with a JSON text message like {START_EXAMPLE}" if event["code"] in NO_EVENT else ""
-            await self._fatal(event["code"], event["message"] + example, CLOSE_POLICY)
-        else:
-            message = f"the first message must be session.start or session.resume, not {event.type}"
-            await self._fatal("start_required", message, CLOSE_POLICY)
+        example = f"; begin with a JSON text message like {START_EXAMPLE}" if event["code"] in NO_EVENT else ""
+        await self._fatal(event["code"], event["message"] + example, CLOSE_POLICY)
         return None
 
+    async def _start_required(self, event: Any) -> None:
+        """A first event that neither starts nor resumes a session: refused."""
+        message = f"the first message must be session.start or session.resume, not {event.type}"
+        await self._fatal("start_required", message, CLOSE_POLICY)
+
     async def _reader(self) -> str | None:
-        """Client events until a stop (returns the reason) or the client leaves.
-        Spectators have no stall limit: they need not send anything."""
+        """Client events until a stop (returns the reason) or the client leaves,
+        each handled by its type as this connection's role says
+        (``_events_by_role``). Spectators have no stall limit: they need not send anything."""
         rid = self.session.request_id
-        spectator = self.role == "spectator"
-        stall = None if spectator else self.settings.stall_timeout_s
+        events = self._events_by_role[self.role]
+        stall = None if self.role == "spectator" else self.settings.stall_timeout_s
         while True:
             try:
                 data = await self._receive(stall)
@@ -474,37 +518,53 @@ class RealtimeConnection:
                 self._send(error_event("invalid_json", f"not JSON: {error}", request_id=rid))
                 continue
             event = self._parse(data)
-            if isinstance(event, dict):
+            if isinstance(event, dict):  # not a valid client event: the error saying why
                 self._send({**event, "request_id": rid})
-            elif isinstance(event, SessionStopEvent) and not spectator:
-                return "stopped"
-            else:
-                await self._on_event(event)
-
-    async def _on_event(self, event: Any) -> None:
-        session = self.session
-        rid = session.request_id
-        if isinstance(event, SessionPingEvent):
-            self._send(SessionPong(request_id=rid).wire())
-        elif isinstance(event, SessionStartEvent | SessionResumeEvent):
-            self._send(error_event("session_already_started", "this connection already has a session", request_id=rid))
-        elif self.role == "spectator":
-            if isinstance(event, SessionPlaybackEvent):
-                return  # a spectator's playhead paces nothing
-            event_id = event.interaction.event_id if isinstance(event, SessionInteractionEvent) else None
-            message = f"{event.type}: this connection watches the session (?watch=) and cannot steer it"
-            self._send(error_event("read_only", message, request_id=rid, event_id=event_id))
-        else:
+                continue
             try:
-                if isinstance(event, SessionPlaybackEvent):
-                    await session.playback(event.position_seconds)
-                elif isinstance(event, SessionInteractionEvent):
-                    payload = event.interaction
-                    event_id = payload.event_id or f"evt-{uuid.uuid4().hex}"
-                    interaction = Interaction(prompt=payload.event.prompt, transition_chunks=payload.transition_chunks)
-                    await session.interact(self, event_id, interaction)
+                why = await events(event)
             except UnknownSessionError as error:
                 self._send(error_event("unknown_session", str(error), request_id=rid))
+                continue
+            if why is not None:
+                return why
+
+    # Client event handlers (``_events_by_role``): each returns why the reader
+    # ends (a stop), or None to read on.
+
+    async def _pong(self, event: SessionPingEvent) -> None:
+        self._send(SessionPong(request_id=self.session.request_id).wire())
+
+    async def _already_started(self, event: SessionStartEvent | SessionResumeEvent) -> None:
+        rid = self.session.request_id
+        self._send(error_event("session_already_started", "this connection already has a session", request_id=rid))
+
+    async def _playback(self, event: SessionPlaybackEvent) -> None:
+        await self.session.playback(event.position_seconds)
+
+    async def _interaction(self, event: SessionInteractionEvent) -> None:
+        payload = event.interaction
+        event_id = payload.event_id or f"evt-{uuid.uuid4().hex}"
+        interaction = Interaction(prompt=payload.event.prompt, transition_chunks=payload.transition_chunks)
+        await self.session.interact(self, event_id, interaction)
+
+    async def _stop(self, event: SessionStopEvent) -> str:
+        return "stopped"
+
+    async def _spectator_playback(self, event: SessionPlaybackEvent) -> None:
+        """A spectator's playhead paces nothing: ignored."""
+
+    async def _read_only(self, event: Any, event_id: str | None = None) -> None:
+        """A spectator's event that would steer the session: refused, ``read_only``."""
+        message = f"{event.type}: this connection watches the session (?watch=) and cannot steer it"
+        self._send(error_event("read_only", message, request_id=self.session.request_id, event_id=event_id))
+
+    async def _read_only_interaction(self, event: SessionInteractionEvent) -> None:
+        await self._read_only(event, event.interaction.event_id)
+
+    async def _unknown_event(self, event: Any) -> None:
+        """A validated event with no handler for this role: the protocol's ``unknown_type`` reply."""
+        self._send({**unknown_type_error(event.type), "request_id": self.session.request_id})
 
     # ------------------------------------------------------------------
     # writing
