@@ -8,8 +8,14 @@ Lives in worker rank 0 and is shared by two threads:
   their session's mailbox right here, and are acknowledged at once;
 - the loop thread calls ``drain`` / ``wait`` for the structural messages
   (admitted starts, stops, probes, shutdown), ``pacing_state`` for the
-  playheads its pacing decides on, and ``take_boundary`` at a session's chunk
+  playheads its pacing decides on, and ``boundary`` at a session's chunk
   boundary.
+
+It keeps, per session, the mailbox, the playhead (and delivered position)
+and the stop flag, and nothing of the session's progress: that is the loop's
+(``engine.session.EngineSession``), which the loop hands over when it takes
+the session (``attach``) and advances only under this lock, with the
+mailbox's take (``boundary``); ``InteractionQueued`` reads it there.
 
 One lock guards everything. Whatever may change what the loop would do next
 (a message for its inbox, a playback report) bumps a wake-up count under the
@@ -25,12 +31,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.chunk_cost import ChunkCostModel, SessionLoad, chunk_media_s, realtime_load
 from engine.config import EngineConfig
-from engine.mailbox import InteractionMailbox, OfferStatus, PendingInteraction, TakeResult
+from engine.mailbox import InteractionMailbox, OfferStatus, PendingInteraction
 from engine.messages import (
     ControlMessage,
     Delivered,
@@ -52,6 +60,21 @@ from engine.pacing import Playhead
 from engine.validation import check_interaction, check_start
 
 
+class Progress(Protocol):
+    """What the control plane reads of a session's progress: the loop's record
+    (``engine.session.EngineSession``), read under the lock."""
+
+    @property
+    def next_chunk(self) -> int:
+        """The chunk whose boundary has not been taken yet."""
+        ...
+
+    @property
+    def in_progress(self) -> int | None:
+        """The newest chunk begun while it is not committed, None between chunks."""
+        ...
+
+
 @dataclass
 class SessionControl:
     """What the control plane knows of one admitted session (guarded by the lock)."""
@@ -59,11 +82,17 @@ class SessionControl:
     start: StartSession
     geometry: SessionGeometry
     mailbox: InteractionMailbox
-    next_boundary: int = 0  # the chunk whose boundary has not been taken yet
-    in_progress: int | None = None  # chunk being generated, None between chunks
-    stopping: bool = False
+    stop_reason: str | None = None  # the stop flag: a stop came, with this reason
     playback_s: float | None = None
     delivered_s: float | None = None  # media written to the client's socket, as the API process reported
+    progress: Progress | None = None  # the loop's record, once it took the session (``attach``); None: none begun
+
+    def boundary_marks(self) -> tuple[int | None, int]:
+        """The chunk in progress (None between chunks) and the next chunk whose
+        boundary is still to come: an interaction accepted now lands there."""
+        if self.progress is None:
+            return None, 0
+        return self.progress.in_progress, self.progress.next_chunk
 
 
 class ControlPlane:
@@ -95,7 +124,7 @@ class ControlPlane:
         self._inbox: deque[ControlMessage] = deque()
         self._wakeups = 0  # bumped with every notify: what arrived for the loop since it last looked
         self._sessions: dict[str, SessionControl] = {}
-        self._shutting_down = False
+        self._shutdown_reason: str | None = None  # a Shutdown came: every session stops, with this reason
         self._handlers: dict[type, Callable] = {
             StartSession: self._on_start,
             SubmitInteraction: self._on_interaction,
@@ -117,7 +146,7 @@ class ControlPlane:
 
     def _on_start(self, start: StartSession) -> None:
         sid = start.session_id
-        if self._shutting_down:
+        if self._shutdown_reason is not None:
             return self._reject(sid, "shutting_down", "the server is shutting down")
         if sid in self._sessions:
             return self._reject(sid, "duplicate_session", f"session {sid!r} is already open")
@@ -151,14 +180,15 @@ class ControlPlane:
         control = self._sessions.get(sid)
         if control is None:
             return self._reject_interaction(sid, eid, "unknown_session", f"no open session {sid!r}")
-        if control.stopping:
+        if control.stop_reason is not None:
             return self._reject_interaction(sid, eid, "session_ended", "the session is stopping")
         try:
             check_interaction(submit.interaction)
         except ValueError as error:
             return self._reject_interaction(sid, eid, "invalid_interaction", str(error))
+        in_progress, expected = control.boundary_marks()
         last = control.geometry.num_chunks
-        if last is not None and control.next_boundary >= last:
+        if last is not None and expected >= last:
             message = f"the last chunk ({last - 1}) has already begun"
             return self._reject_interaction(sid, eid, "interaction_too_late", message)
         offer = control.mailbox.offer(eid, submit.interaction, time.monotonic())
@@ -172,8 +202,8 @@ class ControlPlane:
             InteractionQueued(
                 session_id=sid,
                 event_id=eid,
-                in_progress_chunk_index=control.in_progress,
-                expected_chunk_index=control.next_boundary,
+                in_progress_chunk_index=in_progress,
+                expected_chunk_index=expected,
                 duplicate=offer.status is OfferStatus.DUPLICATE,
             )
         )
@@ -192,12 +222,13 @@ class ControlPlane:
 
     def _on_stop(self, stop: StopSession) -> None:
         control = self._sessions.get(stop.session_id)
-        if control is not None and not control.stopping:
-            control.stopping = True
+        if control is not None and control.stop_reason is None:
+            control.stop_reason = stop.reason
             self._to_inbox(stop)
 
     def _on_shutdown(self, shutdown: Shutdown) -> None:
-        self._shutting_down = True
+        if self._shutdown_reason is None:
+            self._shutdown_reason = shutdown.reason
         self._to_inbox(shutdown)
 
     def _held_bytes(self) -> int:
@@ -293,32 +324,37 @@ class ControlPlane:
         with self._lock:
             return self._inbox_ready.wait_for(lambda: bool(self._inbox) or self._wakeups != seen, timeout)
 
-    def take_boundary(self, session_id: str, chunk_index: int) -> TakeResult:
-        """Take what applies at the boundary before ``chunk_index`` and mark that
-        chunk in progress, atomically: anything accepted after this call is
-        promised to the next chunk, anything before it is in this one."""
+    def attach(self, session_id: str, progress: Progress) -> None:
+        """The loop took the session: from now on where an interaction lands is
+        read from ``progress``, the loop's own record (under the lock)."""
         with self._lock:
-            control = self._sessions[session_id]
-            control.next_boundary = chunk_index + 1
-            control.in_progress = chunk_index
-            return control.mailbox.take(chunk_index)
+            self._sessions[session_id].progress = progress
 
-    def chunk_finished(self, session_id: str, chunk_index: int) -> None:
-        """Chunk ``chunk_index`` is committed; when it was the newest begun (with
-        stream batch a later one may be in flight), none is in progress."""
+    @contextmanager
+    def boundary(self, session_id: str) -> Iterator[InteractionMailbox]:
+        """Hold the lock while the loop takes the session's mailbox at a chunk
+        boundary and records the chunk begun (advancing its ``next_chunk``): an
+        interaction accepted before is in this chunk, one accepted after is
+        promised to the next, and its ``InteractionQueued`` says so."""
         with self._lock:
-            control = self._sessions.get(session_id)
-            if control is not None and control.in_progress == chunk_index:
-                control.in_progress = None
+            yield self._sessions[session_id].mailbox
 
     def is_stopping(self, session_id: str) -> bool:
-        """Whether a stop arrived for the session (read between denoise steps).
+        """Whether a stop arrived for the session (read between denoise steps);
+        one no longer open is stopping too.
 
         Lock-free on purpose, it runs once per denoise step: a dict lookup and
         an attribute read are atomic, and a stop seen one step late is fine.
         At shutdown every session is stopping: its work is abandoned too."""
         control = self._sessions.get(session_id)
-        return control is None or control.stopping or self._shutting_down
+        return control is None or control.stop_reason is not None or self._shutdown_reason is not None
+
+    def stop_reason(self, session_id: str) -> str | None:
+        """The session's stop flag: the reason of its stop, else the shutdown's,
+        None while neither came (lock-free, as ``is_stopping``)."""
+        control = self._sessions.get(session_id)
+        reason = None if control is None else control.stop_reason
+        return self._shutdown_reason if reason is None else reason
 
     def unregister(self, session_id: str) -> list[PendingInteraction]:
         """Forget a session (its admission slot frees); returns what never applied."""
@@ -337,7 +373,7 @@ class ControlPlane:
     @property
     def shutting_down(self) -> bool:
         with self._lock:
-            return self._shutting_down
+            return self._shutdown_reason is not None
 
 
 def _size(n: int) -> str:

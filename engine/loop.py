@@ -9,7 +9,10 @@ it runs. Each iteration:
 - **collect**: the micro-steps the executor finished, in order; their chunks,
   acknowledgements and session ends are emitted (``emit``);
 - **drain control**: admitted starts, stops, probes and shutdown, off the
-  control plane's inbox (interactions are already in their mailboxes);
+  control plane's inbox (interactions are already in their mailboxes). A
+  stop or shutdown only wakes the loop here: the control plane's stop flag,
+  set the moment it landed, is its one record, which a session's phase and
+  end reason read (``EngineSession.stop_reason``), as the executor does;
 - **boundary work + schedule**: the sessions with a row in the next
   micro-step (``ChunkScheduler``), skipping those pacing holds back
   (``engine.pacing``). For each that sits between chunks, take what its
@@ -23,6 +26,12 @@ it runs. Each iteration:
   soonest time a paced session may run again. The wait is handed the wake-up
   count read before anything was collected or decided, so nothing that lands
   in between is slept through.
+
+A session's progress is the loop's (``EngineSession``: the next chunk, the
+chunks in flight, decoding and delivered; its phase, end reason and frames
+done derived from them); the control plane keeps the mailbox, the playhead
+and the stop flag, and reads the loop's next chunk, under its lock, to say
+where an interaction lands.
 
 Hence the guarantee: an interaction accepted while chunk k is being denoised
 is in the mailbox before the boundary of chunk k+1 is taken, and is active
@@ -40,6 +49,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
@@ -64,7 +74,7 @@ from engine.messages import (
 from engine.pacing import Playhead, wait_seconds
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
-from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase
+from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase, first_frame
 from engine.slo import SloController, SloTarget, micro_step_budget
 from engine.stream_batch import StreamBatchScheduler
 
@@ -166,25 +176,26 @@ class EngineLoop:
             self._handlers[type(message)](message)
 
     def _on_start(self, start: StartSession) -> None:
-        geometry = self.control.geometry(start.session_id)
-        self.sessions[start.session_id] = EngineSession(
-            start.session_id,
-            geometry,
+        sid = start.session_id
+        session = EngineSession(
+            sid,
+            self.control.geometry(sid),
             start=start,
             lookahead=self.config.lookahead(start.prompt_change),
+            stop_reason=partial(self.control.stop_reason, sid),
             max_lead_seconds=start.max_lead_seconds,
             max_undelivered_seconds=self.config.max_undelivered_seconds,
         )
+        self.sessions[sid] = session
+        self.control.attach(sid, session)
 
     def _on_stop(self, stop: StopSession) -> None:
-        session = self.sessions.get(stop.session_id)
-        if session is not None:
-            session.finish(stop.reason)
+        """Nothing to record: the control plane's stop flag, set when the stop
+        landed, is the one record of it (``EngineSession.stop_reason``); the
+        message only wakes the loop to act on it."""
 
     def _on_shutdown(self, shutdown: Shutdown) -> None:
-        self._running = False
-        for session in self.sessions.values():
-            session.finish(shutdown.reason)
+        self._running = False  # every session is stopping too: the control plane's stop flag says so
 
     def _on_probe(self, probe: Probe) -> None:
         if self.stats.iterations:  # fresh figures first: a prober reads them once its reply is in
@@ -236,9 +247,11 @@ class EngineLoop:
             sid = session.session_id
             finishing = self.scheduler.finishing_chunks(sid)
             index = session.next_pass(self.scheduler.busy_chunks(sid), finishing)
+            if index is None:
+                continue  # a stop landed since it was selected (the stop flag is read live)
             if session.phase is Phase.NEW:
                 step.open.append(session.start)
-                session.phase = Phase.BOUNDARY
+                session.opened = True
             if index not in session.chunks:
                 step.boundaries.append(self.boundary_work(session, step.number, finishing))
             chunk = session.chunks[index]
@@ -287,32 +300,34 @@ class EngineLoop:
     ) -> BoundaryTask:
         """Take the mailbox for the session's next chunk and open its record
         (the boundary runs in micro-step ``number``, where the commits of
-        ``finishing`` chunks finish first)."""
-        index = session.next_chunk
-        session.next_chunk += 1
-        taken = self.control.take_boundary(session.session_id, index)
-        applied = taken.applied
+        ``finishing`` chunks finish first). The take, the record and the
+        session's next chunk change together, under the control plane's lock:
+        an interaction accepted meanwhile is told the chunk it lands at."""
         in_flight = 1 + sum(1 for i in session.chunks if i not in finishing)
-        session.chunks[index] = ChunkInFlight(
-            index=index,
-            steps=session.steps_per_chunk,
-            passes=session.steps_per_chunk + (1 if self.split else 0),
-            first_frame=session.first_frame_of(index),
-            events=session.events.begin_chunk(
-                index,
-                None if applied is None else (applied.event_id, applied.transition_chunks),
-                taken.retired,
-            ),
-            boundary=BoundaryTaken(
-                applied,
-                taken.superseded,
-                time.monotonic(),
+        with self.control.boundary(session.session_id) as mailbox:
+            index = session.next_chunk
+            taken = mailbox.take(index)
+            applied = taken.applied
+            session.chunks[index] = ChunkInFlight(
+                index=index,
+                steps=session.steps_per_chunk,
+                passes=session.steps_per_chunk + (1 if self.split else 0),
+                first_frame=first_frame(session.geometry, index),
+                events=session.events.begin_chunk(
+                    index,
+                    None if applied is None else (applied.event_id, applied.transition_chunks),
+                    taken.retired,
+                ),
+                boundary=BoundaryTaken(
+                    applied,
+                    taken.superseded,
+                    time.monotonic(),
+                    chunks_in_flight=in_flight,
+                ),
+                boundary_step=number,
                 chunks_in_flight=in_flight,
-            ),
-            boundary_step=number,
-            chunks_in_flight=in_flight,
-        )
-        session.phase = Phase.DENOISING
+            )
+            session.next_chunk = index + 1
         return BoundaryTask(
             session_id=session.session_id,
             chunk_index=index,
@@ -464,17 +479,11 @@ class EngineLoop:
 
     def _committed(self, session: EngineSession, chunk: ChunkInFlight) -> None:
         """The chunk is in the cache: the session's next chunk may begin while this
-        one decodes (its frames are counted now, for pacing); after its last chunk
-        the session finishes, and is released once every decode came back."""
-        del session.chunks[chunk.index]
+        one decodes (its frames count from now, for pacing: ``frames_done``);
+        after its last chunk the session finishes (``end_reason``), and is
+        released once every decode came back."""
         session.decoding[chunk.index] = chunk
-        geometry = session.geometry
-        session.frames_done += geometry.first_chunk_frames if chunk.index == 0 else geometry.frames_per_chunk
-        self.control.chunk_finished(session.session_id, chunk.index)
-        if session.is_last_chunk(chunk.index):
-            session.finish("completed")
-        elif session.phase is Phase.DENOISING and not session.chunks:
-            session.phase = Phase.BOUNDARY
+        del session.chunks[chunk.index]
 
     def decoded(self, result: DecodeResult) -> None:
         """A chunk the decode stage finished: emit it, in the session's chunk order.
@@ -483,8 +492,8 @@ class EngineLoop:
         session = self.sessions.get(result.session_id)
         if session is None:
             return
-        chunk = session.decoding.pop(result.chunk_index)
-        if result.cancelled and not self.control.is_stopping(session.session_id):
+        chunk = session.decoding.pop(result.chunk_index)  # its frames count no more unless emitted
+        if result.cancelled and session.stop_reason() is None:
             # Only a stop abandons a decode: anything else dropping a chunk would leave the session
             # making chunks nobody gets, so it fails, naming what happened.
             result = replace(
@@ -494,8 +503,6 @@ class EngineLoop:
             )
         if result.cancelled:  # the session is stopping: this chunk and the ones after it are not emitted
             session.decodes_dropped = True
-            geometry = session.geometry
-            session.frames_done -= geometry.first_chunk_frames if chunk.index == 0 else geometry.frames_per_chunk
         elif result.error is not None and not session.decodes_dropped:
             session.decodes_dropped = True
             self._fail(session, result.error)
@@ -538,6 +545,7 @@ class EngineLoop:
         its replay log, or ``SessionFailed``), so that a session's last message
         always means the worker holds nothing of it any more."""
         session = self.sessions.pop(sid)
+        reason = session.end_reason or "completed"  # read before the control plane forgets its stop flag
         if session.failure is not None:
             message = f"the session failed before this interaction reached a chunk boundary: {session.failure}"
             self._reject_leftovers(sid, "session_failed", message)
@@ -545,7 +553,6 @@ class EngineLoop:
             return
         message = "the session ended before this interaction reached a chunk boundary"
         self._reject_leftovers(sid, "session_ended", message)
-        reason = session.end_reason or "completed"
         self.send(
             SessionDone(
                 session_id=sid,
@@ -568,7 +575,6 @@ class EngineLoop:
         for chunk in session.chunks.values():  # boundaries taken that no micro-step will report
             if chunk.boundary is not None:
                 self._report_boundary(session, chunk, error)
-        session.finish("failed")
 
     def _reject_leftovers(self, sid: str, code: str, message: str) -> None:
         """Reject what the session's mailbox still holds; before the session's

@@ -7,6 +7,7 @@ by the same session id; this object only tracks where the session is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -16,10 +17,28 @@ from engine.plan import StepRow
 
 
 class Phase(Enum):
-    NEW = "new"  # admitted; the runner has not encoded it yet
+    """Where a session is (``EngineSession.phase``, derived from its records, never stored)."""
+
+    NEW = "new"  # admitted; the micro-step that opens it is not planned yet
     BOUNDARY = "boundary"  # between chunks (none in flight): the next boundary may run
     DENOISING = "denoising"  # chunks are in flight (``chunks``): one, or with stream batch up to ``lookahead``
-    FINISHING = "finishing"  # ending; the runner frees it in the next plan
+    FINISHING = "finishing"  # ending (``end_reason``); the runner frees it once nothing of it runs
+
+
+def first_frame(geometry: SessionGeometry, index: int) -> int:
+    """The frame index, in the session's stream, of chunk ``index``'s first frame:
+    the frames of chunks 0 .. index - 1 (chunk 0 has ``first_chunk_frames``, every
+    later one ``frames_per_chunk``). The one statement of that rule."""
+    return 0 if index <= 0 else geometry.first_chunk_frames + (index - 1) * geometry.frames_per_chunk
+
+
+def chunk_frames(geometry: SessionGeometry, index: int) -> int:
+    """The frames chunk ``index`` decodes to."""
+    return first_frame(geometry, index + 1) - first_frame(geometry, index)
+
+
+def _not_stopped() -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -109,23 +128,40 @@ class BoundaryTaken:
 
 @dataclass
 class EngineSession:
+    """The loop's record of one session's progress: one record per fact, what
+    follows from them derived (properties), never kept beside them.
+
+    Kept: whether it was opened, the next chunk to begin, the chunks in flight
+    (begun, not committed), the chunks decoding (committed, their decode not
+    back), the chunks delivered, and a failure. Derived: its ``phase``, its
+    ``end_reason``, the chunk ``in_progress``, ``frames_done`` and the media
+    begun. A stop is not kept here: the control plane's stop flag is its one
+    record (``stop_reason``, read lock-free, as the executor reads it)."""
+
     session_id: str
     geometry: SessionGeometry
     start: StartSession | None = None  # the request: planned in the micro-step that opens the session
-    phase: Phase = Phase.NEW
-    next_chunk: int = 0  # the index of the next chunk to begin
+    opened: bool = False  # the micro-step that opens it was planned (before: ``Phase.NEW``)
+    next_chunk: int = 0
+    """The index of the next chunk to begin. Advanced by the loop only while it
+    holds the control plane's lock, with the mailbox's take at that chunk's
+    boundary (``ControlPlane.boundary``); the control plane reads it there to
+    say where an interaction lands (``InteractionQueued``)."""
     chunks: dict[int, ChunkInFlight] = field(default_factory=dict)
-    """The chunks begun and not yet committed, oldest first (DENOISING)."""
+    """The chunks begun and not yet committed, oldest first: chunks begin and
+    commit in order, so these are ``next_chunk - len(chunks)`` .. ``next_chunk - 1``."""
     lookahead: int = 1
     """Chunks it may have in flight at once: 1 is exact (a chunk begins once the
     one before it is committed); more is stream batch (``EngineConfig.stream_batch``)."""
     chunks_done: int = 0
-    frames_done: int = 0
-    end_reason: str | None = None  # completed / stopped / shutdown, once FINISHING
+    """Chunks delivered (``ChunkReady`` sent): 0 .. ``chunks_done - 1``, in order."""
     release_planned: bool = False  # FINISHING: the micro-step that frees its state was submitted
     decoding: dict[int, ChunkInFlight] = field(default_factory=dict)  # committed chunks the decode stage has
     failure: str | None = None  # why it failed; said (SessionFailed) once its state was released
-    decodes_dropped: bool = False  # a decode failed: later chunks would leave a gap, so none is emitted
+    decodes_dropped: bool = False  # a decode failed or was cancelled: the chunks after it are not emitted
+    stop_reason: Callable[[], str | None] = _not_stopped
+    """The control plane's stop flag for it (``ControlPlane.stop_reason``): the
+    stop's or the shutdown's reason, None while none came."""
     max_lead_seconds: float | None = None  # pacing budget; None: never held back for the playhead
     max_undelivered_seconds: float | None = None  # transport budget beyond what was written to the client
     first_emit_at: float | None = None  # time.monotonic() when chunk 0 was emitted
@@ -137,6 +173,54 @@ class EngineSession:
         return self.geometry.num_inference_steps
 
     @property
+    def committed_all(self) -> bool:
+        """Its last chunk is committed (never, for an open-ended session)."""
+        total = self.geometry.num_chunks
+        return total is not None and self.next_chunk >= total and not self.chunks
+
+    @property
+    def delivered_all(self) -> bool:
+        """Every chunk of it was delivered (never, for an open-ended session)."""
+        total = self.geometry.num_chunks
+        return total is not None and self.chunks_done >= total
+
+    @property
+    def end_reason(self) -> str | None:
+        """Why it ends; None while it runs. ``failed`` once a pipeline call failed
+        it; else a stop's (or the shutdown's) reason when one came and not every
+        chunk was delivered; else ``completed`` once its last chunk is committed
+        (a stop that lands while its last decodes are out, and cuts them, makes it
+        stopped: ``SessionDone`` never says completed with chunks missing)."""
+        if self.failure is not None:
+            return "failed"
+        stop = self.stop_reason()
+        if stop is not None and not self.delivered_all:
+            return stop
+        return "completed" if self.committed_all else stop
+
+    @property
+    def phase(self) -> Phase:
+        if self.end_reason is not None:
+            return Phase.FINISHING
+        if not self.opened:
+            return Phase.NEW
+        return Phase.DENOISING if self.chunks else Phase.BOUNDARY
+
+    @property
+    def in_progress(self) -> int | None:
+        """The newest chunk begun while it is not committed yet, else None (between
+        chunks): with stream batch, older chunks may be in flight behind it."""
+        return self.next_chunk - 1 if self.chunks else None
+
+    @property
+    def frames_done(self) -> int:
+        """Frames of the chunks delivered and of the chunks committed whose decode is
+        not back yet (counted for pacing and for ``SessionDone``; a chunk whose
+        decode is dropped leaves ``decoding`` and so stops counting)."""
+        g = self.geometry
+        return first_frame(g, self.chunks_done) + sum(chunk_frames(g, index) for index in self.decoding)
+
+    @property
     def media_seconds_done(self) -> float:
         return self.frames_done / self.geometry.fps
 
@@ -144,7 +228,7 @@ class EngineSession:
     def media_seconds_begun(self) -> float:
         """Media committed and under way (the chunks in flight at their full length)."""
         g = self.geometry
-        under_way = sum(g.first_chunk_frames if i == 0 else g.frames_per_chunk for i in self.chunks)
+        under_way = sum(chunk_frames(g, index) for index in self.chunks)
         return (self.frames_done + under_way) / g.fps
 
     def next_pass(self, busy: frozenset[int] = frozenset(), finishing: frozenset[int] = frozenset()) -> int | None:
@@ -181,17 +265,3 @@ class EngineSession:
     def in_mid_chunk(self) -> bool:
         """A chunk of it has begun and has passes left: grouping runs them back to back."""
         return any(chunk.begun and not chunk.all_planned for chunk in self.chunks.values())
-
-    def first_frame_of(self, index: int) -> int:
-        """The frame index, in the session's stream, of chunk ``index``'s first frame."""
-        g = self.geometry
-        return 0 if index == 0 else g.first_chunk_frames + (index - 1) * g.frames_per_chunk
-
-    def is_last_chunk(self, chunk: int) -> bool:
-        total = self.geometry.num_chunks
-        return total is not None and chunk >= total - 1
-
-    def finish(self, reason: str) -> None:
-        if self.phase is not Phase.FINISHING:
-            self.phase = Phase.FINISHING
-            self.end_reason = reason

@@ -42,14 +42,29 @@ def session(
     budget: float | None = 0.5,
     phase: Phase = Phase.BOUNDARY,
 ) -> EngineSession:
-    return EngineSession(
+    """A session that delivered ``frames_done`` frames (whole chunks of 4), in ``phase``."""
+    done = frames_done // GEOMETRY.frames_per_chunk
+    s = EngineSession(
         "s",
         GEOMETRY,
-        phase=phase,
-        frames_done=frames_done,
+        opened=phase is not Phase.NEW,
+        next_chunk=done,
+        chunks_done=done,
         first_emit_at=first_emit_at,
         max_lead_seconds=budget,
     )
+    if phase is Phase.DENOISING:
+        _begin_chunk(s)
+    elif phase is Phase.FINISHING:
+        s.stop_reason = lambda: "stopped"
+    assert (s.frames_done, s.phase) == (frames_done, phase)
+    return s
+
+
+def _begin_chunk(s: EngineSession) -> None:
+    index = s.next_chunk
+    s.chunks[index] = ChunkInFlight(index, 4, 4 * index, ChunkEvents((), (), ()), None, 0)
+    s.next_chunk = index + 1
 
 
 # -- playhead ---------------------------------------------------------------
@@ -206,7 +221,7 @@ def test_a_client_that_takes_no_media_holds_its_session_paced_or_not():
         assert wait_seconds(s, None, now=100.0, delivered=2.5) == 0.0  # 1.5 s undelivered
         assert wait_seconds(s, None, now=100.0, delivered=2.0) is None  # 2 s: only a report frees it
         assert wait_seconds(s, None, now=100.0) == 0.0  # nothing delivered yet, nothing to hold on
-        s.phase = Phase.DENOISING
+        _begin_chunk(s)
         assert wait_seconds(s, None, now=100.0, delivered=0.0) == 0.0  # a chunk in progress is never held
 
 

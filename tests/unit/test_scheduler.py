@@ -21,7 +21,7 @@ GEOMETRY = SessionGeometry(
 
 
 def sessions(*ids: str) -> list[EngineSession]:
-    return [EngineSession(i, GEOMETRY, phase=Phase.BOUNDARY) for i in ids]
+    return [EngineSession(i, GEOMETRY, opened=True) for i in ids]
 
 
 def test_round_robin_one_row_at_a_time():
@@ -35,14 +35,14 @@ def test_round_robin_with_several_rows_and_a_finishing_session():
     scheduler = ChunkScheduler(grouping=True, max_rows=2)
     pool = sessions("a", "b", "c")
     assert [s.session_id for s in scheduler.select(pool)] == ["a", "b"]
-    pool[0].phase = Phase.FINISHING
+    pool[0].stop_reason = lambda: "stopped"  # a stop came: it is finishing
+    assert pool[0].phase is Phase.FINISHING
     assert [s.session_id for s in scheduler.select(pool)] == ["c", "b"]
     assert scheduler.select([]) == []
 
 
 def _begin(session: EngineSession, planned: int) -> None:
     """Give ``session`` a chunk in flight with ``planned`` of its 3 steps planned."""
-    session.phase = Phase.DENOISING
     session.next_chunk = 1
     session.chunks[0] = ChunkInFlight(
         index=0, steps=3, first_frame=0, events=ChunkEvents(), boundary=None, boundary_step=1, planned=planned
@@ -80,7 +80,6 @@ def _simulate(scheduler: ChunkScheduler, pool: list[EngineSession], arrive: dict
             if not session.chunks:
                 index = session.next_chunk
                 session.next_chunk += 1
-                session.phase = Phase.DENOISING
                 session.chunks[index] = ChunkInFlight(
                     index=index, steps=3, first_frame=0, events=ChunkEvents(), boundary=None, boundary_step=number
                 )
@@ -89,7 +88,6 @@ def _simulate(scheduler: ChunkScheduler, pool: list[EngineSession], arrive: dict
             chunk.planned += 1
             if chunk.all_planned:
                 del session.chunks[chunk.index]
-                session.phase = Phase.BOUNDARY
                 ended[session.session_id].append(number)
     return began, ended
 
@@ -124,11 +122,11 @@ def test_a_session_waits_for_its_partners_at_most_a_chunk_of_turns():
     while not scheduler.select([a, stuck], held={"stuck"}):
         waits += 1
     assert waits == GEOMETRY.num_inference_steps
-    a2 = EngineSession("a2", GEOMETRY, phase=Phase.BOUNDARY, next_chunk=1)
-    stuck.phase = Phase.FINISHING
+    a2 = EngineSession("a2", GEOMETRY, opened=True, next_chunk=1)
+    stuck.stop_reason = lambda: "stopped"
     assert scheduler.select([a2, stuck]) == [a2]
-    other = EngineSession("other", msgspec.structs.replace(GEOMETRY, width=16), phase=Phase.DENOISING)
+    other = EngineSession("other", msgspec.structs.replace(GEOMETRY, width=16), opened=True)
     other.chunks[0] = stuck.chunks[0]
-    a3 = EngineSession("a3", GEOMETRY, phase=Phase.BOUNDARY, next_chunk=1)
+    a3 = EngineSession("a3", GEOMETRY, opened=True, next_chunk=1)
     assert a3 in scheduler.select([a3, other])
     assert not ChunkScheduler(grouping=False, max_rows=1, align_chunks=True).align_chunks  # one row: nothing to batch
