@@ -312,18 +312,12 @@ class EngineLoop:
                 index=index,
                 steps=session.steps_per_chunk,
                 passes=session.steps_per_chunk + (1 if self.split else 0),
-                first_frame=first_frame(session.geometry, index),
                 events=session.events.begin_chunk(
                     index,
                     None if applied is None else (applied.event_id, applied.transition_chunks),
                     taken.retired,
                 ),
-                boundary=BoundaryTaken(
-                    applied,
-                    taken.superseded,
-                    time.monotonic(),
-                    chunks_in_flight=in_flight,
-                ),
+                boundary=BoundaryTaken(applied, taken.superseded, time.monotonic()),
                 boundary_step=number,
                 chunks_in_flight=in_flight,
             )
@@ -439,16 +433,17 @@ class EngineLoop:
                 transition_chunks=applied.transition_chunks,
             )
         )
+        frame = first_frame(session.geometry, chunk.index)
         self.send(
             InteractionApplied(
                 session_id=sid,
                 event_id=applied.event_id,
                 generation_chunk_index=chunk.index,
-                first_frame_index=chunk.first_frame,
-                media_start_seconds=chunk.first_frame / session.geometry.fps,
+                first_frame_index=frame,
+                media_start_seconds=frame / session.geometry.fps,
                 queued_to_applied_ms=(taken.taken_at - applied.queued_at) * 1000.0,
                 transition_chunks=applied.transition_chunks,
-                chunks_in_flight=taken.chunks_in_flight,
+                chunks_in_flight=chunk.chunks_in_flight,
             )
         )
 
@@ -510,13 +505,14 @@ class EngineLoop:
             self._emit_chunk(session, chunk, result.chunk, result.decode_ms)
 
     def _emit_chunk(self, session: EngineSession, chunk: ChunkInFlight, output: ChunkOutput, decode_ms: float) -> None:
+        frame = first_frame(session.geometry, chunk.index)
         self.send(
             ChunkReady(
                 session_id=session.session_id,
                 generation_chunk_index=chunk.index,
                 num_frames=output.num_frames,
-                first_frame_index=chunk.first_frame,
-                media_start_seconds=chunk.first_frame / session.geometry.fps,
+                first_frame_index=frame,
+                media_start_seconds=frame / session.geometry.fps,
                 width=output.width,
                 height=output.height,
                 started_event_ids=chunk.events.started,

@@ -83,11 +83,11 @@ class EventTracker:
 @dataclass
 class ChunkInFlight:
     """The engine's one record of a chunk being made: which, how far, what it
-    applied, and what it cost. Plans refer to it by (session, chunk, step)."""
+    applied, and what it cost. Plans refer to it by (session, chunk, step); its
+    first frame follows from its index (``first_frame``)."""
 
     index: int
     steps: int  # denoise steps of the chunk
-    first_frame: int  # frame index of its first frame in the session
     events: ChunkEvents
     boundary: BoundaryTaken | None  # reported once the micro-step that crossed it came back
     boundary_step: int  # number of that micro-step
@@ -123,7 +123,6 @@ class BoundaryTaken:
     applied: PendingInteraction | None
     superseded: list[tuple[PendingInteraction, str]]
     taken_at: float  # time.monotonic() when taken
-    chunks_in_flight: int = 1  # the session's chunks in flight once this one began, itself included
 
 
 @dataclass

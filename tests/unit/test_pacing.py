@@ -63,7 +63,7 @@ def session(
 
 def _begin_chunk(s: EngineSession) -> None:
     index = s.next_chunk
-    s.chunks[index] = ChunkInFlight(index, 4, 4 * index, ChunkEvents((), (), ()), None, 0)
+    s.chunks[index] = ChunkInFlight(index, 4, ChunkEvents((), (), ()), None, 0)
     s.next_chunk = index + 1
 
 
@@ -226,7 +226,7 @@ def test_a_client_that_takes_no_media_holds_its_session_paced_or_not():
 
 
 def _committed(index: int) -> ChunkInFlight:
-    return ChunkInFlight(index, 4, 4 * index, ChunkEvents((), (), ()), None, 0)
+    return ChunkInFlight(index, 4, ChunkEvents((), (), ()), None, 0)
 
 
 def test_a_session_with_its_decode_stage_full_waits_for_a_decode_whatever_else_allows():

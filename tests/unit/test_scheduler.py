@@ -45,7 +45,7 @@ def _begin(session: EngineSession, planned: int) -> None:
     """Give ``session`` a chunk in flight with ``planned`` of its 3 steps planned."""
     session.next_chunk = 1
     session.chunks[0] = ChunkInFlight(
-        index=0, steps=3, first_frame=0, events=ChunkEvents(), boundary=None, boundary_step=1, planned=planned
+        index=0, steps=3, events=ChunkEvents(), boundary=None, boundary_step=1, planned=planned
     )
 
 
@@ -81,7 +81,7 @@ def _simulate(scheduler: ChunkScheduler, pool: list[EngineSession], arrive: dict
                 index = session.next_chunk
                 session.next_chunk += 1
                 session.chunks[index] = ChunkInFlight(
-                    index=index, steps=3, first_frame=0, events=ChunkEvents(), boundary=None, boundary_step=number
+                    index=index, steps=3, events=ChunkEvents(), boundary=None, boundary_step=number
                 )
                 began[session.session_id].append(number)
             chunk = next(iter(session.chunks.values()))

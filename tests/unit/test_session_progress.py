@@ -139,7 +139,7 @@ def test_frames_of_chunks_follow_from_the_first_frame_of_each():
 
 
 def _chunk(index: int) -> ChunkInFlight:
-    return ChunkInFlight(index, 1, first_frame(GEOMETRY, index), ChunkEvents(), None, 0)
+    return ChunkInFlight(index, 1, ChunkEvents(), None, 0)
 
 
 def test_phase_end_reason_and_frames_are_derived_from_the_records():
