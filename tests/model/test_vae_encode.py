@@ -114,3 +114,14 @@ def test_an_abandoned_encode_leaves_the_cache_as_it_was(vaes):
     again = encoder.encode_uint8(frames[9:], cache, False)
     expected = encoder.encode_uint8(frames, encoder.new_cache(), True)[:, :, LATENT_FRAMES:]
     assert torch.equal(again, expected)
+
+
+def test_cache_bytes_is_what_a_stream_holds(vaes):
+    encoder = StreamingEncoder(vaes[0])
+    for side in (64, 96):
+        cache = encoder.new_cache()
+        frames = camera(21, size=side)
+        encoder.encode_uint8(frames[:9], cache, True)
+        encoder.encode_uint8(frames[9:], cache, False)
+        held = sum(t.numel() * t.element_size() for t in cache if isinstance(t, torch.Tensor))
+        assert held == encoder.cache_bytes(side // 8, side // 8) > 0

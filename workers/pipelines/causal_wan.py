@@ -56,7 +56,9 @@ from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.quantize import QUANTIZE, quantize_fp8
 from workers.pipelines.tiny_decoder import LATENT_CHANNELS, TinyStreamingDecoder, load_tiny_decoder, random_tiny_decoder
+from workers.pipelines.vae_encode import StreamingEncoder
 from workers.pipelines.vae_stream import StreamingDecoder
+from workers.pipelines.video_input import SessionInput, check_input_geometry, input_start_step
 from workers.pipelines.wan_attention import make_causal
 from workers.pipelines.wan_blocks import (
     Activations,
@@ -167,6 +169,10 @@ class CausalWanPipeline(CausalWanDecoding):
         self.owned = range(self.num_blocks)  # the blocks this process runs (``own_blocks``)
         self.kv_layers = self.num_blocks  # layers of KV a session costs the fullest device (``state_bytes``)
         self.decoder = StreamingDecoder(self.vae)  # the model's own: the only one a split decode splits
+        try:  # video to video (``take_input``): the VAE's encoder, streaming; None for a VAE that has none
+            self.encoder: StreamingEncoder | None = StreamingEncoder(self.vae)
+        except ValueError:
+            self.encoder = None
         self.decoders: dict[str, StreamingDecoder | TinyStreamingDecoder] = {"full": self.decoder}
         tiny = self._tiny_decoder(tiny_decoder if tiny_decoder is not None else components.tiny_decoder)
         if tiny is not None:
@@ -237,16 +243,19 @@ class CausalWanPipeline(CausalWanDecoding):
                 "prompt_change: 'recache' re-runs every cached chunk through every block, which a "
                 "transformer split over pipeline ranks cannot do at a boundary; use 'soft' or 'reset', or --pp 1"
             )
-        width = start.width if start.width is not None else self.default_size[0]
-        height = start.height if start.height is not None else self.default_size[1]
+        given = start.input  # video to video: the session's size and rate default to the input's
+        width = start.width if start.width is not None else given.width if given else self.default_size[0]
+        height = start.height if start.height is not None else given.height if given else self.default_size[1]
         for name, value in (("width", width), ("height", height)):
             if value % self.spatial or not self.spatial <= value <= self.max_size:
                 raise ValueError(f"{name} must be a multiple of {self.spatial} up to {self.max_size}, got {value}")
         steps = start.num_inference_steps if start.num_inference_steps is not None else 4
-        self_forcing_timesteps(steps)  # raises naming num_inference_steps
-        fps = start.fps if start.fps is not None else self.fps
+        timesteps = self_forcing_timesteps(steps)  # raises naming num_inference_steps
+        fps = start.fps if start.fps is not None else given.fps if given else self.fps
         if not 1.0 <= fps <= 60.0:
             raise ValueError(f"fps must be between 1 and 60, got {fps}")
+        if given is not None:  # the chunks run the steps left from the input's start step
+            steps -= self._check_input(given, width, height, fps, timesteps)
         decoder = self.decoders[chosen_decoder(start, self.default_decoder, self.decoders, self.name)]
         lookahead = self.chunks_in_flight(start.prompt_change)
         return SessionGeometry(
@@ -258,14 +267,39 @@ class CausalWanPipeline(CausalWanDecoding):
             frames_per_chunk=decoder.frames_for(self.latent_frames, first=False),
             num_chunks=start.num_chunks,
             transition_chunks=start.transition_chunks,
-            state_bytes=self.state_bytes(width, height, steps, lookahead, decoder),
+            state_bytes=self.state_bytes(width, height, steps, lookahead, decoder, encoder=given is not None),
         )
 
-    def state_bytes(self, width: int, height: int, steps: int, chunks_in_flight: int = 1, decoder: Any = None) -> int:
+    def _check_input(self, given: Any, width: int, height: int, fps: float, timesteps: list[float]) -> int:
+        """A start's input (``VideoInput``) this model can take: it has an encoder,
+        the frames are the session's, and (with ``commit_from_last_step``) its
+        chunks run a step at least. Returns the start step (``input_start_step``);
+        ``ValueError`` names the field."""
+        if self.encoder is None:
+            raise ValueError(f"input: the {self.name!r} model's VAE has no encoder to take video frames")
+        check_input_geometry(given, width, height, fps)
+        start_step = input_start_step(given.strength, timesteps)
+        if start_step == len(timesteps) and self.commit_from_last_step:
+            raise ValueError(
+                f"input.strength: {given.strength} leaves no denoise step, and commit_from_last_step commits "
+                "the last step's keys; ask for more strength or run without the option"
+            )
+        return start_step
+
+    def state_bytes(
+        self,
+        width: int,
+        height: int,
+        steps: int,
+        chunks_in_flight: int = 1,
+        decoder: Any = None,
+        encoder: bool = False,
+    ) -> int:
         """Device memory one session of this size holds on the device that holds
         most of it: its KV cache, its VAE feature cache, its latents (per chunk in
         flight the noise draws and the chunk; the cached chunks' clean latents)
-        and its prompt embeddings; with stream batch (``chunks_in_flight`` > 1)
+        and its prompt embeddings (``encoder``, video to video: the VAE encoder's
+        feature cache and a chunk's encoded input too); with stream batch (``chunks_in_flight`` > 1)
         the provisional keys and values of the chunks in flight before the newest.
         Split over pipeline ranks the KV cache counts ``kv_layers``: the most
         layers one GPU holds, or every layer when the ranks share the host's
@@ -285,7 +319,8 @@ class CausalWanPipeline(CausalWanDecoding):
         prompts = 2 * self.text_length * config.text_dim * item  # the current and the target embeddings
         latents = (chunks_in_flight * (steps + 2) + cached_chunks) * latent
         decoder = decoder or self.decoders[self.default_decoder]
-        return 2 * (keys + provisional) + decoder.cache_bytes(h, w) + latents + prompts
+        inputs = self.encoder.cache_bytes(h, w) + chunks_in_flight * latent if encoder and self.encoder else 0
+        return 2 * (keys + provisional) + decoder.cache_bytes(h, w) + latents + prompts + inputs
 
     # -- text ----------------------------------------------------------------------
 
@@ -320,7 +355,7 @@ class CausalWanPipeline(CausalWanDecoding):
         h, w = geometry.height // 8, geometry.width // 8
         config = self.transformer.config
         p = config.patch_size
-        timesteps = self_forcing_timesteps(geometry.num_inference_steps)
+        timesteps, given = self._schedule(start, geometry)
         session = CausalWanSession(
             session_id=start.session_id,
             start=start,
@@ -343,9 +378,41 @@ class CausalWanPipeline(CausalWanDecoding):
             schedule=torch.tensor(timesteps, device=self.device),
             prompt=PromptBlend(prompt),
             lookahead=self.chunks_in_flight(start.prompt_change),
+            input=given,
         )
         self._held.add(start.session_id)
         return session
+
+    def _schedule(self, start: StartSession, geometry: SessionGeometry) -> tuple[list[float], SessionInput | None]:
+        """The schedule a session's chunks run (``geometry.num_inference_steps``
+        steps), and its input side (None: text to video): with an input, the
+        few-step schedule of the start's steps from the input's start step."""
+        given = start.input
+        if given is None:
+            return self_forcing_timesteps(geometry.num_inference_steps), None
+        timesteps = self_forcing_timesteps(start.num_inference_steps if start.num_inference_steps is not None else 4)
+        start_step = input_start_step(given.strength, timesteps)
+        if len(timesteps) - start_step != geometry.num_inference_steps:
+            raise ValueError(f"the geometry's {geometry.num_inference_steps} steps are not the input's schedule")
+        cache = self.encoder.new_cache() if start_step else []
+        return timesteps[start_step:], SessionInput(
+            strength=given.strength, start_step=start_step, encode=start_step > 0, encoder_cache=cache
+        )
+
+    def take_input(self, session: CausalWanSession, chunk_index: int, frames: Any) -> None:
+        """First rank, for a session opened with an input, once per chunk in chunk
+        order, before that chunk's boundary: the chunk's camera frames, uint8
+        ``[frames, height, width, 3]`` (torch or numpy) at the session's size, 9
+        for chunk 0 and 12 for each later one (``geometry.first_chunk_frames`` /
+        ``frames_per_chunk``), encoded at once by the session's streaming VAE
+        encoder (its cache carried from the chunk before) and kept for the
+        boundary. ``ValueError`` names a wrong count, size or type, and a
+        session without an input; ``ChunkOrderError`` a chunk out of order. All
+        or nothing: when it raises, the same chunk may be given again."""
+        if session.input is None:
+            raise ValueError(f"session {session.session_id} was opened without an input: it takes no frames")
+        size = (session.geometry.width, session.geometry.height)
+        session.input.take(self.encoder, session.session_id, chunk_index, frames, size, self.latent_frames, self.dtype)
 
     def boundary(
         self,
@@ -373,10 +440,20 @@ class CausalWanPipeline(CausalWanDecoding):
         # copy: a copy from pageable host memory waits for the device, so one per
         # chunk at the boundary rather than one per step.
         steps = len(session.timesteps)
+        encoded = None if session.input is None else session.input.for_boundary(session.session_id, chunk_index)
+        if steps == 0:  # an input at strength 0: the encoded frames are the chunk's clean latent
+            session.chunks[chunk_index] = CausalWanChunk(
+                chunk_index, 0, conditioning=conditioning, noise=None, latent=None, clean=encoded
+            )
+            return
         draws = torch.stack([self._noise(session, chunk_index, step) for step in range(-1, steps - 1)])
         noise = draws.to(self.device, self.dtype)
+        latent = noise[0]
+        if encoded is not None:  # an input: its latent noised to the first step's level, as the sampler re-noises
+            sigma = session.timesteps[0] / 1000.0
+            latent = ((1.0 - sigma) * encoded.float() + sigma * noise[0].float()).to(self.dtype)
         session.chunks[chunk_index] = CausalWanChunk(
-            chunk_index, steps, conditioning=conditioning, noise=noise, latent=noise[0]
+            chunk_index, steps, conditioning=conditioning, noise=noise, latent=latent
         )
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ import torch
 from workers.pipelines.base import ChunkRecord, SessionState
 from workers.pipelines.conditioning import PromptBlend
 from workers.pipelines.kv_cache import SessionKVCache
+from workers.pipelines.video_input import SessionInput
 
 
 @dataclass(kw_only=True)
@@ -39,13 +40,16 @@ class CausalWanSession(SessionState[CausalWanChunk]):
     decoder: str = "full"  # which of the pipeline's decoders makes its frames (``StartSession.decoder``)
     vae_cache: list  # that decoder's per-session state: its causal feature cache
     latent_shape: tuple[int, ...]  # [1, channels, latent frames per chunk, height / 8, width / 8]
-    timesteps: list[float]  # the denoise schedule (the sampler's sigmas are these / 1000)
+    timesteps: list[float]
+    """The denoise schedule a chunk runs (the sampler's sigmas are these / 1000): the
+    whole few-step schedule, or with an input what is left of it from its start step."""
     schedule: torch.Tensor  # the same, on the device: the forward's timesteps, no host round trip
     prompt: PromptBlend  # the prompt embeddings chunks are conditioned on, and a transition in progress
     noise_origin: int = 0  # the chunk index the noise sequence counts from (a reset moves it)
     sink_chunks: list[torch.Tensor] = field(default_factory=list)  # clean latents of the cache's sink chunks
     window_chunks: list[torch.Tensor] = field(default_factory=list)  # and of its window chunks (re-cache)
     decoded_any: bool = False  # the decoder has seen the stream's first frame
+    input: SessionInput | None = None  # video to video: its encoder's cache and encoded chunks; None: text to video
 
     @property
     def cached_chunks(self) -> list[torch.Tensor]:
@@ -60,3 +64,5 @@ class CausalWanSession(SessionState[CausalWanChunk]):
         self.sink_chunks, self.window_chunks = [], []
         self.schedule = self.schedule.new_empty(0)
         self.prompt = PromptBlend(None)
+        if self.input is not None:
+            self.input.free()

@@ -171,6 +171,8 @@ class StubPipeline:
     def describe(self, start: StartSession) -> SessionGeometry:
         refuse_negative_prompt(start, self.name)
         chosen_decoder(start, "full", ("full",), self.name)
+        if start.input is not None:  # it has no take_input: an input would be ignored, never refused
+            raise ValueError(f"input: the {self.name!r} pipeline takes no input video (text to video only)")
         width, height, fps, steps = self.defaults
         width = start.width if start.width is not None else width
         height = start.height if start.height is not None else height

@@ -55,10 +55,33 @@ class StreamingEncoder:
         self.dtype = next(vae.parameters()).dtype
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+        self._layout = [] if self.codec else self._probe_layout()  # so cache_bytes is arithmetic
 
     def new_cache(self) -> list:
         """A fresh per-stream feature cache (empty for the demo codec)."""
         return [] if self.codec else [None] * self.vae._cached_conv_counts["encoder"]
+
+    def cache_bytes(self, latent_height: int, latent_width: int) -> int:
+        """Bytes a stream's feature cache holds at this latent size once past its
+        first chunk. The layout (channels, cached frames, scale of each cached
+        feature) was read at construction from an encode of 1 + 4 frames of 2x2
+        latent pixels."""
+        return sum(
+            channels * frames * round(latent_height * scale_h) * round(latent_width * scale_w) * itemsize
+            for channels, frames, scale_h, scale_w, itemsize in self._layout
+        )
+
+    @torch.no_grad()
+    def _probe_layout(self) -> list[tuple[int, int, float, float, int]]:
+        side = 2
+        pixels = torch.zeros(1, 3, 1 + self.temporal_ratio, side * self.spatial_ratio, side * self.spatial_ratio)
+        cache = self.new_cache()
+        self.encode(pixels.to(next(self.vae.parameters()).device), cache, first=True)
+        return [
+            (t.shape[1], t.shape[2], t.shape[-2] / side, t.shape[-1] / side, t.element_size())
+            for t in cache
+            if isinstance(t, torch.Tensor)
+        ]
 
     def frames_for(self, latent_frames: int, first: bool) -> int:
         """Pixel frames that make ``latent_frames`` latent frames (the stream's
