@@ -2,8 +2,10 @@
 
 Worker process, the executor's thread (and the decode stage's threads, for
 ``run_batch``). Every pipeline call a runner makes for a session's row goes
-through one ``RowExecutor`` (``workers.runner.ModelRunner`` holds it, and so
-the ring runner that extends it), which answers with a typed outcome:
+through one ``RowExecutor`` (``workers.runner_sessions.RunnerSessions``
+holds it, and both runners hold that: ``workers.runner.ModelRunner`` and the
+ring runner, ``workers.parallel.ring.RingRunner``), which answers with a
+typed outcome:
 
 - ``Ok(value, ms)``: the call returned;
 - ``Failed(error, ms)``: it raised. Through ``call`` that fails the session
@@ -115,11 +117,7 @@ class RowExecutor:
             cancelled = True
         except Exception as error:
             failure = error
-            row = result.row(session_id, chunk_index)
-            row.error = f"{stage} failed: {type(error).__name__}: {error}"
-            also = self._on_failure(session_id)
-            if also is not None:
-                row.error += f" ({also})"
+            self._fail_row(result, session_id, chunk_index, stage, error)
         self.sync(stage)
         ms = (perf_counter() - started) * 1000.0
         result.pipeline_s += ms / 1000.0
@@ -127,6 +125,21 @@ class RowExecutor:
         if failure is not None:
             return Failed(failure, ms)
         return Cancelled(ms) if cancelled else Ok(value, ms)
+
+    def fail(self, result: StepResult, session_id: str, chunk_index: int, stage: str, error: BaseException) -> Failed:
+        """Fail the session as a call of ``stage`` that raised ``error`` would have
+        (row error set, ``on_failure`` told, reported), where the call failed
+        elsewhere: on another pipeline rank (``workers.parallel.ring``)."""
+        self._fail_row(result, session_id, chunk_index, stage, error)
+        self.report(session_id, stage, 0.0, error)
+        return Failed(error, 0.0)
+
+    def _fail_row(self, result: StepResult, session_id: str, index: int, stage: str, error: BaseException) -> None:
+        row = result.row(session_id, index)
+        row.error = f"{stage} failed: {type(error).__name__}: {error}"
+        also = self._on_failure(session_id)
+        if also is not None:
+            row.error += f" ({also})"
 
     def call_batch(
         self, result: StepResult, keys: list[tuple[str, int]], stage: str, function: Callable, *args: Any

@@ -2,8 +2,10 @@
 typed (``Ok``, ``Failed``, ``Cancelled``); a failed call fails its session and
 says what else went wrong releasing it; a batch that fails fails nothing (its
 rows run alone next); a call over stopping sessions is abandoned and its rows
-reported cancelled. And the ring runner overrides no method of the runner
-with another signature (the shape of an earlier crash)."""
+reported cancelled; a row a later pipeline rank failed fails its session as
+a call would. And the ring runner is no subclass of the runner (one of its
+methods overridden with another signature crashed once): both hold the
+sessions' component and offer the same methods."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import inspect
 
 from engine.plan import StepResult
 from workers.pipelines.base import abandon_point
+from workers.pipelines.stub import StubPipeline
 from workers.row_executor import Cancelled, Failed, Ok, RowExecutor, StageCall
 
 
@@ -62,11 +65,42 @@ def test_a_batch_that_fails_fails_no_session_and_one_over_stopping_sessions_is_c
     assert isinstance(rows.call(result, "a", 2, "boundary", abandon_point), Ok)  # not stoppable: it runs
 
 
-def test_the_ring_runner_overrides_no_runner_method_with_another_signature():
+def test_a_failure_elsewhere_fails_the_session_as_a_call_would():
+    failures, heard = [], []
+    rows = executor(failures, also="release also failed: OSError: gone", heard=heard)
+    result = StepResult(1)
+    failed = rows.fail(result, "a", 2, "forward", RuntimeError("rank 1: forward failed: boom"))
+    assert isinstance(failed, Failed) and failures == ["a"]
+    assert result.row("a", 2).error == (
+        "forward failed: RuntimeError: rank 1: forward failed: boom (release also failed: OSError: gone)"
+    )
+    assert [(c.session_id, c.stage, str(c.error)) for c in heard] == [("a", "forward", "rank 1: forward failed: boom")]
+
+
+def test_both_runners_hold_the_sessions_and_offer_the_same_methods():
+    """The ring runner is no subclass of the one-rank runner (a method of one
+    overridden with another signature crashed once): both hold a
+    ``RunnerSessions``, and what the executor and the decode stages call has
+    the same signature on both."""
     from workers.parallel.ring import RingRunner
     from workers.runner import ModelRunner
+    from workers.runner_sessions import RunnerSessions
 
-    for name, method in vars(RingRunner).items():
-        base = getattr(ModelRunner, name, None)
-        if callable(method) and callable(base) and not name.startswith("__"):
-            assert inspect.signature(method) == inspect.signature(base), name
+    assert not issubclass(RingRunner, ModelRunner) and not issubclass(ModelRunner, RingRunner)
+    shared = ["describe", "held_sessions", "execute", "stop_check", "decode", "decode_many"]
+    shared += ["hand_off_decode", "decode_returned"]
+    for name in shared:
+        assert inspect.signature(getattr(RingRunner, name)) == inspect.signature(getattr(ModelRunner, name)), name
+    for name in ("defer_decode", "is_stopping"):
+        assert isinstance(getattr(RingRunner, name), property) and isinstance(getattr(ModelRunner, name), property)
+    for name in ("describe", "held_sessions", "stop_check", "decode", "decode_many", "hand_off_decode"):
+        runner = inspect.signature(getattr(ModelRunner, name)).parameters
+        assert list(runner) == list(inspect.signature(getattr(RunnerSessions, name)).parameters), name
+    pipeline = StubPipeline()
+    one, ring = ModelRunner(pipeline), RingRunner(pipeline, group=None)
+    for runner in (one, ring):
+        assert isinstance(runner.sessions, RunnerSessions) and runner.rows is runner.sessions.rows
+        assert runner.states is runner.sessions.states
+        runner.defer_decode = True
+        runner.is_stopping = {"x"}.__contains__
+        assert runner.sessions.defer_decode and runner.rows.is_stopping("x")

@@ -1,7 +1,11 @@
 """Rank 0's runner when the transformer is split over pipeline ranks.
 
 Runs on the executor's thread of worker rank 0 (``workers.executor``), in
-place of the one-rank ``ModelRunner`` it extends. The engine plans each
+place of the one-rank ``ModelRunner``. Like it, it holds a ``RunnerSessions``
+(``workers.runner_sessions``: the sessions' state, the ``RowExecutor`` every
+pipeline call goes through, releases, opens, boundaries, batched forwards,
+decodes), and offers the executor and the decode stage the same methods,
+which hand on to it; only ``execute`` differs. The engine plans each
 micro-step for every rank (``MicroStep.ranks``: rank r runs the rows that
 entered rank 0 r micro-steps ago; ``MicroStep.returning``: the rows the last
 rank finished in the micro-step before, back at rank 0). Micro-step m here:
@@ -21,43 +25,104 @@ rank finished in the micro-step before, back at rank 0). Micro-step m here:
 Rows of a session that is stopping are not started (the plan's later ranks
 expect them, but the message says which rows it carries), and rank 0's part
 of a forward or commit pass whose sessions are all stopping is abandoned
-between its blocks (``ModelRunner.is_stopping``): those rows are left out of
+between its blocks (``is_stopping``): those rows are left out of
 the message, which still goes to rank 1, so no rank waits for a message that
 never comes. Ranks after the first do not know of stops and run their part
 of the rows they receive to the end. A row a later rank
-failed comes back in the message's ``failed`` and fails its session here,
-like any pipeline error.
+failed comes back in the message's ``failed`` and
+fails its session here, like any pipeline error (``RowExecutor.fail``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from engine.plan import MicroStep, StepResult, StepRow
+from engine.messages import SessionGeometry, StartSession
+from engine.plan import DecodeResult, MicroStep, StepResult, StepRow
 from workers.parallel.link import Message
-from workers.pipelines.base import BatchRow, StepBatch
-from workers.row_executor import Cancelled, Ok
-from workers.runner import ModelRunner
+from workers.pipelines.base import BatchRow, ChunkPipeline
+from workers.row_executor import Ok, StageCall
+from workers.runner_sessions import RunnerSessions
 
 
 class RankError(RuntimeError):
     """A later pipeline rank failed a row (the message says which rank and why)."""
 
 
-def _raise(error: BaseException) -> None:
-    raise error
-
-
-class RingRunner(ModelRunner):
-    def __init__(self, pipeline, group, **kwargs: Any) -> None:
-        super().__init__(pipeline, **kwargs)
-        self.group = group  # workers.parallel.group.RankGroup: the link, the plans' sockets, the ranks' figures
+class RingRunner:
+    def __init__(
+        self,
+        pipeline: ChunkPipeline,
+        group,
+        *,
+        synchronize: Callable[[str], None] | None = None,
+        on_stage: Callable[[StageCall], None] | None = None,
+    ) -> None:
+        """``group``: the ``workers.parallel.group.RankGroup`` (the link, the plans'
+        sockets, the ranks' figures). ``synchronize`` and ``on_stage``: as
+        ``ModelRunner``'s."""
+        self.sessions = RunnerSessions(pipeline, synchronize=synchronize, on_stage=on_stage)
+        self.pipeline = pipeline
+        self.states = self.sessions.states  # session id -> the pipeline's state (RunnerSessions owns it)
+        self.rows = self.sessions.rows
+        self.group = group
         self._for_rank_1: tuple[int, Message] | None = None  # (tag, message): goes with the next plan
         self.busy_s = 0.0  # rank 0's time computing (not waiting for the ring)
         self.wall_s = 0.0  # rank 0's time inside micro-steps
 
+    # -- what the executor and the decode stage use: RunnerSessions' ----------
+
+    @property
+    def defer_decode(self) -> bool:
+        """``RunnerSessions.defer_decode``: committed chunks go to the decode stage."""
+        return self.sessions.defer_decode
+
+    @defer_decode.setter
+    def defer_decode(self, deferred: bool) -> None:
+        self.sessions.defer_decode = deferred
+
+    @property
+    def is_stopping(self) -> Callable[[str], bool] | None:
+        """``RunnerSessions.is_stopping``: the control plane's check; None: never abandon."""
+        return self.sessions.is_stopping
+
+    @is_stopping.setter
+    def is_stopping(self, check: Callable[[str], bool] | None) -> None:
+        self.sessions.is_stopping = check
+
+    def stop_check(self, session_ids: Iterable[str]) -> Callable[[], bool] | None:
+        return self.sessions.stop_check(session_ids)
+
+    def decode(self, session_id: str, chunk_index: int) -> DecodeResult:
+        """``RunnerSessions.decode``: one deferred chunk (the decode stage's thread)."""
+        return self.sessions.decode(session_id, chunk_index)
+
+    def decode_many(self, keys: list[tuple[str, int]]) -> list[DecodeResult]:
+        """``RunnerSessions.decode_many``: deferred chunks of several sessions."""
+        return self.sessions.decode_many(keys)
+
+    def hand_off_decode(self, session_id: str, chunk_index: int) -> Any:
+        """``RunnerSessions.hand_off_decode``: a deferred chunk's input, for another rank."""
+        return self.sessions.hand_off_decode(session_id, chunk_index)
+
+    def decode_returned(self, session_id: str) -> None:
+        """``RunnerSessions.decode_returned``: a deferred decode is no longer pending."""
+        self.sessions.decode_returned(session_id)
+
+    # -- engine.plan.Runner --------------------------------------------------
+
+    def describe(self, start: StartSession) -> SessionGeometry:
+        return self.sessions.describe(start)
+
+    def held_sessions(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return self.sessions.held_sessions()
+
     def execute(self, step: MicroStep) -> StepResult:
+        """Micro-step ``step`` on rank 0 (the module's docstring): the plan to the
+        later ranks, what the last rank finished back, then rank 0's blocks over
+        the rows entering, posted on to rank 1."""
         began = time.perf_counter()
         result = StepResult(step.number)
         carried, self._for_rank_1 = self._for_rank_1, None
@@ -69,8 +134,8 @@ class RingRunner(ModelRunner):
             waited = time.perf_counter() - waited_from
             self.group.note_figures(message.header.get("figures", []))
             self._take_back(message, step.returning, result)
-        self._prepare(step, result)
-        rows = [row for row in step.ranks[0] if row.session_id in self.states and row.session_id not in self._failed]
+        self.sessions.prepare(step, result)
+        rows = self.sessions.running(step.ranks[0])
         if step.ranks[0] or step.cancelled:  # rank 1 expects a message whenever rows were planned to enter
             message = self._enter(rows, result)
             if self.group.plans_carry_the_ring:  # rank 1 runs them in the next micro-step: they go with its plan
@@ -102,33 +167,12 @@ class RingRunner(ModelRunner):
         denoise = [row for row in rows if not row.commit]
         width = self.pipeline.max_batch_rows
         for first in range(0, len(denoise), width):
-            group = denoise[first : first + width]
-            if len(group) > 1:
-                batch = StepBatch(tuple(BatchRow(r.session_id, r.chunk_index, r.step) for r in group))
-                sessions = [self.states[r.session_id] for r in group]
-                keys = [(r.session_id, r.chunk_index) for r in group]
-                outcome = self.rows.call_batch(result, keys, "forward", self.pipeline.forward, batch, sessions, blocks)
-                if isinstance(outcome, Cancelled):
-                    continue
-                if isinstance(outcome, Ok):
-                    for row in group:
-                        out = result.row(row.session_id, row.chunk_index)
-                        out.denoise_ms += outcome.ms / len(group)
-                        self.rows.note_batch(out, len(group))
-                    self._add(items, tensors, "forward", outcome.value)
-                    continue
-            for row in group:  # alone, or the batch failed: each alone, so only a row failing on its own fails
-                batch = StepBatch((BatchRow(row.session_id, row.chunk_index, row.step),))
-                session = self.states[row.session_id]
-                sid, index = row.session_id, row.chunk_index
-                outcome = self.rows.call(
-                    result, sid, index, "forward", self.pipeline.forward, batch, [session], blocks, stoppable=True
-                )
-                if isinstance(outcome, Ok):
-                    out = result.row(sid, index)
-                    out.denoise_ms += outcome.ms
-                    self.rows.note_batch(out, 1)
-                    self._add(items, tensors, "forward", outcome.value)
+            for ran in self.sessions.forwards(result, denoise[first : first + width], blocks):
+                for row in ran.rows:
+                    out = result.row(row.session_id, row.chunk_index)
+                    out.denoise_ms += ran.outcome.ms / len(ran.rows)
+                    self.rows.note_batch(out, len(ran.rows))
+                self._add(items, tensors, "forward", ran.outcome.value)
         for row in rows:
             if row.commit:
                 sid, index = row.session_id, row.chunk_index
@@ -152,20 +196,19 @@ class RingRunner(ModelRunner):
         """The last rank's results for ``returning``: sampler steps for denoise
         passes, ``finish_commit`` (then the decode) for commit passes; rows it
         failed fail here; rows it does not carry were not started (stopping)."""
-        header = message.header
         planned = {(r.session_id, r.chunk_index, r.step): r for r in returning}
-        for sid, error in header.get("failed", {}).items():
+        for sid, error in message.header.get("failed", {}).items():
             if sid in self.states:
                 chunk_index = min((r.chunk_index for r in returning if r.session_id == sid), default=0)
-                self.rows.call(result, sid, chunk_index, "forward", _raise, RankError(error))
-        offset = 0
+                self.rows.fail(result, sid, chunk_index, "forward", RankError(error))
         ended: list[tuple[str, int]] = []  # chunks committed here: decoded (or deferred) together after
-        for item in header["items"]:
+        offset = 0
+        for item in message.header["items"]:
             parts = message.tensors[offset : offset + item["count"]]
             offset += item["count"]
             for index, (sid, chunk_index, step) in enumerate(item["rows"]):
                 row = planned.get((sid, chunk_index, step))
-                if row is None or sid not in self.states or sid in self._failed:
+                if row is None or not self.sessions.running([row]):  # not started, released, or failed
                     continue
                 session = self.states[sid]
                 if item["kind"] == "commit":
@@ -187,4 +230,4 @@ class RingRunner(ModelRunner):
                     out = result.row(sid, chunk_index)
                     out.stepped = True
                     out.denoise_ms += stepped.ms
-        self._committed(result, ended)
+        self.sessions.committed(result, ended)
