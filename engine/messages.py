@@ -9,6 +9,8 @@ this module.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import msgspec
 
 
@@ -430,7 +432,9 @@ class ProbeReply(_Wire, tag="probe_reply"):
 class RankFigures(msgspec.Struct, frozen=True, kw_only=True):
     """One pipeline rank's time since it started, cumulative: computing (busy) and
     inside micro-steps (wall: busy plus waiting on the ranks before it, the bubble),
-    and the chunks it decoded (``pp_decode``: where the sessions' decodes went)."""
+    and the chunks it decoded (``pp_decode``: where the sessions' decodes went).
+    Ring messages carry the later ranks' round to rank 0 (``RingHeader.figures``,
+    ``decoded_chunks`` 0 there: rank 0 counts the decodes)."""
 
     rank: int
     busy_s: float
@@ -468,3 +472,81 @@ ResultMessage = (
     | WorkerHello
     | WorkerExiting
 )
+
+
+# --------------------------------------------------------------------------
+# Between pipeline ranks (workers.parallel): plans and ring headers
+# --------------------------------------------------------------------------
+# Ranks run the same code, so a field a rank does not know is an error
+# (``forbid_unknown_fields``), as is a missing tag: ``engine.transport.decode_rank``.
+
+
+class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One row a rank runs: denoise step ``step`` of chunk ``chunk_index`` of a
+    session (``step`` = the chunk's steps: its commit pass)."""
+
+    session_id: str
+    chunk_index: int
+    step: int
+
+
+class RankBoundary(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A chunk boundary a later rank follows (its blocks' cache follows rank 0's)."""
+
+    session_id: str
+    chunk_index: int
+    prompt_changed: bool  # an interaction applies at it (a ``reset`` prompt change empties the cache)
+
+
+class RankPlan(_Wire, tag="rank_plan", forbid_unknown_fields=True):
+    """A micro-step's plan, rank 0 to every later rank, in order (the same bytes
+    to each): a follower releases, opens and follows boundaries as rank 0 does,
+    then runs its own rows (``ranks[its rank]``) as the ring brings them."""
+
+    number: int  # the micro-step's number: the tag of the ring messages it runs
+    release: tuple[str, ...] = ()  # session ids whose state is freed
+    open: tuple[StartSession, ...] = ()  # sessions to open (each rank allocates its blocks' cache)
+    boundaries: tuple[RankBoundary, ...] = ()
+    ranks: tuple[tuple[RankRow, ...], ...] = ()  # per rank, rank 0 first: the rows it runs in this micro-step
+
+
+class TensorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One tensor a ring message carries after its header, in order."""
+
+    shape: tuple[int, ...]
+    dtype: str  # torch's name of it (``str(tensor.dtype)``), one the link knows (``workers.parallel.link.DTYPES``)
+
+
+class RingItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One pass a ring message carries: a forward over some rows, or one row's
+    commit pass, and how many of the message's tensors are its own (the next
+    ``count`` after the items before it)."""
+
+    kind: Literal["forward", "commit"]
+    count: int
+    meta: dict[str, Any] | None = None
+    """Hidden states going to the next rank: the pipeline's description of them
+    (``pack``; opaque here), None on the way back to rank 0."""
+    rows: tuple[tuple[str, int, int], ...] = ()
+    """On the way back to rank 0: (session, chunk, step) of each prediction (a
+    forward; ``count`` of them) or finished commit pass (``count`` 0)."""
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"a ring item's count must be >= 0, got {self.count}")
+        if self.meta is None and len(self.rows) != self.count and self.kind == "forward":
+            raise ValueError(f"a forward coming back names {len(self.rows)} rows for {self.count} predictions")
+
+
+class RingHeader(_Wire, tag="ring_header", forbid_unknown_fields=True):
+    """The header of a ring message, one rank to the next (the last rank: to rank 0)
+    for one micro-step (the link's tag); its tensors follow it."""
+
+    items: tuple[RingItem, ...] = ()
+    failed: dict[str, str] = msgspec.field(default_factory=dict)  # session -> why a rank failed it (rows dropped)
+    figures: tuple[RankFigures, ...] = ()  # every rank's figures so far, as the ranks it passed left them
+    tensors: tuple[TensorSpec, ...] = ()  # the tensors that follow, in order (the link sets it as it sends)
+    inline: bool = True  # the tensors travel inside the header's buffer (``RingLink``; the link sets it)
+
+
+RankMessage = RankPlan | RingHeader

@@ -16,7 +16,10 @@ machine or another. Why ZeroMQ rather than ``multiprocessing`` queues:
   without a feeder thread of its own; both ends can ``poll`` it beside other
   file descriptors (the worker watches its parent's liveness pipe that way).
 
-The client binds, workers connect. Encoding and decoding happen here only.
+The client binds, workers connect. Encoding and decoding happen here only,
+those of the messages between pipeline ranks too (``encode_rank``,
+``decode_rank``: a micro-step's plan, a ring message's header), which travel
+on the ranks' own connections (``workers.parallel``).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ import queue
 import tempfile
 import threading
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 import zmq
 
-from engine.messages import ControlMessage, ResultMessage
+from engine.messages import ControlMessage, RankMessage, RankPlan, ResultMessage, RingHeader
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,30 @@ def encode_result(message: ResultMessage) -> bytes:
 
 def decode_result(data: bytes) -> ResultMessage:
     return _result_decoder.decode(data)
+
+
+_rank_encoder = msgspec.msgpack.Encoder()
+_Rank = TypeVar("_Rank", RankPlan, RingHeader)
+_rank_decoder = msgspec.msgpack.Decoder(RankMessage)
+
+
+def encode_rank(message: RankMessage) -> bytes:
+    """A message between pipeline ranks (``workers.parallel``): a plan, a ring header."""
+    return _rank_encoder.encode(message)
+
+
+def decode_rank(data: bytes, kind: type[_Rank]) -> _Rank:
+    """Decode a message between pipeline ranks that must be a ``kind``; raises
+    ``msgspec.DecodeError`` saying which type was expected and what was wrong
+    (not msgpack, no tag or another type's, a field missing, unknown or of the
+    wrong type)."""
+    try:
+        message = _rank_decoder.decode(data)
+    except msgspec.DecodeError as error:
+        raise type(error)(f"not a valid {kind.__name__}: {error}") from None
+    if not isinstance(message, kind):
+        raise msgspec.ValidationError(f"not a valid {kind.__name__}: a {type(message).__name__}")
+    return message
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 connections on loopback between ranks that meet in a real ``torch.distributed``
 store, each rank on a thread of its own (as each would be in its process).
 
-Tensors of every dtype the ranks send arrive equal; frames asked for in
+Tensors of every dtype the ranks send arrive equal with their
+``RingHeader``; a ring frame whose header is not one raises ``BadMessage``
+naming the ranks and what is wrong; frames asked for in
 another order than they were sent are matched by kind and tag; two ranks that
 send each other messages far larger than the kernel's buffers before either
 receives do not deadlock (the connection's thread writes what the kernel did
@@ -16,11 +18,13 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 import torch.distributed as dist
 
-from workers.parallel.link import LinkTimeout, Message
+from engine.messages import RingHeader, RingItem
+from workers.parallel.link import BadMessage, LinkTimeout, Message
 from workers.parallel.sockets import (
     CANCEL,
     DECODE,
@@ -92,6 +96,20 @@ def sample_tensors() -> list[torch.Tensor]:
     ]
 
 
+def marked(mark: object) -> RingHeader:
+    """A ring header told apart by ``mark`` (in ``failed``, which carries any string)."""
+    return RingHeader(failed={"mark": str(mark)})
+
+
+def mark(message: Message) -> str:
+    return message.header.failed["mark"]
+
+
+def sent_as(message: Message) -> RingHeader:
+    """The header as its sender made it (without what the sockets add: the tensors' shapes)."""
+    return msgspec.structs.replace(message.header, tensors=())
+
+
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(
         x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
@@ -100,12 +118,16 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def test_tensors_of_every_dtype_arrive_equal_with_their_header(pair):
     zero, one = pair
-    header = {"items": [{"kind": "forward", "rows": [["s", 0, 1]]}], "failed": {"t": "rank 1: boom"}}
+    items = (RingItem(kind="forward", count=len(sample_tensors()), meta={"rows": [["s", 0, 1]]}),)
+    header = RingHeader(items=items, failed={"t": "rank 1: boom"})
     zero.send(1, 7, Message(header, sample_tensors()))
     got = one.recv(0, 7)
-    assert got.header == header
+    assert sent_as(got) == header
+    assert [(spec.shape, spec.dtype) for spec in got.header.tensors] == [
+        (tuple(t.shape), str(t.dtype)) for t in sample_tensors()
+    ]
     assert same(got.tensors, sample_tensors())
-    one.send(0, 8, Message({"items": []}, []))  # the last rank's answer: no tensors at all
+    one.send(0, 8, Message(RingHeader(), []))  # the last rank's answer: no tensors at all
     assert zero.recv(1, 8).tensors == []
     zero.wait_sent()
     assert zero.transfers == 1 and zero.bytes_sent > 2 * 48 * 128 * 4
@@ -113,11 +135,11 @@ def test_tensors_of_every_dtype_arrive_equal_with_their_header(pair):
 
 def test_frames_are_matched_by_kind_and_tag_whatever_order_they_are_asked_in(pair):
     zero, one = pair
-    zero.send(1, 1, Message({"n": 1}, [torch.ones(3)]))
-    zero.send(1, 2, Message({"n": 2}, [torch.zeros(3)]))
+    zero.send(1, 1, Message(marked(1), [torch.ones(3)]))
+    zero.send(1, 2, Message(marked(2), [torch.zeros(3)]))
     zero.send_plan(2, b"plan two")
     assert one.recv_plan() == b"plan two"  # behind two ring frames, which are kept
-    assert one.recv(0, 2).header == {"n": 2}
+    assert mark(one.recv(0, 2)) == "2"
     assert torch.equal(one.recv(0, 1).tensors[0], torch.ones(3))
     zero.send_stop()
     assert one.recv_plan() is None
@@ -128,14 +150,14 @@ def test_a_plan_carries_rank_1s_ring_message_in_one_frame(pair):
     under that plan with the plan itself): one frame, one write; rank 1 reads
     the plan and finds the ring message kept for ``recv``, tensors equal."""
     zero, one = pair
-    header = {"items": [{"kind": "forward", "rows": [["s", 0, 1]]}], "failed": {}}
+    header = RingHeader(items=(RingItem(kind="forward", count=len(sample_tensors()), meta={"rows": [["s", 0, 1]]}),))
     before = zero.bytes_sent
     zero.send_plan(5, b"plan five", (5, Message(header, sample_tensors())))
     zero.send_plan(6, b"plan six")  # a plan carrying nothing is a plain plan frame
     assert zero.transfers == 1
     assert one.recv_plan() == b"plan five"
     got = one.recv(0, 5)
-    assert got.header == header and same(got.tensors, sample_tensors())
+    assert sent_as(got) == header and same(got.tensors, sample_tensors())
     assert one.recv_plan() == b"plan six"
     sizes = sum(t.numel() * t.element_size() for t in sample_tensors())
     assert zero.bytes_sent - before > sizes  # the tensors went once, in the plan's frame
@@ -147,12 +169,12 @@ def test_large_messages_both_ways_at_once_do_not_deadlock(pair):
     zero, one = pair
     big = [torch.arange(8 << 20, dtype=torch.float32)]  # 32 MiB each way, far past the kernel's buffers
     began = time.monotonic()
-    zero.send(1, 1, Message({"from": 0}, big))  # neither has received yet: both sends must return
-    one.send(0, 1, Message({"from": 1}, big))
+    zero.send(1, 1, Message(marked(0), big))  # neither has received yet: both sends must return
+    one.send(0, 1, Message(marked(1), big))
     got_at_one, got_at_zero = one.recv(0, 1), zero.recv(1, 1)
     zero.wait_sent()
     one.wait_sent()
-    assert got_at_one.header == {"from": 0} and got_at_zero.header == {"from": 1}
+    assert mark(got_at_one) == "0" and mark(got_at_zero) == "1"
     assert same(got_at_one.tensors, big) and same(got_at_zero.tensors, big)
     assert time.monotonic() - began < 10
 
@@ -184,10 +206,10 @@ def test_a_connection_that_is_no_ranks_does_not_stop_the_group_joining(monkeypat
     monkeypatch.setattr("workers.parallel.sockets.HELLO_TIMEOUT_S", 0.5)  # the silent one's wait
     zero, one = joined(2, stranger=True)
     try:
-        zero.send(1, 1, Message({"ok": True}, []))
-        assert one.recv(0, 1).header == {"ok": True}
-        one.send(0, 2, Message({"back": True}, []))
-        assert zero.recv(1, 2).header == {"back": True}
+        zero.send(1, 1, Message(marked("ok"), []))
+        assert mark(one.recv(0, 1)) == "ok"
+        one.send(0, 2, Message(marked("back"), []))
+        assert mark(zero.recv(1, 2)) == "back"
     finally:
         zero.close()
         one.close()
@@ -199,11 +221,11 @@ def test_three_ranks_carry_plans_to_every_follower_and_the_ring_round():
         zero, one, two = ranks
         zero.send_plan(1, b"p1")
         assert one.recv_plan() == b"p1" and two.recv_plan() == b"p1"
-        zero.send(1, 2, Message({"hop": 0}, [torch.full((2,), 1.0)]))
-        one.send(2, 3, Message({"hop": 1}, [one.recv(0, 2).tensors[0] + 1]))
-        two.send(0, 4, Message({"hop": 2}, [two.recv(1, 3).tensors[0] + 1]))
+        zero.send(1, 2, Message(marked(0), [torch.full((2,), 1.0)]))
+        one.send(2, 3, Message(marked(1), [one.recv(0, 2).tensors[0] + 1]))
+        two.send(0, 4, Message(marked(2), [two.recv(1, 3).tensors[0] + 1]))
         back = zero.recv(2, 4)
-        assert back.header == {"hop": 2} and torch.equal(back.tensors[0], torch.full((2,), 3.0))
+        assert mark(back) == "2" and torch.equal(back.tensors[0], torch.full((2,), 3.0))
     finally:
         for rank in ranks:
             rank.close()
@@ -233,7 +255,7 @@ def test_two_threads_wait_on_one_connection_for_frames_of_their_own_kinds(pair):
     ready.wait()
     for n in range(20):
         first.send_plan(n, f"plan {n}".encode())
-        first.send(1, n, Message({}, [torch.tensor(n)]))
+        first.send(1, n, Message(RingHeader(), [torch.tensor(n)]))
     for thread in threads:
         thread.join(10)
     assert got["plans"] == [f"plan {n}".encode() for n in range(20)]
@@ -248,7 +270,7 @@ def test_the_decode_stage_has_connections_of_its_own_both_ways(pair):
     result back the other way, while the plan channel holds a frame unread."""
     first, second = pair
     big = torch.zeros(64 * 2**20, dtype=torch.uint8)  # 64 MiB: written by the connection's thread
-    first.send(1, 0, Message({}, [big]))
+    first.send(1, 0, Message(RingHeader(), [big]))
     first.send_plan(0, b"unread")
     first.post(1, DECODE, 3, Message({"session": "s"}, [torch.arange(4)]))
     kind, request = second.take(0, (DECODE, CANCEL), None, 5.0, "decode request")
@@ -279,7 +301,21 @@ def test_decode_requests_a_cancel_check_passes_wait_for_the_decode_thread_past_t
         kind, request = one.take(0, (DECODE, CANCEL), None, 5.0, "decode request")
         assert kind == DECODE and request.header["chunk"] == chunk
     for n in range(MAX_KEPT[PIPELINE] + 1):
-        zero.send(1, n, Message({}, []))
+        zero.send(1, n, Message(RingHeader(), []))
     zero.send_plan(0, b"behind the ring frames")
     with pytest.raises(RuntimeError, match=f"rank 1: {MAX_KEPT[PIPELINE]} frames from rank 0 nobody asked for"):
         one.recv_plan()
+
+
+def test_a_ring_frame_whose_header_is_not_a_ring_header_names_the_ranks_and_what_is_wrong(pair):
+    zero, one = pair
+    with pytest.raises(TypeError, match="a ring message's header is a RingHeader, not dict"):
+        zero.send(1, 1, Message({"items": []}, []))
+    zero.post(1, RING, 2, Message({"items": [], "failed": {}}, []))  # the untyped header of old
+    with pytest.raises(BadMessage, match=r"rank 1: a ring message from rank 0: not a valid RingHeader: .*`type`"):
+        one.recv(0, 2)
+    zero.post(1, RING, 3, Message({"type": "ring_header", "items": [{"kind": "sideways", "count": 0}]}, []))
+    with pytest.raises(BadMessage, match=r"Invalid enum value 'sideways' - at `\$.items\[0\].kind`"):
+        one.recv(0, 3)
+    zero.send(1, 4, Message(marked("after"), []))  # the connection is intact: a frame is read whole
+    assert mark(one.recv(0, 4)) == "after"

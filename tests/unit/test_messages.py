@@ -1,4 +1,6 @@
-"""Wire types round-trip through the transport codec, stay frozen, and refuse garbage."""
+"""Wire types round-trip through the transport codec, stay frozen, and refuse garbage;
+the messages between pipeline ranks too, and a malformed one is an error naming
+what is wrong with it."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import msgspec
 import pytest
 
 from engine import messages as m
-from engine.transport import decode_control, decode_result, encode_control, encode_result
+from engine.transport import decode_control, decode_rank, decode_result, encode_control, encode_rank, encode_result
 
 GEOMETRY = m.SessionGeometry(
     width=64,
@@ -129,6 +131,34 @@ RESULTS = [
 ]
 
 
+RANK = [
+    m.RankPlan(
+        number=7,
+        release=("gone",),
+        open=(m.StartSession(session_id="new", prompt="p", prompt_change="reset"),),
+        boundaries=(m.RankBoundary(session_id="s", chunk_index=2, prompt_changed=True),),
+        ranks=(
+            (m.RankRow(session_id="s", chunk_index=2, step=0),),
+            (),
+            (m.RankRow(session_id="t", chunk_index=0, step=4),),
+        ),
+    ),
+    m.RankPlan(number=0),
+    m.RingHeader(
+        items=(
+            m.RingItem(kind="forward", count=2, meta={"blocks_done": 3, "rows": [["s", 2, 0]], "grouped": True}),
+            m.RingItem(kind="commit", count=0, rows=(("t", 0, 4),)),
+            m.RingItem(kind="forward", count=1, rows=(("u", 1, 2),)),
+        ),
+        failed={"v": "rank 1: forward failed: RuntimeError: boom"},
+        figures=(m.RankFigures(rank=1, busy_s=0.5, wall_s=0.75),),
+        tensors=(m.TensorSpec(shape=(2, 48, 128), dtype="torch.bfloat16"), m.TensorSpec(shape=(), dtype="torch.int64")),
+        inline=False,
+    ),
+    m.RingHeader(),
+]
+
+
 @pytest.mark.parametrize("message", CONTROL, ids=lambda x: type(x).__name__)
 def test_control_messages_round_trip(message):
     assert decode_control(encode_control(message)) == message
@@ -140,8 +170,14 @@ def test_result_messages_round_trip(message):
     assert decoded == message and type(decoded) is type(message)
 
 
+@pytest.mark.parametrize("message", RANK, ids=lambda x: type(x).__name__)
+def test_rank_messages_round_trip(message):
+    decoded = decode_rank(encode_rank(message), type(message))
+    assert decoded == message and type(decoded) is type(message)
+
+
 def test_every_wire_type_is_covered_by_the_round_trip_tests():
-    covered = {type(x) for x in CONTROL + RESULTS}
+    covered = {type(x) for x in CONTROL + RESULTS + RANK}
     wire = {t for t in vars(m).values() if isinstance(t, type) and issubclass(t, m._Wire) and t is not m._Wire}
     assert wire == covered
 
@@ -173,3 +209,34 @@ def test_bad_bytes_are_a_decode_error(data):
 def test_a_result_is_not_a_control_message():
     with pytest.raises(msgspec.DecodeError):
         decode_control(encode_result(m.EngineDead(reason="x")))
+
+
+def _header(**fields) -> bytes:
+    return msgspec.msgpack.encode({"type": "ring_header", **fields})
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        (b"\xc1", "MessagePack data is malformed"),
+        (encode_rank(m.RankPlan(number=1)), "a RankPlan"),  # another rank message: not the header asked for
+        (msgspec.msgpack.encode({"items": [], "failed": {}}), "missing required field `type`"),  # the old dict
+        (msgspec.msgpack.encode({"type": "no_such_type"}), "Invalid value 'no_such_type' - at `$.type`"),
+        (_header(warm_up=True), "unknown field `warm_up`"),
+        (_header(items=[{"kind": "sideways", "count": 0}]), "Invalid enum value 'sideways' - at `$.items[0].kind`"),
+        (_header(items=[{"kind": "forward", "count": "two"}]), "Expected `int`, got `str` - at `$.items[0].count`"),
+        (_header(items=[{"kind": "forward", "count": -1, "meta": {}}]), "count must be >= 0"),
+        (_header(items=[{"kind": "forward", "count": 2, "rows": [["s", 0, 1]]}]), "names 1 rows for 2 predictions"),
+        (_header(figures=[{"rank": "one", "busy_s": 0.0, "wall_s": 0.0}]), "at `$.figures[0].rank`"),
+    ],
+)
+def test_a_malformed_ring_header_is_an_error_naming_what_is_wrong(data, named):
+    with pytest.raises(msgspec.DecodeError) as caught:
+        decode_rank(data, m.RingHeader)
+    assert str(caught.value).startswith("not a valid RingHeader: ") and named in str(caught.value)
+
+
+def test_a_malformed_plan_is_an_error_naming_the_field():
+    data = msgspec.msgpack.encode({"type": "rank_plan", "number": 3, "ranks": [[{"session_id": "s", "step": 0}]]})
+    with pytest.raises(msgspec.DecodeError, match=r"not a valid RankPlan: .*`chunk_index` - at `\$.ranks\[0\]\[0\]`"):
+        decode_rank(data, m.RankPlan)

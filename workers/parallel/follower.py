@@ -2,8 +2,8 @@
 
 A follower process holds its block range of the transformer and, per
 session, only those blocks' KV cache. It runs no policy: it takes each
-micro-step's plan from rank 0 (in order, over the ranks' sockets) and does
-its part of it:
+micro-step's plan from rank 0 (an ``engine.messages.RankPlan``, in order,
+over the ranks' sockets) and does its part of it:
 
     release, open (allocate its blocks' cache), follow boundaries (a reset)
     if the plan gives it rows: receive them from the rank before (the message
@@ -15,8 +15,9 @@ its part of it:
         on: hidden states to the next rank, or, on the last rank, the
         predictions and finished commit passes back to rank 0
 
-Each message also carries the ranks' figures so far (busy and wall seconds,
-cumulative), so rank 0 learns every rank's busy / bubble fraction.
+Each message (its header an ``engine.messages.RingHeader``) also carries the
+ranks' figures so far (``RankFigures``: busy and wall seconds, cumulative),
+so rank 0 learns every rank's busy / bubble fraction.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import logging
 import time
 from typing import Any
 
-from engine.plan import MicroStep
-from workers.parallel.link import Message, RingLink
-from workers.pipelines.base import Hidden
+import msgspec
+
+from engine.messages import RankFigures, RankPlan, RingHeader, RingItem
+from workers.parallel.link import Message, RingLink, items_and_tensors
+from workers.pipelines.base import BatchRow, Hidden, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class Follower:
     def last(self) -> bool:
         return self.link.rank == self.link.world - 1
 
-    def run(self, step: MicroStep) -> None:
+    def run(self, step: RankPlan) -> None:
         """Do this rank's part of micro-step ``step``."""
         rank = self.link.rank
         for sid in step.release:
@@ -67,7 +70,7 @@ class Follower:
                     self.pipeline.follow_boundary,
                     session,
                     task.chunk_index,
-                    task.prompt is not None,
+                    task.prompt_changed,
                 )
         if not step.ranks[rank]:
             return
@@ -78,22 +81,24 @@ class Follower:
         done = time.perf_counter()
         self.busy_s += done - received
         self.wall_s += done - began
-        figures = [f for f in message.header.get("figures", []) if f[0] != rank]
-        out.header["figures"] = [*figures, [rank, self.busy_s, self.wall_s]]
+        figures = (
+            *(f for f in message.header.figures if f.rank != rank),
+            RankFigures(rank=rank, busy_s=self.busy_s, wall_s=self.wall_s),
+        )
+        out = Message(msgspec.structs.replace(out.header, figures=figures), out.tensors)
         if self.last:
             self.link.send(0, step.number + 1, out)
         else:
             self.link.send(rank + 1, step.number + 1, out)
 
     def _compute(self, message: Message, planned: set[tuple]) -> Message:
-        failed = dict(message.header.get("failed", {}))
-        items: list[dict] = []
+        failed = dict(message.header.failed)
+        items: list[RingItem] = []
         tensors: list = []
-        offset = 0
-        for item in message.header["items"]:
-            parts = message.tensors[offset : offset + item["count"]]
-            offset += item["count"]
-            hidden = self.pipeline.unpack(item["meta"], parts)
+        for item, parts in items_and_tensors(message):
+            if item.meta is None:
+                raise ValueError(f"rank {self.link.rank}: a {item.kind} pass reached it without hidden states")
+            hidden = self.pipeline.unpack(item.meta, parts)
             keep = [
                 i
                 for i, row in enumerate(hidden.rows)
@@ -108,9 +113,9 @@ class Follower:
                 continue
             if len(keep) != len(hidden.rows):
                 hidden = self.pipeline.select(hidden, keep)
-            for kind, value in self._run(item["kind"], hidden, failed):
+            for kind, value in self._run(item.kind, hidden, failed):
                 self._emit(items, tensors, kind, value)
-        return Message({"items": items, "failed": failed}, tensors)
+        return Message(RingHeader(items=tuple(items), failed=failed), tensors)
 
     def _run(self, kind: str, hidden: Hidden, failed: dict[str, str]) -> list[tuple[str, Any]]:
         """This rank's blocks over ``hidden``'s rows: [(kind, Hidden or (rows, predictions))]."""
@@ -135,17 +140,17 @@ class Follower:
                 out.extend(self._run(kind, self.pipeline.select(hidden, [index]), failed))
             return out
 
-    def _emit(self, items: list[dict], tensors: list, kind: str, value: Any) -> None:
+    def _emit(self, items: list[RingItem], tensors: list, kind: str, value: Any) -> None:
         if isinstance(value, Hidden):
             meta, parts = self.pipeline.pack(value)
-            items.append({"kind": kind, "meta": meta, "count": len(parts)})
+            items.append(RingItem(kind=kind, meta=meta, count=len(parts)))
             tensors.extend(parts)
             return
         if kind == "commit":  # the last block ran: rank 0 finishes the commit
-            items.append({"kind": "commit", "rows": [list(r) for r in value], "count": 0})
+            items.append(RingItem(kind="commit", rows=tuple(_row(r) for r in value), count=0))
             return
         rows, predictions = value
-        items.append({"kind": "forward", "rows": [list(r) for r in rows], "count": len(predictions)})
+        items.append(RingItem(kind="forward", rows=tuple(_row(r) for r in rows), count=len(predictions)))
         tensors.extend(p.contiguous() for p in predictions)
 
     def _guard(self, sid: str, stage: str, function, *args) -> None:
@@ -167,7 +172,9 @@ class Follower:
         return tuple(self.states)
 
 
-def _batch(hidden: Hidden):
-    from workers.pipelines.base import StepBatch
-
+def _batch(hidden: Hidden) -> StepBatch:
     return StepBatch(hidden.rows)
+
+
+def _row(row: BatchRow) -> tuple[str, int, int]:
+    return (row.session_id, row.chunk_index, row.step)

@@ -10,8 +10,9 @@ range through a ``torch.distributed`` TCP store, joins them in one process
 group where the ring travels on one (NCCL on GPUs, gloo with ``pp_transport``
 ``torch``; ``uses_process_group``), and connects the ranks' sockets
 (``workers.parallel.sockets``, on ``pp_port`` + rank where that is set): the
-plans (msgpack of ``engine.plan.MicroStep``) travel on them, and so does the
-ring on a CPU (``ring_link``: on GPUs, NCCL point-to-point).
+plans (``engine.messages.RankPlan``, made from each ``engine.plan.MicroStep``
+by ``rank_plan``) travel on them, and so does the ring on a CPU
+(``ring_link``: on GPUs, NCCL point-to-point).
 
 One group lives and dies as one: a thread of rank 0 waits on the followers'
 process sentinels and, the moment one dies, calls ``on_death`` (the worker
@@ -43,12 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-import msgspec
 import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.plan import MicroStep
+from engine.messages import RankBoundary, RankFigures, RankPlan, RankRow, RingHeader
+from engine.plan import MicroStep, StepRow
+from engine.transport import decode_rank, encode_rank
 from workers import process_log
 from workers.os_threads import decode_nice
 from workers.parallel.link import Message, RingLink
@@ -122,13 +124,32 @@ def warm_up_ring(link: RankSockets | RingLink, rank: int, world: int) -> None:
     waits on a plan, and a ring that cannot go round fails the start (within
     the link's timeout, ``LinkTimeout`` naming the rank) instead of the first
     session."""
-    token = Message({"warm_up": True}, [torch.zeros(1, device=link.device)])
+    token = Message(RingHeader(), [torch.zeros(1, device=link.device)])
     if rank == 0:
         link.send(1, WARM_UP_TAG, token)
         link.recv(world - 1, WARM_UP_TAG)
     else:
         link.send((rank + 1) % world, WARM_UP_TAG, link.recv(rank - 1, WARM_UP_TAG))
     link.wait_sent()
+
+
+def rank_plan(step: MicroStep) -> RankPlan:
+    """What the later ranks need of micro-step ``step``: its releases, opens and
+    boundaries, and each rank's rows."""
+
+    def rows(planned: list[StepRow]) -> tuple[RankRow, ...]:
+        return tuple(RankRow(session_id=r.session_id, chunk_index=r.chunk_index, step=r.step) for r in planned)
+
+    return RankPlan(
+        number=step.number,
+        release=tuple(step.release),
+        open=tuple(step.open),
+        boundaries=tuple(
+            RankBoundary(session_id=t.session_id, chunk_index=t.chunk_index, prompt_changed=t.prompt is not None)
+            for t in step.boundaries
+        ),
+        ranks=tuple(rows(planned) for planned in step.ranks),
+    )
 
 
 def rank_port(config: EngineConfig, rank: int) -> int:
@@ -152,7 +173,7 @@ class RankGroup:
         self._store: dist.TCPStore | None = None
         self.sockets = RankSockets(0, config.pp, config.pp_timeout_s)
         self.link: RankSockets | RingLink | None = None
-        self.figures: dict[int, tuple[float, float]] = {}  # rank -> (busy_s, wall_s), cumulative
+        self.figures: dict[int, RankFigures] = {}  # rank -> its figures, cumulative, as the ring last carried them
         self._processes: list[multiprocessing.Process] = []
         self._closing = threading.Event()
         self._keep_alive: Connection | None = None
@@ -241,7 +262,7 @@ class RankGroup:
     def send_plan(self, step: MicroStep, ring: tuple[int, Message] | None = None) -> None:
         """Every follower gets every micro-step's plan, in order; ``ring`` (tag,
         message): rank 1's ring message, carried in the same frame."""
-        self.sockets.send_plan(step.number, msgspec.msgpack.encode(step), ring)
+        self.sockets.send_plan(step.number, encode_rank(rank_plan(step)), ring)
 
     @property
     def plans_carry_the_ring(self) -> bool:
@@ -249,9 +270,10 @@ class RankGroup:
         ring message can ride with the next plan."""
         return self.link is self.sockets
 
-    def note_figures(self, figures: list) -> None:
-        for rank, busy_s, wall_s in figures:
-            self.figures[int(rank)] = (float(busy_s), float(wall_s))
+    def note_figures(self, figures: tuple[RankFigures, ...]) -> None:
+        """The later ranks' figures a ring message brought back."""
+        for figure in figures:
+            self.figures[figure.rank] = figure
 
     def dead_reason(self, wait_s: float = 0.0) -> str | None:
         """Why the group is broken, when a follower has died (None: all alive).
@@ -362,11 +384,10 @@ def follow(config: EngineConfig, rank: int, world: int, store: dist.Store, launc
 
         nice = decode_nice(config.decode_nice, device.type, config.pp)
         follower.decoder = DecodeServer(pipeline, follower.states, sockets, nice=nice)
-    decoder = msgspec.msgpack.Decoder(MicroStep)
     log.info("rank %d of %d: blocks %d..%d", rank, world, blocks[0], blocks[1] - 1)
     try:
         while (raw := sockets.recv_plan()) is not None:
-            follower.run(decoder.decode(raw))
+            follower.run(decode_rank(raw, RankPlan))
         link.wait_sent()
         if follower.decoder is not None:
             follower.decoder.close()

@@ -1,8 +1,9 @@
 """Point-to-point messages between pipeline ranks: a header and its tensors.
 
-Worker processes. A ``Message`` is a plain header (a dict: the micro-step
-number, which rows it carries and which failed, what the tensors are) and a
-list of tensors. ``RingLink.send`` posts it with non-blocking operations
+Worker processes. A ``Message`` is a header (``engine.messages.RingHeader``:
+which passes and rows it carries, which sessions failed, the ranks' figures,
+what the tensors are; encoded by ``engine.transport.encode_rank``) and a list
+of tensors. ``RingLink.send`` posts it with non-blocking operations
 (``batch_isend_irecv``) in a buffer of fixed size (``MESSAGE_BYTES``): the
 header, then, when they fit, the tensors' bytes after it (small activations:
 one transfer per message); tensors that do not fit follow as transfers of
@@ -36,6 +37,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.messages import RingHeader, RingItem, TensorSpec
+from engine.transport import decode_rank, encode_rank
+
 MESSAGE_BYTES = 128 * 1024  # the header (a few hundred bytes per row), and the tensors when they fit
 ALIGN = 16  # tensors inside the buffer start at multiples of this (any dtype may view them)
 _TAG_MASK = (1 << 30) - 1
@@ -50,12 +54,57 @@ class LinkTimeout(RuntimeError):
     """A peer did not send or receive within the link's timeout."""
 
 
+class BadMessage(RuntimeError):
+    """A message from another rank that breaks the protocol: its header does not
+    decode as the type its frame must carry, a tensor is of a type the link does
+    not know, or its items take more tensors than came with it."""
+
+
 @dataclass
 class Message:
-    """What one rank hands another for one micro-step."""
+    """What one rank hands another: a ring message for one micro-step (its header
+    a ``RingHeader``), or a decode stage's frame (``workers.parallel.rank_decode``:
+    a plain dict, which the ranks' sockets carry on a connection of its own)."""
 
-    header: dict[str, Any]
+    header: RingHeader | dict[str, Any]
     tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+def tensor_specs(parts: list[torch.Tensor]) -> tuple[TensorSpec, ...]:
+    """What a header says of the tensors after it; ``ValueError`` naming a dtype
+    the link cannot carry."""
+    for t in parts:
+        if str(t.dtype) not in DTYPES:
+            raise ValueError(f"a ring message cannot carry a tensor of {t.dtype} (only {', '.join(DTYPES)})")
+    return tuple(TensorSpec(shape=tuple(t.shape), dtype=str(t.dtype)) for t in parts)
+
+
+def tensor_dtype(spec: TensorSpec) -> torch.dtype:
+    kind = DTYPES.get(spec.dtype)
+    if kind is None:
+        raise BadMessage(f"a ring message's tensor is of {spec.dtype!r}, not one of {', '.join(DTYPES)}")
+    return kind
+
+
+def ring_header(data: bytes, rank: int, peer: int) -> RingHeader:
+    """The ``RingHeader`` in ``data``, from ``peer``; ``BadMessage`` saying what is wrong with it."""
+    try:
+        return decode_rank(data, RingHeader)
+    except msgspec.DecodeError as error:
+        raise BadMessage(f"rank {rank}: a ring message from rank {peer}: {error}") from None
+
+
+def items_and_tensors(message: Message) -> list[tuple[RingItem, list[torch.Tensor]]]:
+    """Each item of a ring message with its own tensors (the next ``count``);
+    ``BadMessage`` when the items take more tensors than came."""
+    wanted = sum(item.count for item in message.header.items)
+    if wanted > len(message.tensors):
+        raise BadMessage(f"a ring message's items take {wanted} tensors, and {len(message.tensors)} came with it")
+    out, offset = [], 0
+    for item in message.header.items:
+        out.append((item, message.tensors[offset : offset + item.count]))
+        offset += item.count
+    return out
 
 
 class RingLink:
@@ -72,13 +121,15 @@ class RingLink:
         """Post ``message`` to ``peer``; returns at once. The previous sends are
         waited for first (their buffers may then be reused)."""
         self.wait_sent()
+        if not isinstance(message.header, RingHeader):
+            raise TypeError(f"a ring message's header is a RingHeader, not {type(message.header).__name__}")
         parts = [t.contiguous().to(self.device) for t in message.tensors]  # GPU tensors over gloo: via host memory
-        metas = [[list(t.shape), str(t.dtype)] for t in parts]
-        header = msgspec.msgpack.encode({**message.header, "tensors": metas, "inline": True})
+        specs = tensor_specs(parts)
+        header = encode_rank(msgspec.structs.replace(message.header, tensors=specs, inline=True))
         start = aligned(4 + len(header))
         inline = start + sum(aligned(t.numel() * t.element_size()) for t in parts) <= MESSAGE_BYTES
         if not inline:
-            header = msgspec.msgpack.encode({**message.header, "tensors": metas, "inline": False})
+            header = encode_rank(msgspec.structs.replace(message.header, tensors=specs, inline=False))
         if len(header) + 4 > MESSAGE_BYTES:
             raise ValueError(f"a micro-step header of {len(header)} bytes is over {MESSAGE_BYTES}")
         buffer = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
@@ -103,17 +154,20 @@ class RingLink:
         buffer = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, peer, tag=tag & _TAG_MASK)]), "header", peer)
         size = int.from_bytes(bytes(buffer[:4].tolist()), "little")
-        header = msgspec.msgpack.decode(buffer[4 : 4 + size].cpu().numpy().tobytes())
-        metas = header.pop("tensors")
-        if header.pop("inline"):
+        if size + 4 > MESSAGE_BYTES:
+            raise BadMessage(f"rank {self.rank}: a ring message from rank {peer} says its header is {size} bytes")
+        header = ring_header(buffer[4 : 4 + size].cpu().numpy().tobytes(), self.rank, peer)
+        if header.inline:
             tensors, offset = [], aligned(4 + size)
-            for shape, dtype in metas:
-                kind = DTYPES[dtype]
-                count = math.prod(shape) * kind.itemsize
-                tensors.append(buffer[offset : offset + count].view(kind).reshape(shape))
+            for spec in header.tensors:
+                kind = tensor_dtype(spec)
+                count = math.prod(spec.shape) * kind.itemsize
+                if offset + count > MESSAGE_BYTES:
+                    raise BadMessage(f"rank {self.rank}: a ring message from rank {peer} overruns its buffer")
+                tensors.append(buffer[offset : offset + count].view(kind).reshape(spec.shape))
                 offset += aligned(count)
             return Message(header, tensors)
-        tensors = [torch.empty(shape, dtype=DTYPES[dtype], device=self.device) for shape, dtype in metas]
+        tensors = [torch.empty(spec.shape, dtype=tensor_dtype(spec), device=self.device) for spec in header.tensors]
         if tensors:
             ops = [dist.P2POp(dist.irecv, t, peer, tag=tag & _TAG_MASK) for t in tensors]
             self._wait(dist.batch_isend_irecv(ops), "tensors", peer)

@@ -10,7 +10,8 @@ micro-step for every rank (``MicroStep.ranks``: rank r runs the rows that
 entered rank 0 r micro-steps ago; ``MicroStep.returning``: the rows the last
 rank finished in the micro-step before, back at rank 0). Micro-step m here:
 
-    send the plan to every other rank (``RankGroup.send_plan``); where the
+    send the plan to every other rank (``RankGroup.send_plan``: an
+        ``engine.messages.RankPlan``); where the
         ring is on the plans' sockets, rank 1's carries the rows rank 0 ran
         in m-1, which rank 1 runs in m (it could not begin them before this
         plan: one write instead of two, and one wake-up)
@@ -29,7 +30,7 @@ between its blocks (``is_stopping``): those rows are left out of
 the message, which still goes to rank 1, so no rank waits for a message that
 never comes. Ranks after the first do not know of stops and run their part
 of the rows they receive to the end. A row a later rank
-failed comes back in the message's ``failed`` and
+failed comes back in the message's ``failed`` (``RingHeader.failed``) and
 fails its session here, like any pipeline error (``RowExecutor.fail``).
 """
 
@@ -39,9 +40,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from engine.messages import SessionGeometry, StartSession
+from engine.messages import RingHeader, RingItem, SessionGeometry, StartSession
 from engine.plan import DecodeResult, MicroStep, StepResult, StepRow
-from workers.parallel.link import Message
+from workers.parallel.link import Message, items_and_tensors
 from workers.pipelines.base import BatchRow, ChunkPipeline
 from workers.row_executor import Ok, StageCall
 from workers.runner_sessions import RunnerSessions
@@ -132,7 +133,7 @@ class RingRunner:
             waited_from = time.perf_counter()
             message = self.group.link.recv(self.group.world - 1, step.number)
             waited = time.perf_counter() - waited_from
-            self.group.note_figures(message.header.get("figures", []))
+            self.group.note_figures(message.header.figures)
             self._take_back(message, step.returning, result)
         self.sessions.prepare(step, result)
         rows = self.sessions.running(step.ranks[0])
@@ -150,9 +151,9 @@ class RingRunner:
 
     def rank_figures(self) -> tuple[tuple[int, float, float], ...]:
         """(rank, busy_s, wall_s) of every rank: rank 0's own, the others' as the
-        latest message round the ring carried them."""
-        others = sorted(self.group.figures.items())
-        return ((0, self.busy_s, self.wall_s), *((rank, busy, wall) for rank, (busy, wall) in others))
+        latest message round the ring carried them (``RankGroup.figures``)."""
+        others = sorted(self.group.figures.values(), key=lambda figures: figures.rank)
+        return ((0, self.busy_s, self.wall_s), *((f.rank, f.busy_s, f.wall_s) for f in others))
 
     # -- the rows entering the ring --------------------------------------------
 
@@ -162,7 +163,7 @@ class RingRunner:
         row that fails on its own fails its session), each commit pass alone;
         returns the message for rank 1."""
         blocks = self.group.blocks
-        items: list[dict] = []
+        items: list[RingItem] = []
         tensors: list = []
         denoise = [row for row in rows if not row.commit]
         width = self.pipeline.max_batch_rows
@@ -183,11 +184,11 @@ class RingRunner:
                 if isinstance(outcome, Ok):
                     result.row(sid, index).decode_ms += outcome.ms
                     self._add(items, tensors, "commit", outcome.value)
-        return Message({"items": items, "failed": {}}, tensors)
+        return Message(RingHeader(items=tuple(items)), tensors)
 
-    def _add(self, items: list[dict], tensors: list, kind: str, hidden) -> None:
+    def _add(self, items: list[RingItem], tensors: list, kind: str, hidden) -> None:
         meta, parts = self.pipeline.pack(hidden)
-        items.append({"kind": kind, "meta": meta, "count": len(parts)})
+        items.append(RingItem(kind=kind, meta=meta, count=len(parts)))
         tensors.extend(parts)
 
     # -- the rows coming back ----------------------------------------------------
@@ -197,21 +198,18 @@ class RingRunner:
         passes, ``finish_commit`` (then the decode) for commit passes; rows it
         failed fail here; rows it does not carry were not started (stopping)."""
         planned = {(r.session_id, r.chunk_index, r.step): r for r in returning}
-        for sid, error in message.header.get("failed", {}).items():
+        for sid, error in message.header.failed.items():
             if sid in self.states:
                 chunk_index = min((r.chunk_index for r in returning if r.session_id == sid), default=0)
                 self.rows.fail(result, sid, chunk_index, "forward", RankError(error))
         ended: list[tuple[str, int]] = []  # chunks committed here: decoded (or deferred) together after
-        offset = 0
-        for item in message.header["items"]:
-            parts = message.tensors[offset : offset + item["count"]]
-            offset += item["count"]
-            for index, (sid, chunk_index, step) in enumerate(item["rows"]):
+        for item, parts in items_and_tensors(message):
+            for index, (sid, chunk_index, step) in enumerate(item.rows):
                 row = planned.get((sid, chunk_index, step))
                 if row is None or not self.sessions.running([row]):  # not started, released, or failed
                     continue
                 session = self.states[sid]
-                if item["kind"] == "commit":
+                if item.kind == "commit":
                     done = self.rows.call(
                         result, sid, chunk_index, "commit", self.pipeline.finish_commit, session, chunk_index
                     )

@@ -3,9 +3,10 @@
 Worker processes. ``RankSockets`` connects every rank to the ranks it sends
 to (rank 0 to every follower, for the plans; each rank to the next one, for
 the ring; the last rank to rank 0) and carries four kinds of frame on
-them: a micro-step's plan (rank 0 to each follower), a ring message (the
-same ``Message`` as ``RingLink``'s: a header naming rows, failures and
-tensor shapes, then the tensors' bytes), a plan that carries rank 1's ring
+them: a micro-step's plan (rank 0 to each follower: an encoded
+``engine.messages.RankPlan``), a ring message (the same ``Message`` as
+``RingLink``'s: its ``RingHeader`` naming rows, failures and tensor shapes,
+then the tensors' bytes), a plan that carries rank 1's ring
 message (rank 0 to rank 1: the rows rank 1 runs under that plan, in one
 write) and a stop. A second set of
 connections, rank 0 and each follower both ways, carries the decode stage's
@@ -54,7 +55,18 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from workers.parallel.link import DTYPES, LinkTimeout, Message, aligned
+from engine.messages import RingHeader
+from engine.transport import encode_rank
+from workers.parallel.link import (
+    DTYPES,
+    BadMessage,
+    LinkTimeout,
+    Message,
+    aligned,
+    ring_header,
+    tensor_dtype,
+    tensor_specs,
+)
 
 _PREFIX = struct.Struct("<4sB3xqIQ")  # magic, kind, tag, header bytes, payload bytes
 _MAGIC = b"RTV1"
@@ -442,22 +454,25 @@ class RankSockets:
     # -- the ring (RingLink's interface) ------------------------------------------
 
     def send(self, peer: int, tag: int, message: Message) -> None:
-        """Post ``message`` to ``peer``; returns once the kernel holds it or the
-        connection's thread has what it did not take."""
+        """Post ``message`` (its header a ``RingHeader``) to ``peer``; returns once
+        the kernel holds it or the connection's thread has what it did not take."""
+        if not isinstance(message.header, RingHeader):
+            raise TypeError(f"a ring message's header is a RingHeader, not {type(message.header).__name__}")
         self.post(peer, RING, tag, message)
         self.transfers += 1
 
     def recv(self, peer: int, tag: int) -> Message:
         """The ring message ``peer`` sent with ``tag``; ``LinkTimeout`` past the
-        timeout, ``PeerClosed`` when the peer's connection closes."""
+        timeout, ``PeerClosed`` when the peer's connection closes, ``BadMessage``
+        when its header is not a valid ``RingHeader``."""
         _, message = self.take(peer, (RING,), tag, self.timeout_s, "ring message")
         return message
 
     # -- any kind of frame ----------------------------------------------------------
 
     def post(self, peer: int, kind: int, tag: int, message: Message) -> None:
-        """One frame of ``kind`` to ``peer``: the message's header (msgpack, with
-        its tensors' shapes and types) and tensors."""
+        """One frame of ``kind`` to ``peer``: the message's header (with its
+        tensors' shapes and types) and tensors."""
         header, parts = _encoded(message)
         self._post(peer, kind, tag, header, parts)
 
@@ -470,11 +485,18 @@ class RankSockets:
         The tensors are views of the received bytes."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         frame = self._in[peer, _channel(kinds)].take(kinds, tag, deadline, what)
-        header = msgspec.msgpack.decode(frame.header)
+        header: RingHeader | dict
+        if frame.kind == RING:
+            header = ring_header(frame.header, self.rank, peer)
+            specs = [(spec.shape, tensor_dtype(spec)) for spec in header.tensors]
+        else:  # a decode stage's frame: a plain dict
+            header = msgspec.msgpack.decode(frame.header)
+            specs = [(shape, DTYPES[dtype]) for shape, dtype in header.pop("tensors")]
         tensors, offset = [], 0
-        for shape, dtype in header.pop("tensors"):
-            kind = DTYPES[dtype]
+        for shape, kind in specs:
             count = math.prod(shape) * kind.itemsize
+            if offset + count > len(frame.payload):
+                raise BadMessage(f"rank {self.rank}: a frame from rank {peer} is shorter than its tensors")
             if count:
                 flat = torch.frombuffer(frame.payload, dtype=torch.uint8, count=count, offset=offset)
                 tensors.append(flat.view(kind).reshape(shape))
@@ -517,9 +539,12 @@ class RankSockets:
 
 
 def _encoded(message: Message) -> tuple[bytes, list[torch.Tensor]]:
-    """A message's header (msgpack, with its tensors' shapes and types) and its
-    tensors on the host, as a frame carries them."""
+    """A message's header (with its tensors' shapes and types: a ``RingHeader``
+    through ``encode_rank``, a decode frame's dict as msgpack) and its tensors
+    on the host, as a frame carries them."""
     parts = [t.detach().contiguous().cpu() for t in message.tensors]
+    if isinstance(message.header, RingHeader):
+        return encode_rank(msgspec.structs.replace(message.header, tensors=tensor_specs(parts))), parts
     metas = [[list(t.shape), str(t.dtype)] for t in parts]
     return msgspec.msgpack.encode({**message.header, "tensors": metas}), parts
 
