@@ -116,12 +116,11 @@ def calibrate(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     began = time.perf_counter()
-    if getattr(pipeline, "warm_up_chunks", 0) <= 0:
+    if pipeline.warm_up_chunks <= 0:
         return Calibration((), None, 0.0)
     defaults = pipeline.describe(StartSession(session_id=CALIBRATION_SESSION, prompt="calibration"))
-    limits = pipeline.limits() if hasattr(pipeline, "limits") else None
-    largest = limits.max_size**2 if limits is not None else defaults.width * defaults.height
-    multiple = limits.size_multiple if limits is not None else 1
+    limits = pipeline.limits()
+    largest, multiple = limits.max_size**2, limits.size_multiple
     timer = None
     if measure is None:
         timer = _ChunkTimer(pipeline)
@@ -138,7 +137,7 @@ def calibrate(
         def probe(pixels: int) -> bool:
             """``repeats`` chunks measured at about ``pixels``; False (nothing measured)
             when a session of that frame would not fit in the memory sessions may hold."""
-            width, height = _frame(defaults, pixels, multiple, limits.max_size if limits else defaults.width)
+            width, height = _frame(defaults, pixels, multiple, limits.max_size)
             if width * height in measured:
                 return True
             if not _fits(pipeline, width, height):
@@ -222,9 +221,9 @@ def _fits(pipeline: ChunkPipeline, width: int, height: int) -> bool:
     """Whether a session of ``width`` x ``height`` has room to be measured: its state,
     and as much again for the forward's activations and roped keys (a 832x480
     session of the 1.3B model on a GPU peaked at about 0.8 times its state beyond
-    the weights), within what the pipeline says sessions may hold now. A
-    pipeline that says nothing (no ``session_memory_budget``, or None) fits."""
-    budget = pipeline.session_memory_budget() if hasattr(pipeline, "session_memory_budget") else None
+    the weights), within what the pipeline says sessions may hold now. Where
+    it says None (not limited), it fits."""
+    budget = pipeline.session_memory_budget()
     if budget is None:
         return True
     state = pipeline.describe(
@@ -234,10 +233,11 @@ def _fits(pipeline: ChunkPipeline, width: int, height: int) -> bool:
 
 
 def _chunks_to_fill(pipeline: ChunkPipeline) -> int:
-    """Chunks that fill a session's KV cache (sinks and window), plus one."""
-    latent = getattr(pipeline, "latent_frames", 0)
-    span = getattr(pipeline, "sink_frames", 0) + getattr(pipeline, "window_frames", 0)
-    return span // latent + 1 if latent else 2
+    """Chunks that fill a session's KV cache (sinks and window), plus one; 2 for a
+    pipeline that declares no such window (``kv_window``)."""
+    if not pipeline.capabilities.kv_window:
+        return 2
+    return (pipeline.sink_frames + pipeline.window_frames) // pipeline.latent_frames + 1
 
 
 def _frame(defaults: SessionGeometry, pixels: int, multiple: int, max_size: int) -> tuple[int, int]:
@@ -267,7 +267,7 @@ class _ChunkTimer:
     def __init__(self, pipeline: ChunkPipeline) -> None:
         self._pipeline = pipeline
         self._calls: list[StageCall] = []
-        sync = getattr(pipeline, "synchronize", None)
+        sync = pipeline.synchronize if pipeline.capabilities.synchronize else None
         self._driver = ChunkDriver(
             pipeline,
             max_rows=1,

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.plan import DecodeResult
 from workers.ordered_thread import OrderedThread
+from workers.pipelines.capabilities import device_type
 from workers.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,17 @@ CPU_DECODE_ROWS = 4
 
 def decode_batch_rows(pipeline) -> int:
     """The most chunks of different sessions one batched decode takes on
-    ``pipeline`` (1: each decodes alone). 1 without ``decode_batch``; on a
+    ``pipeline`` (1: each decodes alone). 1 where it declares no
+    ``decode_batch`` (``workers.pipelines.capabilities``); on a
     GPU ``max_batch_rows``, the rows its memory was planned for; on a CPU at
     least ``CPU_DECODE_ROWS``: there a batch costs only a little host memory
     and runs the decoder's many small kernels once for all its rows
     (measured with the tiny preset at 64x64 on 2 cores, one thread, a busy
     afternoon: 44-50 ms a chunk alone, 29-37 in batches of 2, 28-31 in
     batches of 4, 26 in batches of 8; ``workers.pipelines.cpu_kernels``)."""
-    if not hasattr(pipeline, "decode_batch"):
+    if not pipeline.capabilities.decode_batch:
         return 1
-    if getattr(getattr(pipeline, "device", None), "type", None) == "cpu":
+    if device_type(pipeline) == "cpu":
         return max(pipeline.max_batch_rows, CPU_DECODE_ROWS)
     return pipeline.max_batch_rows
 

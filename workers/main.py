@@ -51,6 +51,7 @@ from workers.os_threads import decode_nice
 from workers.parallel.group import decode_placement
 from workers.parallel.ring import RingRunner
 from workers.pipelines import build_pipeline, known_prompts
+from workers.pipelines.capabilities import device_type
 from workers.runner import ModelRunner
 from workers.warmup import warm_up
 
@@ -115,8 +116,8 @@ def run_worker(
         sender.send,
         memory_budget=budget,
         costs=costs,
-        max_pixels=None if limits is None else limits.max_pixels,
-        pixels_derived=limits is not None and limits.max_pixels_derived,
+        max_pixels=limits.max_pixels,
+        pixels_derived=limits.max_pixels_derived,
     )
 
     def send(message) -> None:  # the loop's results: every chunk made refines the cost model
@@ -125,7 +126,7 @@ def run_worker(
         sender.send(message)
 
     overlap = _overlap_decode(config, pipeline)
-    nice = decode_nice(config.decode_nice, getattr(getattr(pipeline, "device", None), "type", "cpu"), config.pp)
+    nice = decode_nice(config.decode_nice, device_type(pipeline) or "cpu", config.pp)
     # With pipeline ranks, rank 0's decode stage gets a lane per rank (its own thread mostly waits on the ring),
     # or the sessions' decodes are shared out over the ranks.
     lanes = config.pp if group is not None else 1
@@ -298,12 +299,10 @@ def _calibrate(config: EngineConfig, pipeline) -> Calibration:
     return calibration
 
 
-def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> ModelLimits | None:
+def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> ModelLimits:
     """The pipeline's limits with the worker's frame bound: ``max_pixels`` as
     configured, else the calibrated real-time area (``max_pixels_derived``)."""
-    limits = pipeline.limits() if hasattr(pipeline, "limits") else None
-    if limits is None:
-        return None
+    limits = pipeline.limits()
     if config.max_pixels is not None:
         return msgspec.structs.replace(limits, max_pixels=config.max_pixels, max_pixels_derived=False)
     derived = calibration.realtime_pixels
@@ -320,7 +319,7 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
     would take minutes: a model directory on a CPU). None on a GPU."""
     import torch
 
-    if getattr(getattr(pipeline, "device", None), "type", None) != "cpu":
+    if device_type(pipeline) != "cpu":
         return None
     if config.pp > 1:
         from workers.parallel.group import rank_threads
@@ -328,7 +327,7 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
         return rank_threads(config.pp)
     if config.cpu_threads is not None:
         return config.cpu_threads
-    chunks = getattr(pipeline, "warm_up_chunks", 0)
+    chunks = pipeline.warm_up_chunks
     if chunks <= 0 or os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     from workers.cpu_threads import measure_cpu_threads
@@ -355,8 +354,8 @@ def _align_chunks(config: EngineConfig, pipeline) -> bool:
     """Whether the scheduler lines sessions up so that their chunks end together
     (``ChunkScheduler`` ``align_chunks``): on one rank whose chunks that end
     together commit and decode as one batch, in line or on the decode stage:
-    it takes batched forwards and has ``decode_batch``."""
-    return config.pp == 1 and pipeline.max_batch_rows > 1 and hasattr(pipeline, "decode_batch")
+    it takes batched forwards and decodes batches (``decode_batch``)."""
+    return config.pp == 1 and pipeline.max_batch_rows > 1 and pipeline.capabilities.decode_batch
 
 
 def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock, site=None):
@@ -366,7 +365,7 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
     started already: only its sockets listen here."""
     from workers.parallel.group import RankGroup
 
-    if not getattr(pipeline, "supports_micro_step_execution", False) or not hasattr(pipeline, "own_blocks"):
+    if not pipeline.capabilities.pipeline_ranks:
         raise ValueError(f"pp: the {pipeline.name!r} pipeline cannot be split over pipeline ranks")
     if pipeline.num_blocks < config.pp:
         raise ValueError(

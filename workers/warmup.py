@@ -29,7 +29,7 @@ def warm_up(pipeline: ChunkPipeline, width: int | None = None, height: int | Non
     the one given; returns the seconds it took (0 when the pipeline asks for
     no warm-up). Exceptions propagate: a pipeline that cannot make a chunk
     should not say READY."""
-    chunks = getattr(pipeline, "warm_up_chunks", 0)
+    chunks = pipeline.warm_up_chunks
     if chunks <= 0:
         return 0.0
     began = time.perf_counter()

@@ -37,6 +37,7 @@ from workers.parallel.decode_server import DecodeServer
 from workers.parallel.link import LinkTimeout, Message
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, DECODES
 from workers.pipelines import build_pipeline
+from workers.pipelines.capabilities import Capabilities
 
 
 @pytest.fixture(scope="module")
@@ -304,13 +305,13 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
     ],
 )
 def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
-    pipelines, pp_decode, pp, overlap, stages, stream, expected
+    pp_decode, pp, overlap, stages, stream, expected
 ):
     from engine.config import EngineConfig
     from workers.parallel.group import decode_placement
 
     class Pipeline:  # what decode_placement reads of a pipeline
-        decode_input = decode_latent = pipelines[0].decode_latent
+        capabilities = Capabilities(rank_decode=True, split_decode=True)
         decode_stages = stages
 
     config = EngineConfig(

@@ -16,6 +16,7 @@ from engine.plan import BoundaryTask, MicroStep, StepRow
 from tests.model.test_causal_wan import open_session, release, run_chunk
 from workers.decode_stage import CPU_DECODE_ROWS, DecodeStage, batch_rounds, decode_batch_rows
 from workers.pipelines.causal_wan import build
+from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
 
 SESSIONS = ("da", "db", "dc")
@@ -80,7 +81,7 @@ def test_how_many_chunks_a_pipeline_decodes_in_one_batch(pipeline):
     assert decode_batch_rows(pipeline) == 4  # max_batch_rows on this CPU pipeline
     one_row = build("tiny", device="cpu", max_batch_rows=1, warm_up_chunks=0)
     assert decode_batch_rows(one_row) == CPU_DECODE_ROWS  # on a CPU, batches whatever rows a forward takes
-    assert decode_batch_rows(object()) == 1  # no decode_batch: each decodes alone
+    assert decode_batch_rows(StubPipeline(max_batch_rows=4)) == 1  # declares no decode_batch: each decodes alone
     with pytest.raises(ValueError, match="batch must be >= 1"):
         DecodeStage(ModelRunner(pipeline), print, batch=0)
 

@@ -14,6 +14,7 @@ import pytest
 
 from workers.parallel import decode_server
 from workers.parallel.sockets import PeerClosed
+from workers.pipelines.stub import StubPipeline
 
 
 class FailingSockets:
@@ -47,7 +48,7 @@ def exits(monkeypatch) -> list[int]:
 
 def serve(error: BaseException, closing: bool = False) -> None:
     sockets = FailingSockets(error)
-    server = decode_server.DecodeServer(object(), {}, sockets)
+    server = decode_server.DecodeServer(StubPipeline(), {}, sockets)
     if closing:  # the rank stops while the thread waits, and its sockets close under it
         sockets.before_raise = server._closing.set
     sockets.go.set()

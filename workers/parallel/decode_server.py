@@ -47,7 +47,7 @@ class DecodeServer:
         self._states = states
         self._sockets = sockets
         # the most whole chunks one batched decode takes (1: each alone)
-        self._rows = decode_batch_rows(pipeline) if hasattr(pipeline, "decode_latents") else 1
+        self._rows = decode_batch_rows(pipeline) if pipeline.capabilities.rank_decode_batch else 1
         self._cancelled: set[str] = set()
         self._split: dict[tuple[str, int], _SplitChunk] = {}  # split chunks whose last part has not come
         self._split_batches: dict[tuple, _SplitBatch] = {}  # batches of them, by their (session, chunk) rows

@@ -108,7 +108,7 @@ def measure_costs(pipeline, repeats: int = 3, decode_inline: bool = True) -> Sta
     from workers.pipelines.base import BatchRow, StepBatch
     from workers.pipelines.wan_blocks import head, run_blocks
 
-    sync = getattr(pipeline, "synchronize", lambda: None)
+    sync = pipeline.synchronize if pipeline.capabilities.synchronize else lambda: None
 
     def timed(function, times: int = repeats):
         best, value = float("inf"), None

@@ -96,13 +96,15 @@ POLL_S = 0.05  # how often a waiting receiver looks for stopping sessions to can
 
 
 def can_spread(pipeline) -> bool:
-    """Whether ``pipeline`` can decode a chunk on another rank than the one that made it."""
-    return hasattr(pipeline, "decode_input") and hasattr(pipeline, "decode_latent")
+    """Whether ``pipeline`` can decode a chunk on another rank than the one that
+    made it: it declares ``rank_decode`` (``workers.pipelines.capabilities``)."""
+    return pipeline.capabilities.rank_decode
 
 
 def can_split(pipeline) -> bool:
-    """Whether ``pipeline``'s decoder can be split over two ranks."""
-    return can_spread(pipeline) and getattr(pipeline, "decode_stages", 0) >= 2
+    """Whether ``pipeline``'s decoder can be split over two ranks: it declares
+    ``split_decode`` and this decoder has stages to split between."""
+    return pipeline.capabilities.split_decode and pipeline.decode_stages >= 2
 
 
 class RankDecodeStage:
@@ -122,7 +124,8 @@ class RankDecodeStage:
         self._runner = runner
         self._split = split
         rows = decode_batch_rows(runner.pipeline)
-        self._front_rows = rows if hasattr(runner.pipeline, "decode_fronts") else 1  # split chunks a front batch takes
+        # split chunks a front batch takes
+        self._front_rows = rows if runner.pipeline.capabilities.split_decode_batch else 1
         self._front = None
         self._gather = RoundGather(self._front_rows)  # when the front lane's waiting chunks go together
         if split and self._front_rows > 1:

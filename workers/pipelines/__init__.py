@@ -7,6 +7,7 @@ import importlib
 
 from engine.config import PipelineSpec
 from workers.pipelines.base import ChunkPipeline
+from workers.pipelines.capabilities import check_pipeline
 
 REGISTRY: dict[str, str] = {
     "stub": "workers.pipelines.stub:StubPipeline",
@@ -21,7 +22,10 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
     session rows (the engine's knob; a pipeline option of that name is refused so
     there is one). ``spec.name`` is a name of ``REGISTRY`` or the import path of a
     factory of one's own (``package.module:function``, importable in the worker
-    processes). ``ValueError`` names an unknown pipeline or a refused option."""
+    processes). ``ValueError`` names an unknown pipeline or a refused option.
+    Either way the pipeline built is checked against the contract and its
+    declared capabilities (``workers.pipelines.capabilities.check_pipeline``):
+    ``PipelineContractError`` names the pipeline and what it lacks."""
     target = REGISTRY.get(spec.name) or (spec.name if ":" in spec.name else None)
     if target is None:
         known = ", ".join(sorted(REGISTRY))
@@ -32,7 +36,7 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
         )
     module, _, attr = target.partition(":")
     factory = getattr(importlib.import_module(module), attr)
-    return factory(**spec.options, max_batch_rows=max_batch_rows)
+    return check_pipeline(factory(**spec.options, max_batch_rows=max_batch_rows))
 
 
 def known_prompts(spec: PipelineSpec) -> tuple[str, ...]:

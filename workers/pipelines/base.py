@@ -54,10 +54,13 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from engine.messages import ModelLimits, SessionGeometry, StartSession
 from engine.plan import ChunkOutput
+
+if TYPE_CHECKING:
+    from workers.pipelines.capabilities import Capabilities
 
 
 class ChunkOrderError(RuntimeError):
@@ -297,18 +300,18 @@ class ChunkPipeline(Protocol):
     knob for it; sizes that depend on it (attention buffers, memory) follow."""
     warm_up_chunks: int
     """Chunks of a throwaway session the worker runs before READY (``workers.warmup``); 0: none."""
-    # Optional: ``batch_invariant: bool``, whether a row of a batched forward computes
-    # bit for bit what it computes alone (read with getattr, False when absent); the
-    # runner reports a chunk batched on a pipeline without it as not replay-exact.
-    # Optional: ``decode_batch(sessions, chunk_indices) -> list[ChunkOutput]``, ``decode``
-    # of one chunk of each of several sessions at once, all or nothing (when it raises
-    # or is abandoned no session changed); the runner calls it for the chunks a forward
-    # commits together when it decodes in line, the decode stage for the decodes
-    # waiting on a lane (``ModelRunner.decode_many``), and each decodes alone when it raises.
-    # Optional: ``commit_batch(sessions, chunk_indices) -> None``, ``commit`` (every
-    # block, one rank) of one chunk of each of several sessions at once, all or
-    # nothing; the runner calls it for the rows whose chunks a forward finished
-    # together, and commits each alone when it raises.
+    batch_invariant: bool
+    """Whether a row of a batched forward computes bit for bit what it computes
+    alone; the runner reports a chunk batched on a pipeline without it as not
+    replay-exact. Read at every batched forward (it may depend on the device)."""
+    device: Any
+    """The ``torch.device`` it computes on; None for a pipeline without one (the
+    stub's host arithmetic). ``workers.pipelines.capabilities.device_type``."""
+    capabilities: Capabilities
+    """The optional parts it implements (``workers.pipelines.capabilities``:
+    batched commits and decodes, decodes on another rank, the decoder or the
+    blocks split over ranks, ...), checked once when it is built; the worker
+    asks this, never the object, whether it may call one."""
 
     def describe(self, start: StartSession) -> SessionGeometry:
         """The effective geometry of ``start``, defaults filled in. Raises

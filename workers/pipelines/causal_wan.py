@@ -49,6 +49,7 @@ from workers.pipelines.base import (
     chosen_decoder,
     refuse_negative_prompt,
 )
+from workers.pipelines.capabilities import Capabilities
 from workers.pipelines.causal_wan_decode import CausalWanDecoding
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.conditioning import PromptBlend, nearest_known
@@ -105,6 +106,17 @@ class CausalWanPipeline(CausalWanDecoding):
     name: ClassVar[str] = "causal_wan"
     supports_chunk_step_grouping: ClassVar[bool] = True
     supports_micro_step_execution: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        commit_batch=True,
+        decode_batch=True,
+        rank_decode=True,
+        rank_decode_batch=True,
+        split_decode=True,  # decode_stages says whether this decoder can be split (the demo codec's cannot)
+        split_decode_batch=True,
+        pipeline_ranks=True,
+        kv_window=True,
+        synchronize=True,
+    )
 
     def __init__(
         self,

@@ -53,6 +53,7 @@ from workers.pipelines.base import (
     chosen_decoder,
     refuse_negative_prompt,
 )
+from workers.pipelines.capabilities import Capabilities
 from workers.pipelines.conditioning import PromptBlend
 
 DIM = 8
@@ -122,6 +123,8 @@ class StubPipeline:
     num_blocks: ClassVar[int] = 2  # block 0: the conditioning; block 1: the committed context
     warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
     batch_invariant: ClassVar[bool] = True  # each row's arithmetic is its own, whatever the batch
+    device: ClassVar[None] = None  # numpy on the host: no torch device
+    capabilities: ClassVar[Capabilities] = Capabilities()  # the stages only: each chunk commits and decodes alone
 
     def __init__(
         self,
