@@ -71,7 +71,7 @@ class RunnerSessions:
             self._session_failed,
             synchronize=synchronize,
             on_stage=on_stage,
-            batch_invariant=lambda: getattr(pipeline, "batch_invariant", False),
+            batch_invariant=lambda: pipeline.batch_invariant,
         )
         self.defer_decode = False
         """True: a committed chunk is left for ``decode`` (the decode stage, on a
@@ -151,11 +151,12 @@ class RunnerSessions:
 
     def batched(self, result: StepResult, keys: list[tuple[str, int]], stage: str, method: str) -> Outcome | None:
         """The pipeline's optional batched ``method`` (``commit_batch``,
-        ``decode_batch``) over the sessions and chunk indices of ``keys``, through
-        ``RowExecutor.call_batch``; None where there are fewer than two or it has none."""
-        function = getattr(self.pipeline, method, None)
-        if len(keys) < 2 or function is None:
+        ``decode_batch``: each the capability of that name) over the sessions and
+        chunk indices of ``keys``, through ``RowExecutor.call_batch``; None where
+        there are fewer than two or the pipeline does not declare it."""
+        if len(keys) < 2 or not getattr(self.pipeline.capabilities, method):
             return None
+        function = getattr(self.pipeline, method)
         states = [self.states[sid] for sid, _ in keys]
         return self.rows.call_batch(result, keys, stage, function, states, [index for _, index in keys])
 
@@ -249,11 +250,11 @@ class RunnerSessions:
 
     def _batched_decode(self, keys: list[tuple[str, int]]) -> list[DecodeResult] | None:
         """The chunks of ``keys`` through the pipeline's ``decode_batch``, no
-        longer pending; None (still pending, nothing changed) where it has none
-        or it raised."""
-        decode_batch = getattr(self.pipeline, "decode_batch", None)
-        if decode_batch is None:
+        longer pending; None (still pending, nothing changed) where it declares
+        none or it raised."""
+        if not self.pipeline.capabilities.decode_batch:
             return None
+        decode_batch = self.pipeline.decode_batch
         indices = [index for _, index in keys]
         outcome = self.rows.run_batch(
             keys, "decode", lambda: decode_batch([self.states[sid] for sid, _ in keys], indices)
