@@ -465,7 +465,8 @@ def test_the_cache_is_roped_once_per_layer_per_chunk(pipeline, monkeypatch):
     held_tokens = kv.frames * kv.tokens_per_frame  # 6 frames: unlike a chunk's 3
     calls = []
     real = wan_attention.apply_rope
-    monkeypatch.setattr(wan_attention, "apply_rope", lambda x, *cs: calls.append(x.shape[1]) or real(x, *cs))
+    spy = lambda x, *cs, **out: calls.append(x.shape[1]) or real(x, *cs, **out)  # noqa: E731
+    monkeypatch.setattr(wan_attention, "apply_rope", spy)
     run_chunk(pipeline, state)  # 4 denoise forwards and the commit forward, all over the same cache
     assert calls.count(held_tokens) == len(pipeline.transformer.blocks)
     assert kv.uid in pipeline.context.roped.entries

@@ -8,9 +8,15 @@ attention processor ropes them at cache-relative positions on every read
 never exceed ``sink + window + chunk`` frames and never run off the RoPE
 table, however many chunks the session makes.
 
-Layout per layer: ``[batch, capacity_frames * tokens_per_frame, heads, head_dim]``,
-frames in time order: the first ``sink_frames`` frames ever committed stay;
-after them the most recent frames, oldest first.
+Layout per layer: ``[batch, (capacity_frames + tail_frames) * tokens_per_frame,
+heads, head_dim]``, frames in time order: the first ``sink_frames`` frames ever
+committed stay; after them the most recent frames, oldest first. The
+``tail_frames`` after the held frames are a workspace: a forward writes its
+chunk's values there, in place (``values_with``), so attention reads [held,
+chunk] as one contiguous span of the store instead of a concatenated copy
+per layer per forward, at an address that does not change from forward to
+forward (what a captured chunk step needs). A commit overwrites that span
+with the chunk's clean values as before.
 
 A cache holds the layers it is given (``layers``): all of them on one rank,
 a rank's own block range when the transformer is split over ranks. Every
@@ -47,14 +53,16 @@ class SessionKVCache:
         batch: int,
         dtype: torch.dtype,
         device: torch.device,
+        tail_frames: int = 0,
     ) -> None:
-        if sink_frames < 0 or window_frames < 1:
-            raise ValueError("need sink_frames >= 0 and window_frames >= 1")
+        if sink_frames < 0 or window_frames < 1 or tail_frames < 0:
+            raise ValueError("need sink_frames >= 0, window_frames >= 1 and tail_frames >= 0")
         self.sink_frames = sink_frames
         self.window_frames = window_frames
         self.capacity = sink_frames + window_frames
+        self.tail_frames = tail_frames
         self.tokens_per_frame = tokens_per_frame
-        shape = (batch, self.capacity * tokens_per_frame, heads, head_dim)
+        shape = (batch, (self.capacity + tail_frames) * tokens_per_frame, heads, head_dim)
         self.layers = range(layers) if isinstance(layers, int) else layers
         self.keys = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.layers}
         self.values = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.layers}
@@ -69,6 +77,20 @@ class SessionKVCache:
         """The held (un-roped) keys and values of ``layer``, in time order."""
         end = self.frames * self.tokens_per_frame
         return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def values_with(self, layer: int, values: torch.Tensor) -> torch.Tensor | None:
+        """Layer ``layer``'s held values followed by ``values`` (one row: the chunk
+        being computed, [1, tokens, heads, head_dim]) as one contiguous view of
+        the store, ``values`` copied into the span after the held frames; None
+        when that span is too short (more tokens than ``tail_frames`` hold while
+        the cache is full) or the cache has more than one row."""
+        store = self.values[layer]
+        start = self.frames * self.tokens_per_frame
+        end = start + values.shape[1]
+        if store.shape[0] != 1 or values.shape[0] != 1 or end > store.shape[1]:
+            return None
+        store[:, start:end].copy_(values)
+        return store[:, :end]
 
     def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep one layer's keys and values of the chunk being committed."""

@@ -29,6 +29,7 @@ reference in tests).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -65,34 +66,68 @@ class RopedKeys:
         self.entries: OrderedDict[int, _RopedEntry] = OrderedDict()  # by cache uid, least recent first
 
     def get(self, cache: SessionKVCache, layer: int, height: int, width: int) -> torch.Tensor:
-        """Layer ``layer``'s held keys of ``cache``, roped at positions 0 .. frames-1."""
+        """Layer ``layer``'s held keys of ``cache``, roped at positions 0 .. frames-1:
+        the head of ``workspace(...)``."""
+        return self.workspace(cache, layer, height, width)[:, : cache.frames * cache.tokens_per_frame]
+
+    def workspace(self, cache: SessionKVCache, layer: int, height: int, width: int) -> torch.Tensor:
+        """Layer ``layer``'s roped-key buffer for ``cache``: as many tokens as the
+        cache's store, its held keys roped in the head (computed once per cache
+        version), the rest free for the chunk being computed. The same tensor for
+        a cache from version to version while the cache stays among the
+        ``capacity`` most recently read (a captured chunk step reads it there)."""
         entry = self.entries.get(cache.uid)
-        if entry is None or entry.version != cache.version:
-            for uid in [uid for uid, held in self.entries.items() if held.version != held.cache.version]:
-                del self.entries[uid]  # stale: that cache committed or reset since
+        for uid in [uid for uid, held in self.entries.items() if uid != cache.uid and held.stale]:
+            del self.entries[uid]  # stale: that cache committed or reset since
+        if entry is None:
             entry = self.entries[cache.uid] = _RopedEntry(cache, cache.version)
+        elif entry.version != cache.version:  # moved on: the same buffers, roped afresh
+            entry.version, entry.filled, entry.cos_sin = cache.version, set(), None
         self.entries.move_to_end(cache.uid)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
-        roped = entry.keys.get(layer)
-        if roped is None:
-            if entry.cos_sin is None:
-                entry.cos_sin = self.rope.at(cache.frames, height, width, 0)
-            held_keys, _ = cache.read(layer)
-            roped = entry.keys[layer] = apply_rope(held_keys, *entry.cos_sin)
-        return roped
+        buffer = entry.buffers.get(layer)
+        if buffer is None:
+            store = cache.keys[layer]
+            buffer = entry.buffers[layer] = torch.empty_like(store)
+        if layer not in entry.filled:
+            if cache.frames:
+                if entry.cos_sin is None:
+                    entry.cos_sin = self.rope.at(cache.frames, height, width, 0)
+                held_keys, _ = cache.read(layer)
+                apply_rope(held_keys, *entry.cos_sin, out=buffer[:, : held_keys.shape[1]])
+            entry.filled.add(layer)
+        return buffer
+
+    def refresh(self, cache: SessionKVCache, height: int, width: int) -> int:
+        """Rope every layer's held keys of ``cache`` for its current version now
+        (once per version, as a read would); returns the serial of its buffers,
+        which stays the same while they do (a captured step reads them)."""
+        for layer in cache.layers:
+            self.workspace(cache, layer, height, width)
+        return self.entries[cache.uid].serial
 
     def forget(self, cache: SessionKVCache) -> None:
         """Drop what is held for ``cache`` (its session is being released)."""
         self.entries.pop(cache.uid, None)
 
 
+_serials = itertools.count()
+
+
 @dataclass
 class _RopedEntry:
     cache: SessionKVCache
-    version: int
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    version: int  # the cache version the filled layers were roped from
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> roped keys, then room for a chunk
+    filled: set[int] = field(default_factory=set)  # layers whose held keys are roped for ``version``
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    serial: int = field(default_factory=lambda: next(_serials))  # names these buffers for their lifetime
+
+    @property
+    def stale(self) -> bool:
+        """The cache has committed or reset since: these keys can never be read again."""
+        return self.version != self.cache.version
 
 
 @dataclass
@@ -146,15 +181,18 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
         return parts[0], parts[1]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate interleaved pairs of ``x`` [batch, tokens, heads, head_dim] (Wan's
-    convention); ``cos`` / ``sin`` are [1 or batch, tokens, 1, head_dim]."""
+    convention); ``cos`` / ``sin`` are [1 or batch, tokens, 1, head_dim]. Into
+    ``out`` (``x``'s shape and dtype) when given, else a new tensor: the same
+    values either way."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
+    return out
 
 
 class CausalSelfAttnProcessor:
@@ -204,7 +242,10 @@ class CausalSelfAttnProcessor:
                 if rows > 1:  # not a view that would hold the whole batch's keys
                     row_key, row_value = row_key.clone(), row_value.clone()
                 ctx.caches[row].stage_provisional(ctx.chunks[row], self.layer, row_key, row_value)
-        query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
+        query = apply_rope(query, *rotary_emb)
+        if rows == 1 and (spans := self._spans(key, value, rotary_emb)) is not None:
+            return self._out(attn, self._attend(query, *spans, None))
+        key = apply_rope(key, *rotary_emb)
         keys, values = [], []
         for row, cache in enumerate(ctx.caches):
             row_keys, row_values = [], []
@@ -230,6 +271,25 @@ class CausalSelfAttnProcessor:
             rows = zip(keys, values, strict=True)
             out = torch.cat([self._attend(query[r : r + 1], k, v, None) for r, (k, v) in enumerate(rows)])
         return self._out(attn, out)
+
+    def _spans(
+        self, key: torch.Tensor, value: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One row over a cache that holds frames and no chunk in flight before it:
+        [held, chunk] keys and values as spans of the cache's buffers, the chunk's
+        (roped) keys and its values written in place after the held ones (the
+        same values a concatenation makes, without the copy of the whole cache
+        per layer per forward, at addresses that stay put). None: concatenate."""
+        ctx = self.context
+        cache = ctx.caches[0]
+        if not cache.frames or (ctx.chunks and cache.read_provisional(ctx.chunks[0], self.layer) is not None):
+            return None
+        values = cache.values_with(self.layer, value)
+        if values is None:
+            return None
+        keys = ctx.roped.workspace(cache, self.layer, *ctx.grid)[:, : values.shape[1]]
+        apply_rope(key, *rotary_emb, out=keys[:, cache.frames * cache.tokens_per_frame :])
+        return keys, values
 
     def _attend(self, query, key, value, mask) -> torch.Tensor:
         out = dispatch_attention_fn(
