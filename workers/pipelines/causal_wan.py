@@ -324,7 +324,7 @@ class CausalWanPipeline(CausalWanDecoding):
         per_frame = (h // config.patch_size[1]) * (w // config.patch_size[2])
         item = torch.tensor([], dtype=self.dtype).element_size()
         per_token = self.kv_layers * config.num_attention_heads * config.attention_head_dim * item
-        keys = (self.sink_frames + self.window_frames) * per_frame * per_token
+        keys = (self.sink_frames + self.window_frames + self.latent_frames) * per_frame * per_token  # and the tail
         provisional = (chunks_in_flight - 1) * self.latent_frames * per_frame * per_token
         latent = config.in_channels * self.latent_frames * h * w * item
         cached_chunks = (self.sink_frames + self.window_frames) // self.latent_frames
@@ -382,6 +382,7 @@ class CausalWanPipeline(CausalWanDecoding):
                 batch=1,
                 dtype=self.dtype,
                 device=self.device,
+                tail_frames=self.latent_frames,  # room for the chunk computed: attention reads one span
             ),
             decoder=(kind := chosen_decoder(start, self.default_decoder, self.decoders, self.name)),
             vae_cache=self.decoders[kind].new_cache(),
