@@ -1,0 +1,171 @@
+"""Captured denoise steps: a chunk's denoise forward replayed as a CUDA graph.
+
+Worker process. Once a session's KV window is full, every denoise forward of
+its chunks has the same shapes, reads the same buffers and differs only in
+three inputs (the latent, the timestep, the conditioning). On a GPU the
+forward is thousands of small kernel launches from Python; captured once as
+a CUDA graph it is one launch. ``StepGraphs`` keeps the captured forwards,
+one per ``StepKey``:
+
+- the session's cache (``SessionKVCache.uid``): its stores' addresses are in
+  the graph (the chunk's values are written in place after the held ones);
+- its roped-key buffers (``RopedKeys.workspace``, by their ``serial``): the
+  graph reads the held keys there and writes the chunk's after them;
+- the frames the cache holds: the RoPE positions and the attention span;
+- the latent's and the conditioning's shapes and the dtype.
+
+A key is captured on its ``after_uses``-th use (its first uses run eagerly:
+the shapes of a window still filling are each used for one chunk only, and a
+capture costs a forward); the graphs kept are bounded (``most``, least
+recently used dropped first), and ``forget`` drops a released session's.
+Whatever is not captured runs eagerly (``fallbacks``).
+
+Before each replay the caller refreshes what the graph reads but does not
+compute (the held keys roped for the cache's current version), copies the
+inputs into the graph's static ones (``run``), and takes a copy of the output
+(the next replay overwrites it). Only single-row denoise forwards over every
+block are captured; commits, batched rows, stream batch and pipeline ranks
+run eagerly. The capture itself is ``Capture``'s: ``CudaGraphCapture`` on a
+GPU; ``EagerReplay`` runs the same function over the same static buffers
+(CPU: how the keying and the buffers are tested).
+
+Not yet wired: ``CausalWanPipeline.forward`` does not route its forwards
+through it (that, and its measurement, wait for a GPU to test the capture on).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+Replay = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """What a captured denoise forward is specific to (see the module's docstring)."""
+
+    cache: int  # SessionKVCache.uid
+    workspace: int  # RopedKeys entry serial: the roped-key buffers' identity
+    held_frames: int
+    latent_shape: tuple[int, ...]
+    text_shape: tuple[int, ...]
+    dtype: str
+
+
+class Capture(Protocol):
+    def capture(self, function: Replay) -> Replay:
+        """``function`` (which reads only static tensors) as a replayable step."""
+        ...
+
+
+class CudaGraphCapture:
+    """Capture on a CUDA device: one warm-up run on a side stream (lazy library
+    state is made there, outside the graph), then the capture, into one memory
+    pool shared by every graph (they replay one at a time on the loop's thread,
+    and each output is copied before the next replay)."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, function: Replay) -> Replay:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            function()
+        current.wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the decode stage's thread keeps using the device meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            output = function()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        replay.graph = graph  # type: ignore[attr-defined]  # kept alive with the replay
+        return replay
+
+
+class EagerReplay:
+    """No capture: each replay runs the function again over the same static
+    buffers. What a CPU runs to test the keying, the static inputs and the
+    copies of ``StepGraphs`` with the very forward a GPU captures."""
+
+    def capture(self, function: Replay) -> Replay:
+        return function
+
+
+@dataclass
+class _Captured:
+    inputs: dict[str, torch.Tensor]  # the static inputs the replay reads
+    replay: Replay
+
+
+class StepGraphs:
+    """The captured denoise forwards of one pipeline (one loop thread)."""
+
+    def __init__(self, capture: Capture, most: int = 8, after_uses: int = 2) -> None:
+        if most < 1 or after_uses < 1:
+            raise ValueError(f"need most >= 1 and after_uses >= 1, got {most} and {after_uses}")
+        self.capture = capture
+        self.most = most
+        self.after_uses = after_uses
+        self.graphs: OrderedDict[StepKey, _Captured] = OrderedDict()  # least recently used first
+        self.uses: Counter[StepKey] = Counter()  # uses of keys not captured (yet)
+        self.captures = self.replays = self.fallbacks = self.evictions = 0
+
+    def run(
+        self,
+        key: StepKey,
+        inputs: Mapping[str, torch.Tensor],
+        forward: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+    ) -> torch.Tensor:
+        """``forward(inputs)``: eagerly while ``key`` is not captured, then by
+        replaying its capture with ``inputs`` copied into its static ones. The
+        result is the caller's (a copy when replayed)."""
+        captured = self.graphs.get(key)
+        if captured is None:
+            self.uses[key] += 1
+            if self.uses[key] < self.after_uses:
+                self.fallbacks += 1
+                return forward(inputs)
+            del self.uses[key]
+            statics = {name: tensor.clone() for name, tensor in inputs.items()}
+            captured = self.graphs[key] = _Captured(statics, self.capture.capture(lambda: forward(statics)))
+            self.captures += 1
+            while len(self.graphs) > self.most:
+                self.graphs.popitem(last=False)
+                self.evictions += 1
+        else:
+            self.graphs.move_to_end(key)
+            for name, tensor in inputs.items():
+                captured.inputs[name].copy_(tensor)
+        self.replays += 1
+        return captured.replay().clone()
+
+    def forget(self, cache: int) -> None:
+        """Drop every graph and count of the cache ``cache`` (its session is released)."""
+        for key in [key for key in self.graphs if key.cache == cache]:
+            del self.graphs[key]
+        for key in [key for key in self.uses if key.cache == cache]:
+            del self.uses[key]
+
+    def figures(self) -> dict[str, int]:
+        """Counts since start: captures made, replays, eager runs of keys not
+        captured, graphs dropped to stay within ``most``, and graphs held."""
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "fallbacks": self.fallbacks,
+            "evictions": self.evictions,
+            "held": len(self.graphs),
+        }
