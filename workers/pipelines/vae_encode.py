@@ -34,6 +34,7 @@ import torch
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanEncoder3d, patchify
 
 from workers.pipelines.base import abandon_point
+from workers.pipelines.vae_stream import layout_bytes
 
 
 class StreamingEncoder:
@@ -66,10 +67,7 @@ class StreamingEncoder:
         first chunk. The layout (channels, cached frames, scale of each cached
         feature) was read at construction from an encode of 1 + 4 frames of 2x2
         latent pixels."""
-        return sum(
-            channels * frames * round(latent_height * scale_h) * round(latent_width * scale_w) * itemsize
-            for channels, frames, scale_h, scale_w, itemsize in self._layout
-        )
+        return layout_bytes(self._layout, latent_height, latent_width)
 
     @torch.no_grad()
     def _probe_layout(self) -> list[tuple[int, int, float, float, int]]:

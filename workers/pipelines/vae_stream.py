@@ -97,6 +97,16 @@ def _abandon_point_hook(module: torch.nn.Module, args: tuple) -> None:
     abandon_point()
 
 
+def layout_bytes(layout: list[tuple[int, int, float, float, int]], latent_height: int, latent_width: int) -> int:
+    """Bytes of a feature cache of ``layout`` (channels, cached frames, height and
+    width scale against the latent, item size of each cached feature, as a
+    probe read them) at this latent size."""
+    return sum(
+        channels * frames * round(latent_height * scale_h) * round(latent_width * scale_w) * itemsize
+        for channels, frames, scale_h, scale_w, itemsize in layout
+    )
+
+
 class FrontPart(NamedTuple):
     """One latent frame after the decoder's first stages (``decode_front``)."""
 
@@ -143,10 +153,7 @@ class StreamingDecoder:
         """Bytes a session's feature cache holds at this latent size once full.
         The layout (channels, cached frames, scale of each cached feature) was
         read at construction from a decode of two 2x2 latent frames."""
-        return sum(
-            channels * frames * round(latent_height * scale_h) * round(latent_width * scale_w) * itemsize
-            for channels, frames, scale_h, scale_w, itemsize in self._layout
-        )
+        return layout_bytes(self._layout, latent_height, latent_width)
 
     @torch.no_grad()
     def _probe_layout(self) -> list[tuple[int, int, float, float, int]]:
