@@ -22,12 +22,35 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class RunningServer:
-    def __init__(self, process: subprocess.Popen, url: str, log: list[str]) -> None:
+    def __init__(
+        self, process: subprocess.Popen, url: str, log: list[str], logged: threading.Condition, ended: threading.Event
+    ) -> None:
         self.process = process
         self.http = url
         self.ws = url.replace("http://", "ws://") + "/v1/realtime/video"
         self.log = log
+        self._logged = logged  # notified by the thread reading the server's output after each line
+        self._ended = ended  # set by that thread at the output's end
         self.data_dir: Path | None = None  # the job store's directory, when start_server chose it
+
+    def wait_for_log(self, text: str, within: float = 30.0) -> str:
+        """The first line of the server's output containing ``text``, waiting up to
+        ``within`` s for it: the output is read by another thread, so a line the
+        server wrote just before answering may not be in ``log`` yet. Fails, with
+        the log, if it does not come."""
+        deadline = time.monotonic() + within
+        with self._logged:
+            while not (found := next((line for line in self.log if text in line), None)):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no {text!r} in the server log:\n" + "".join(self.log)
+                self._logged.wait(left)
+        return found
+
+    def whole_log(self, within: float = 30.0) -> str:
+        """Everything the server wrote, once its output has ended (call after the
+        process exited: the reading thread may still be behind it)."""
+        assert self._ended.wait(within), "the server's output did not end"
+        return "".join(self.log)
 
     def health(self) -> dict:
         return httpx.get(f"{self.http}/health", timeout=10).json()
@@ -74,17 +97,22 @@ def start_server(
     env = {name: value for name, value in os.environ.items() if name not in unset}
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log: list[str] = []
+    logged = threading.Condition()
     found = threading.Event()
     url: list[str] = []
+    ended = threading.Event()
 
     def drain() -> None:
         for line in process.stdout:
-            log.append(line)
+            with logged:
+                log.append(line)
+                logged.notify_all()
             match = re.search(r"Uvicorn running on (http://\S+)", line)
             if match and not found.is_set():
                 url.append(match.group(1))
                 found.set()
         found.set()
+        ended.set()
 
     threading.Thread(target=drain, daemon=True).start()
     if not found.wait(timeout) or not url:
@@ -92,7 +120,7 @@ def start_server(
         if data_dir is not None:
             shutil.rmtree(data_dir, ignore_errors=True)
         raise RuntimeError("the server did not start:\n" + "".join(log))
-    running = RunningServer(process, url[0], log)
+    running = RunningServer(process, url[0], log, logged, ended)
     running.data_dir = data_dir
     return running
 

@@ -428,7 +428,7 @@ def test_a_request_head_sent_by_halves_is_answered_408_and_closed_at_the_header_
                 assert answer == b""
     finally:
         stop.set()
-    assert any("408 request_timeout" in line for line in server.log)
+    server.wait_for_log("408 request_timeout")
 
 
 # -- an abandoned /sync -----------------------------------------------------------------
@@ -442,7 +442,7 @@ def test_a_sync_request_whose_client_left_is_cancelled(make_server):
     server.released(within=15)  # the abandoned job no longer holds the worker
     assert httpx.get(f"{server.http}/v1/videos").json()["data"] == []
     assert 'rtvideo_jobs_total{status="cancelled"} 1.0' in httpx.get(f"{server.http}/metrics").text
-    assert any('"POST /v1/videos/sync HTTP/1.1" 499' in line for line in server.log), "".join(server.log)
+    server.wait_for_log('"POST /v1/videos/sync HTTP/1.1" 499')
     assert "Traceback" not in "".join(server.log)
 
 

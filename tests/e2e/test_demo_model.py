@@ -96,8 +96,8 @@ def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured():
             assert workers[0]["cpu_threads"] is None, workers  # on a GPU there is no count to choose
         else:
             assert workers[0]["cpu_threads"] in candidates(os.cpu_count() or 1), workers
-            measured = [line for line in server.log if "CPU threads for the kernels" in line]
-            assert measured and f"kernels: {workers[0]['cpu_threads']} (" in measured[0], measured
+            measured = server.wait_for_log("CPU threads for the kernels")
+            assert f"kernels: {workers[0]['cpu_threads']} (" in measured, measured
     finally:
         stop_server(server)
 

@@ -112,7 +112,7 @@ def test_a_second_ctrl_c_while_draining_stops_quietly(make_server):
         pass  # the drain waits for the job (500 chunks: far longer than this test)
     server.process.send_signal(signal.SIGINT)
     assert server.process.wait(timeout=30) == 0
-    log = "".join(server.log)
+    log = server.whole_log()
     assert " ERROR " not in log and "Traceback" not in log, log
     assert "a second signal: stopping now, without waiting" in log, log
     assert "Application shutdown complete" in log, log  # the lifespan ran: the worker was shut down

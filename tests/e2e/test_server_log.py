@@ -24,13 +24,6 @@ STUB = Path(__file__).resolve().parents[2] / "workers" / "pipelines" / "stub.py"
 DIRTY = ("never retrieved", "Traceback", "Exception in ASGI", "Task was destroyed but it is pending")
 
 
-def wait_for_line(log: list[str], text: str, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while not any(text in line for line in log):
-        assert time.monotonic() < deadline, f"no {text!r} in the server log:\n" + "".join(log)
-        time.sleep(0.02)
-
-
 async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(make_server):
     pipeline = {"step_time_s": 0.002, "fail_prompt": "a broken prompt", "fail_chunk": 1}
     server = make_server("--shutdown-grace-s", "0.5", pipeline=pipeline)
@@ -40,7 +33,7 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
         await client.send({**START, "num_chunks": 2})
         started = await client.until("video.start")
         assert (await client.rest()).of("session.done")[0]["reason"] == "completed"
-    wait_for_line(server.log, f" api INFO session {started['request_id']} ended: completed")  # the API process's own
+    server.wait_for_log(f" api INFO session {started['request_id']} ended: completed")  # the API process's own
 
     async with open_realtime(server.ws) as ws:  # stopped by its client
         client = Realtime(ws)
@@ -62,9 +55,9 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
         failed = await client.rest()
         assert failed.close_code == 1011 and failed.of("error")[0]["code"] == "pipeline_error"
         said = f"session {started['request_id']} failed: pipeline_error: forward failed: RuntimeError: stub pipeline"
-        wait_for_line(server.log, f" api WARNING {said}")
+        server.wait_for_log(f" api WARNING {said}")
         where = f"forward of session {started['request_id']} failed at {STUB}:"  # the worker's line says where
-        wait_for_line(server.log, f" worker[0] WARNING {where}")
+        server.wait_for_log(f" worker[0] WARNING {where}")
         assert "in forward: RuntimeError: stub pipeline: injected failure at chunk 1" in next(
             line for line in server.log if where in line
         )
@@ -78,7 +71,7 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
         await asyncio.sleep(0.02)
     broken = {"prompt": "a broken prompt", "num_chunks": 3, "format": "raw"}
     job = httpx.post(f"{server.http}/v1/videos", json=broken).json()
-    wait_for_line(server.log, f"job {job['id']} failed: pipeline_error: forward failed: RuntimeError: stub pipeline")
+    server.wait_for_log(f"job {job['id']} failed: pipeline_error: forward failed: RuntimeError: stub pipeline")
     assert httpx.get(f"{server.http}/v1/videos/{job['id']}").json()["error"]["code"] == "pipeline_error"
 
     async with open_realtime(server.ws) as ws:  # still open at SIGTERM: ended by the drain
@@ -89,7 +82,7 @@ async def test_no_unretrieved_task_exception_or_traceback_from_start_to_exit(mak
         server.process.send_signal(signal.SIGTERM)
         assert (await client.rest()).of("session.done")[0]["reason"] == "shutdown"
     assert server.process.wait(timeout=30) == 0
-    wait_for_line(server.log, "Finished server process")  # the last line: everything before it was read
+    server.wait_for_log("Finished server process")  # the last line: everything before it was read
 
     dirty = [line for line in server.log if any(mark in line for mark in DIRTY)]
     assert dirty == [], "".join(server.log)
@@ -104,7 +97,7 @@ async def test_at_debug_the_worker_logs_the_traceback_of_a_failed_pipeline_call(
         started = await client.until("video.start")
         assert (await client.rest()).close_code == 1011
     where = f"forward of session {started['request_id']} failed at {STUB}:"
-    wait_for_line(server.log, where)
+    server.wait_for_log(where)
     warning = next(i for i, line in enumerate(server.log) if where in line)
     raised_in = f'File "{STUB}", line '  # the traceback's last frame: the stub's forward, which raised
     deadline = time.monotonic() + 30
@@ -149,7 +142,7 @@ async def test_no_credential_reaches_the_log_in_any_spelling(make_server):
         await resumed.send({"type": "session.stop"})
         assert (await resumed.rest()).of("session.done")[0]["reason"] == "stopped"
         assert (await spectator.rest()).of("session.done") and (await controller.rest()).of("session.done")
-    wait_for_line(server.log, f"session {started['request_id']} ended: stopped")
+    server.wait_for_log(f"session {started['request_id']} ended: stopped")
 
     logged = "".join(server.log)
     secrets = dict(zip(("key", "resume", "watch", "control"), (KEY, *tokens), strict=True))
