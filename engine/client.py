@@ -79,6 +79,7 @@ from engine.messages import (
     Shutdown,
     StartSession,
     StopSession,
+    SubmitInput,
     SubmitInteraction,
     WorkerExiting,
     WorkerHello,
@@ -158,6 +159,13 @@ class SessionHandle:
 
     async def interact(self, event_id: str, interaction: Interaction) -> None:
         await self._client.interact(self.session_id, event_id, interaction)
+
+    async def send_input(self, chunk_index: int, frames: Any) -> None:
+        """Chunk ``chunk_index``'s input frames (a session opened with an ``input``):
+        a numpy array, uint8 ``[F, H, W, 3]`` at the session's size, F being
+        ``geometry.first_chunk_frames`` for chunk 0 and ``frames_per_chunk`` after;
+        chunks in order, each once. ``EngineClient.send_input``."""
+        await self._client.send_input(self.session_id, chunk_index, frames)
 
     async def stop(self, reason: str = "stopped") -> None:
         await self._client.stop(self.session_id, reason)
@@ -707,6 +715,28 @@ class EngineClient:
         if session_id not in self._sessions:
             raise UnknownSessionError(f"no open session {session_id!r}")
         await self._send(SubmitInteraction(session_id=session_id, event_id=event_id, interaction=interaction))
+
+    async def send_input(self, session_id: str, chunk_index: int, frames: Any) -> None:
+        """Send one chunk's input frames to the worker (``SubmitInput``): ``frames``
+        a numpy array, uint8 ``[F, H, W, 3]`` (RGB, row-major). ``ValueError`` here
+        for an array that is not uint8 ``[F, H, W, 3]``; what the worker refuses
+        (a count or size not the session's, a chunk out of order, a session opened
+        without an input) fails the session, ``SessionFailed(invalid_input)`` on its
+        stream naming the fault. A chunk whose frames do not come within
+        ``input_timeout_s`` of being due fails it with ``input_timeout``."""
+        if session_id not in self._sessions:
+            raise UnknownSessionError(f"no open session {session_id!r}")
+        shape = tuple(getattr(frames, "shape", ()))
+        dtype = str(getattr(frames, "dtype", type(frames).__name__))
+        if dtype != "uint8" or len(shape) != 4 or shape[3] != 3:
+            raise ValueError(f"input frames must be uint8 [frames, height, width, 3], got {dtype} {list(shape)}")
+        count, height, width, _ = shape
+        data = frames.tobytes()  # C order whatever the array's strides: row-major RGB
+        await self._send(
+            SubmitInput(
+                session_id=session_id, chunk_index=chunk_index, count=count, height=height, width=width, frames=data
+            )
+        )
 
     async def delivered(self, session_id: str, media_seconds: float) -> None:
         """Tell the worker the session's media up to ``media_seconds`` was written

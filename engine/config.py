@@ -108,6 +108,11 @@ class EngineConfig:
     every paced (realtime) session to keep real time (``engine.chunk_cost``:
     ``realtime_load``; unpaced jobs count as a turn in every round). A session
     alone is always admitted. None: not checked."""
+    input_timeout_s: float = 5.0
+    """Video to video: how long a session opened with an ``input`` may keep its
+    next chunk waiting for that chunk's frames (``SubmitInput``), counted from
+    when nothing else holds the chunk back; past it the session fails with
+    ``input_timeout`` (other sessions go on)."""
     startup_timeout_s: float = 120.0
     """How long the client waits for a worker's READY before giving up."""
     shutdown_timeout_s: float = 10.0
@@ -174,6 +179,7 @@ class EngineConfig:
         _check(self.max_pixels is None or self.max_pixels > 0, "max_pixels", "must be > 0")
         load = self.max_realtime_load
         _check(load is None or load > 0, "max_realtime_load", "must be > 0")
+        _check(self.input_timeout_s > 0, "input_timeout_s", "must be > 0")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.shutdown_timeout_s > 0, "shutdown_timeout_s", "must be > 0")
         _check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")

@@ -33,11 +33,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.chunk_cost import ChunkCostModel, SessionLoad, chunk_media_s, realtime_load
 from engine.config import EngineConfig
+from engine.limits import MAX_INPUT_CHUNKS_AHEAD
 from engine.mailbox import InteractionMailbox, OfferStatus, PendingInteraction
 from engine.messages import (
     ControlMessage,
@@ -54,9 +55,11 @@ from engine.messages import (
     Shutdown,
     StartSession,
     StopSession,
+    SubmitInput,
     SubmitInteraction,
 )
 from engine.pacing import Playhead
+from engine.session import chunk_frames
 from engine.validation import check_interaction, check_start
 
 
@@ -76,6 +79,16 @@ class Progress(Protocol):
 
 
 @dataclass
+class SessionInputs:
+    """A video-to-video session's input frames (``SubmitInput``) that came and
+    wait for their chunk's boundary (guarded by the lock; ``next_chunk`` is read
+    lock-free by the loop: an int is read whole)."""
+
+    next_chunk: int = 0  # the chunk whose frames come next: frames of chunks before it came
+    frames: dict[int, SubmitInput] = field(default_factory=dict)  # by chunk, until its boundary takes them
+
+
+@dataclass
 class SessionControl:
     """What the control plane knows of one admitted session (guarded by the lock)."""
 
@@ -86,6 +99,8 @@ class SessionControl:
     playback_s: float | None = None
     delivered_s: float | None = None  # media written to the client's socket, as the API process reported
     progress: Progress | None = None  # the loop's record, once it took the session (``attach``); None: none begun
+    inputs: SessionInputs | None = None  # video to video: its input frames; None: opened without an input
+    fault: tuple[str, str] | None = None  # (code, message): the session failed here (bad input); the loop ends it
 
     def boundary_marks(self) -> tuple[int | None, int]:
         """The chunk in progress (None between chunks) and the next chunk whose
@@ -128,6 +143,7 @@ class ControlPlane:
         self._handlers: dict[type, Callable] = {
             StartSession: self._on_start,
             SubmitInteraction: self._on_interaction,
+            SubmitInput: self._on_input,
             Playback: self._on_playback,
             Delivered: self._on_delivered,
             StopSession: self._on_stop,
@@ -153,6 +169,12 @@ class ControlPlane:
         if len(self._sessions) >= self._config.max_sessions:
             limit = self._config.max_sessions
             return self._reject(sid, "server_full", f"server full: max_sessions={limit} are open")
+        if start.input is not None and self._config.pp > 1:
+            message = (
+                f"input: video to video runs on one rank; this server splits the model over {self._config.pp} "
+                "pipeline ranks (--pp)"
+            )
+            return self._reject(sid, "invalid_request", message)
         try:
             check_start(start)
             geometry = self._describe(start)
@@ -171,7 +193,8 @@ class ControlPlane:
             return self._reject(sid, "server_full", why)
         mailbox = InteractionMailbox(start.transition_chunks, start.scheduled, time.monotonic())
         delivered = 0.0 if start.reports_delivery else None  # a reported session: nothing written until it says
-        self._sessions[sid] = SessionControl(start, geometry, mailbox, delivered_s=delivered)
+        inputs = None if start.input is None else SessionInputs()
+        self._sessions[sid] = SessionControl(start, geometry, mailbox, delivered_s=delivered, inputs=inputs)
         self._send(SessionStarted(session_id=sid, geometry=geometry))
         self._to_inbox(start)
 
@@ -207,6 +230,56 @@ class ControlPlane:
                 duplicate=offer.status is OfferStatus.DUPLICATE,
             )
         )
+
+    def _on_input(self, submit: SubmitInput) -> None:
+        """A chunk's input frames: kept for its boundary, or, when they are not
+        what the session takes, the session fails (``invalid_input``, naming the
+        fault; the loop ends it). Frames for a session not open or stopping, or
+        past its last chunk, are dropped: nothing would read them."""
+        control = self._sessions.get(submit.session_id)
+        if control is None or control.stop_reason is not None or control.fault is not None:
+            return
+        last = control.geometry.num_chunks
+        if last is not None and submit.chunk_index >= last:
+            return
+        fault = self._input_fault(submit, control)
+        if fault is not None:
+            control.fault = ("invalid_input", f"session {submit.session_id}: {fault}")
+            if control.inputs is not None:
+                control.inputs.frames.clear()
+            self._wake()
+            return
+        control.inputs.frames[submit.chunk_index] = submit
+        control.inputs.next_chunk += 1
+        self._wake()
+
+    def _input_fault(self, submit: SubmitInput, control: SessionControl) -> str | None:
+        """What is wrong with ``submit`` for this session, or None."""
+        index, inputs, g = submit.chunk_index, control.inputs, control.geometry
+        if inputs is None:
+            return f"input frames for chunk {index}, but the session was opened without an input: it takes no frames"
+        if index != inputs.next_chunk:
+            said = "already came" if 0 <= index < inputs.next_chunk else "came out of order"
+            return f"input frames for chunk {index} {said}: chunk {inputs.next_chunk}'s come next"
+        begun = 0 if control.progress is None else control.progress.next_chunk
+        if index - begun >= MAX_INPUT_CHUNKS_AHEAD:
+            return (
+                f"input frames for chunk {index} came {index - begun} chunks ahead of the chunk about to begin "
+                f"({begun}); at most {MAX_INPUT_CHUNKS_AHEAD} chunks of input may wait"
+            )
+        count = chunk_frames(g, index)
+        if submit.count != count or (submit.height, submit.width) != (g.height, g.width):
+            return (
+                f"chunk {index} takes {count} input frames of {g.width}x{g.height} "
+                f"([{count}, {g.height}, {g.width}, 3]), got {submit.count} of {submit.width}x{submit.height}"
+            )
+        size = submit.count * submit.height * submit.width * 3
+        if len(submit.frames) != size:
+            return (
+                f"chunk {index}'s input frames are {len(submit.frames)} bytes; {submit.count} uint8 RGB frames "
+                f"of {submit.width}x{submit.height} are {size}"
+            )
+        return None
 
     def _on_playback(self, playback: Playback) -> None:
         control = self._sessions.get(playback.session_id)
@@ -355,6 +428,29 @@ class ControlPlane:
         control = self._sessions.get(session_id)
         reason = None if control is None else control.stop_reason
         return self._shutdown_reason if reason is None else reason
+
+    def fault(self, session_id: str) -> tuple[str, str] | None:
+        """(code, message) when the control plane failed the session (bad input
+        frames), else None; lock-free, as ``is_stopping``."""
+        control = self._sessions.get(session_id)
+        return None if control is None else control.fault
+
+    def inputs_through(self, session_id: str) -> int | None:
+        """Video to video: the chunks whose input frames came (chunks 0 .. n - 1),
+        None for a session opened without an input; lock-free (an int read whole:
+        frames that land after the read wake the loop's wait)."""
+        control = self._sessions.get(session_id)
+        inputs = None if control is None else control.inputs
+        return None if inputs is None else inputs.next_chunk
+
+    def take_input(self, session_id: str, chunk_index: int) -> SubmitInput | None:
+        """The frames of chunk ``chunk_index``, handed to its boundary once (None:
+        the session has no input, or they have not come)."""
+        with self._lock:
+            control = self._sessions.get(session_id)
+            if control is None or control.inputs is None:
+                return None
+            return control.inputs.frames.pop(chunk_index, None)
 
     def unregister(self, session_id: str) -> list[PendingInteraction]:
         """Forget a session (its admission slot frees); returns what never applied."""

@@ -34,3 +34,7 @@ INPUT_KINDS = ("video",)
 
 INPUT_FORMATS = ("jpeg", "raw")
 """How an input stream's frames travel: JPEG images, or raw uint8 RGB."""
+
+MAX_INPUT_CHUNKS_AHEAD = 32
+"""Video to video: the most chunks of input frames a session may have waiting for
+their boundaries; frames further ahead fail the session (``invalid_input``)."""

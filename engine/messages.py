@@ -174,6 +174,25 @@ class SubmitInteraction(_Wire, tag="submit_interaction"):
     interaction: Interaction
 
 
+class SubmitInput(_Wire, tag="submit_input"):
+    """One chunk's input frames for a session opened with an ``input`` (video to
+    video): ``count`` frames of ``height`` x ``width``, uint8 RGB, row-major
+    (``frames`` holds ``count * height * width * 3`` bytes, frame after frame).
+    ``count`` is ``geometry.first_chunk_frames`` for chunk 0 and
+    ``frames_per_chunk`` for every later one; chunks come once each, in order
+    (the API process gathers and drops camera frames, the worker does not). A
+    chunk's boundary waits for its frames, at most ``input_timeout_s``. Frames
+    the worker refuses (a wrong count, size or length, a chunk out of order, a
+    session opened without an input) fail that session (``invalid_input``)."""
+
+    session_id: str
+    chunk_index: int
+    count: int
+    height: int
+    width: int
+    frames: bytes
+
+
 class Playback(_Wire, tag="playback"):
     """The client's playhead, in seconds of session media."""
 
@@ -226,7 +245,16 @@ class Terminate(_Wire, tag="terminate"):
 
 
 ControlMessage = (
-    StartSession | SubmitInteraction | Playback | Delivered | StopSession | Probe | Shutdown | AttachWorker | Terminate
+    StartSession
+    | SubmitInteraction
+    | SubmitInput
+    | Playback
+    | Delivered
+    | StopSession
+    | Probe
+    | Shutdown
+    | AttachWorker
+    | Terminate
 )
 
 
@@ -395,6 +423,9 @@ class SessionDone(_Wire, tag="session_done"):
 class SessionFailed(_Wire, tag="session_failed"):
     """The session ended on an error; nothing holds it any more. ``code``:
     pipeline_error (sent by the worker's loop when a pipeline call failed);
+    invalid_input (video to video: frames the worker refused, ``SubmitInput``);
+    input_timeout (video to video: a chunk's frames did not come within
+    ``input_timeout_s`` of its boundary being due);
     worker_died and engine_shutdown (made by ``EngineClient`` in the API process
     for every open session, when the worker process died, respectively when the
     client shut down with the session still open)."""

@@ -94,6 +94,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         startup_timeout_s=settings.worker_startup_timeout_s,
         max_worker_restarts=settings.max_worker_restarts,
         wedged_after_s=settings.worker_wedged_after_s,
+        input_timeout_s=settings.input_timeout_s,
         log_level=settings.log_level,
     )
 

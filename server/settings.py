@@ -175,6 +175,10 @@ class ServerSettings:
     a later request on the connection; past it: 408 and the connection is closed."""
     stall_timeout_s: float = setting("sessions", 60.0)
     """A realtime session whose client sends nothing (not even a ping) for this long is ended."""
+    input_timeout_s: float = setting("sessions", 5.0)
+    """Video to video: how long a session's next chunk may wait for its input
+    frames once nothing else holds it back; past it the session fails with
+    ``input_timeout`` (other sessions go on)."""
     max_session_seconds: float = setting("sessions", 3600.0)
     """Wall-clock limit of one realtime session or job."""
     max_frames: int = setting("capacity", 4800)

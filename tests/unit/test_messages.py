@@ -45,6 +45,7 @@ CONTROL = [
     m.SubmitInteraction(
         session_id="s", event_id="e1", interaction=m.Interaction(prompt="ünïcødé ✓", transition_chunks=0)
     ),
+    m.SubmitInput(session_id="v2v", chunk_index=1, count=2, height=2, width=3, frames=bytes(range(36))),
     m.Playback(session_id="s", position_seconds=1.25),
     m.Delivered(session_id="s", media_seconds=2.25),
     m.StopSession(session_id="s", reason="client_disconnected"),
