@@ -153,3 +153,30 @@ def test_fp8_linears_track_bf16_on_a_gpu_that_has_them():
         want = original.get_submodule(name)(x).float()
         got = wan.get_submodule(name)(x).float()
         assert (got - want).abs().mean() <= 0.05 * want.abs().mean(), name
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_cuda_graph_replays_track_the_eager_forwards(monkeypatch, dtype, tolerance):
+    """``cuda_graphs: true`` against the eager route, the same weights and
+    noise: a session streamed past its window filling (captured, replayed),
+    through a reset, then a new session after a release. The replays run the
+    kernels the eager forwards run, so every chunk's clean latent is within
+    the dtype's rounding of the eager one (relative to its scale)."""
+    from tests.model.test_causal_wan import open_session, release, run_chunk
+    from workers.pipelines.causal_wan import build
+
+    _without_tf32(monkeypatch)
+    span = {"sink_frames": 3, "window_frames": 3, "warm_up_chunks": 0, "dtype": dtype}
+    eager, graphs = build("tiny", device="cuda", **span), build("tiny", device="cuda", cuda_graphs=True, **span)
+    for name in ("first", "second"):
+        a = open_session(eager, name, seed=4, prompt_change="reset")
+        b = open_session(graphs, name, seed=4, prompt_change="reset")
+        for chunk in range(6):
+            prompt = "a blue heron" if chunk == 3 and name == "first" else None
+            _, want = run_chunk(eager, a, prompt)
+            _, got = run_chunk(graphs, b, prompt)
+            assert _max_error(got, want) <= tolerance * want.abs().max().item(), (name, chunk)
+        release(eager, a)
+        release(graphs, b)
+    figures = graphs.step_graphs.figures()
+    assert figures["captures"] == 2 and figures["replays"] > 10 and figures["held"] == 0

@@ -3,7 +3,7 @@ that a replay reads its inputs from static copies and hands back a copy.
 
 On a CPU ``EagerReplay`` stands in for the CUDA capture (each replay runs the
 captured function again over the same static buffers); the capture itself is
-CUDA's. Not yet wired into the pipeline's forward.
+CUDA's. The pipeline's route through it: ``test_captured_step_graphs.py``.
 """
 
 from __future__ import annotations

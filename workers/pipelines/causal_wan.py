@@ -44,6 +44,7 @@ from workers.pipelines.base import (
     BatchRow,
     Hidden,
     StepBatch,
+    abandon_point,
     block_range,
     check_hidden,
     chosen_decoder,
@@ -56,6 +57,7 @@ from workers.pipelines.conditioning import PromptBlend, nearest_known
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.quantize import QUANTIZE, quantize_fp8
+from workers.pipelines.step_graphs import CudaGraphsOption, StepKey, step_graphs_for
 from workers.pipelines.tiny_decoder import LATENT_CHANNELS, TinyStreamingDecoder, load_tiny_decoder, random_tiny_decoder
 from workers.pipelines.vae_encode import StreamingEncoder
 from workers.pipelines.vae_stream import StreamingDecoder
@@ -137,6 +139,7 @@ class CausalWanPipeline(CausalWanDecoding):
         tiny_decoder: str | None = None,
         commit_from_last_step: bool = False,
         quantize: str | None = None,
+        cuda_graphs: CudaGraphsOption = False,
         name: str = "causal_wan",
     ) -> None:
         """``decoder``: what makes a session's frames unless it asks otherwise
@@ -150,7 +153,11 @@ class CausalWanPipeline(CausalWanDecoding):
         different past, the quality cost ``bench pipeline --versus
         commit-from-last-step`` measures). One rank only. ``quantize``:
         ``fp8``, the blocks' linears in FP8 (``workers.pipelines.quantize``;
-        a GPU of compute capability 8.9 or newer), else None."""
+        a GPU of compute capability 8.9 or newer), else None.
+        ``cuda_graphs``: a single-row denoise forward over a full window is
+        captured as a CUDA graph and replayed (``_captured_step``; refused on
+        a CPU); ``"eager"``: the same path replayed eagerly, for tests
+        (``step_graphs_for``)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
@@ -166,6 +173,9 @@ class CausalWanPipeline(CausalWanDecoding):
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
         self.context = make_causal(self.transformer, rows=max_batch_rows)
+        self.cuda_graphs = cuda_graphs
+        self.step_graphs = step_graphs_for(cuda_graphs, self.device)  # None: every forward eager
+        self.context.roped.keep_stale = self.step_graphs is not None  # a graph reads its session's key buffers
         if quantize is not None and quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or null, got {quantize!r}")
         self.quantized = quantize
@@ -478,9 +488,12 @@ class CausalWanPipeline(CausalWanDecoding):
         hidden: Hidden | None = None,
     ) -> list[torch.Tensor] | Hidden:
         """One pass per group of rows with the same latent shape (sessions of one
-        geometry), each row at its own step, cache and position."""
+        geometry), each row at its own step, cache and position. A forward
+        ``_captured_step`` can take goes through the captured steps."""
         blocks = block_range(blocks, self.num_blocks)
         check_hidden(hidden, blocks, batch.rows)
+        if self._capturable(batch, sessions, blocks):
+            return [self._captured_step(batch.rows[0], sessions[0])]
         groups = self.embed_rows(batch, sessions) if blocks.start == 0 else hidden.tensors
         groups = [
             (
@@ -507,6 +520,38 @@ class CausalWanPipeline(CausalWanDecoding):
             for i, prediction in zip(indices, head(self.transformer, activations).split(1), strict=True):
                 predictions[i] = prediction
         return predictions
+
+    def _capturable(self, batch: StepBatch, sessions: Sequence[CausalWanSession], blocks: range) -> bool:
+        """Whether this denoise forward has static shapes and buffers: captured
+        steps are on, one row, every block on this rank, the session's window
+        full (the span attended and the RoPE positions fixed), no chunk in
+        flight before it (stream batch) and nothing staged (the last step
+        under ``commit_from_last_step``). The window filling, batched rows,
+        pipeline ranks and commits run eagerly."""
+        if self.step_graphs is None or len(batch.rows) != 1 or self.split or blocks != range(self.num_blocks):
+            return False
+        session, row = sessions[0], batch.rows[0]
+        staged = self.commit_from_last_step and row.step == len(session.timesteps) - 1
+        return session.kv.frames == session.kv.capacity and session.lookahead == 1 and not staged
+
+    def _captured_step(self, row: BatchRow, session: CausalWanSession) -> torch.Tensor:
+        """One row's denoise forward through ``step_graphs``: the held keys
+        roped for the cache's version first (the graph reads them, and does
+        not rope them), then the latent, timestep and text copied into the
+        graph's static inputs and its prediction copied out. The replay has no
+        block boundaries: a stop is checked once, before it."""
+        chunk, kv = session.chunk_at(row), session.kv
+        abandon_point()
+        serial = self.context.roped.refresh(kv, *chunk.latent.shape[3:])
+        key = StepKey(
+            kv.uid, serial, kv.frames, tuple(chunk.latent.shape), tuple(chunk.conditioning.shape), str(self.dtype)
+        )
+        inputs = {
+            "latent": chunk.latent,
+            "timestep": session.schedule[row.step : row.step + 1],
+            "text": chunk.conditioning,
+        }
+        return self.step_graphs.run(key, inputs, lambda x: self._run((kv,), x["latent"], x["timestep"], x["text"]))
 
     def sampler_step(self, session: CausalWanSession, row: BatchRow, prediction: torch.Tensor) -> None:
         chunk = session.chunk_at(row)
@@ -690,6 +735,8 @@ class CausalWanPipeline(CausalWanDecoding):
     def release(self, session: CausalWanSession) -> None:
         self._held.discard(session.session_id)
         self.context.roped.forget(session.kv)
+        if self.step_graphs is not None:  # no graph outlives the buffers it reads
+            self.step_graphs.forget(session.kv.uid)
         session.free()
 
     def held_sessions(self) -> tuple[str, ...]:

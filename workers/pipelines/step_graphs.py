@@ -29,8 +29,12 @@ run eagerly. The capture itself is ``Capture``'s: ``CudaGraphCapture`` on a
 GPU; ``EagerReplay`` runs the same function over the same static buffers
 (CPU: how the keying and the buffers are tested).
 
-Not yet wired: ``CausalWanPipeline.forward`` does not route its forwards
-through it (that, and its measurement, wait for a GPU to test the capture on).
+Wired by the pipeline option ``cuda_graphs`` (``step_graphs_for``):
+``CausalWanPipeline.forward`` routes through ``run`` the forwards whose
+shapes and buffers are static (one row, the session's window full, every
+block, nothing staged or provisional); everything else stays eager.
+``cuda_graphs: "eager"`` selects ``EagerReplay``: the same static-buffer
+path with no capture, on any device (tests, debugging).
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
+
+from workers.pipelines.base import abandon_when
 
 Replay = Callable[[], torch.Tensor]
 
@@ -79,12 +85,17 @@ class CudaGraphCapture:
     def capture(self, function: Replay) -> Replay:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        # No abandon point fires inside: a capture is not left half made (the
+        # caller checked just before; a replay has no block boundaries either).
+        with abandon_when(None), torch.cuda.stream(self.stream):
             function()
         current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the decode stage's thread keeps using the device meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        with (
+            abandon_when(None),
+            torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"),
+        ):
             output = function()
 
         def replay() -> torch.Tensor:
@@ -169,3 +180,26 @@ class StepGraphs:
             "evictions": self.evictions,
             "held": len(self.graphs),
         }
+
+
+CudaGraphsOption = bool | Literal["eager"]
+
+
+def step_graphs_for(option: CudaGraphsOption, device: torch.device) -> StepGraphs | None:
+    """The pipeline option ``cuda_graphs``: ``False``, none (every forward
+    eager); ``True``, CUDA graphs, refused (``ValueError`` naming the option and
+    the device) where the device is not a GPU; ``"eager"``, ``EagerReplay``: the
+    captured-step path (keys, static inputs, copies) with each replay run
+    eagerly, on any device: a test and debug mode, no faster than eager."""
+    if option is False:
+        return None
+    if option == "eager":
+        return StepGraphs(EagerReplay())
+    if option is not True:
+        raise ValueError(f'cuda_graphs must be true, false or "eager", got {option!r}')
+    if device.type != "cuda":
+        raise ValueError(
+            f"cuda_graphs: CUDA graphs need a CUDA device; this pipeline runs on {device} "
+            '(cuda_graphs: "eager" runs the same static-buffer path without capture, for tests)'
+        )
+    return StepGraphs(CudaGraphCapture(device))

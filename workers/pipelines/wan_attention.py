@@ -57,12 +57,16 @@ class RopedKeys:
     each other. Keys of a cache that has moved on to a newer version can never
     be read again and are dropped at the next read, so one session stepping
     at a time holds one session's roped keys. ``forget`` drops a cache's keys
-    when its session is released.
+    when its session is released. With ``keep_stale`` (captured chunk steps:
+    a graph reads a session's buffers, named by their ``serial``), a cache's
+    buffers stay until the ``capacity`` bound drops them, so sessions taking
+    turns keep theirs, and their graphs, from chunk to chunk.
     """
 
-    def __init__(self, rope: OffsetRotaryPosEmbed, capacity: int = 1) -> None:
+    def __init__(self, rope: OffsetRotaryPosEmbed, capacity: int = 1, keep_stale: bool = False) -> None:
         self.rope = rope
         self.capacity = capacity
+        self.keep_stale = keep_stale
         self.entries: OrderedDict[int, _RopedEntry] = OrderedDict()  # by cache uid, least recent first
 
     def get(self, cache: SessionKVCache, layer: int, height: int, width: int) -> torch.Tensor:
@@ -77,8 +81,9 @@ class RopedKeys:
         a cache from version to version while the cache stays among the
         ``capacity`` most recently read (a captured chunk step reads it there)."""
         entry = self.entries.get(cache.uid)
-        for uid in [uid for uid, held in self.entries.items() if uid != cache.uid and held.stale]:
-            del self.entries[uid]  # stale: that cache committed or reset since
+        if not self.keep_stale:
+            for uid in [uid for uid, held in self.entries.items() if uid != cache.uid and held.stale]:
+                del self.entries[uid]  # stale: that cache committed or reset since
         if entry is None:
             entry = self.entries[cache.uid] = _RopedEntry(cache, cache.version)
         elif entry.version != cache.version:  # moved on: the same buffers, roped afresh
