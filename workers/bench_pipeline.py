@@ -204,6 +204,7 @@ def _build(
     tiny_decoder: str | None = None,
     commit_from_last_step: bool = False,
     quantize: str | None = None,
+    cuda_graphs: bool | str = False,
 ) -> CausalWanPipeline:
     return CausalWanPipeline(
         _components(preset, device),
@@ -216,6 +217,7 @@ def _build(
         tiny_decoder=tiny_decoder,
         commit_from_last_step=commit_from_last_step,
         quantize=quantize,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -229,6 +231,7 @@ def _versus(args: argparse.Namespace, progress: Progress) -> dict:
         tiny_decoder: str | None = None,
         commit_from_last_step: bool = False,
         quantize: str | None = None,
+        cuda_graphs: bool | str = False,
     ) -> CausalWanPipeline:
         tiny_decoder = args.tiny_decoder or tiny_decoder
         return _build(
@@ -240,6 +243,7 @@ def _versus(args: argparse.Namespace, progress: Progress) -> dict:
             tiny_decoder=tiny_decoder,
             commit_from_last_step=commit_from_last_step,
             quantize=quantize,
+            cuda_graphs=cuda_graphs,
         )
 
     start = StartSession(
@@ -331,12 +335,14 @@ def one_session(
     overlap_decode: bool = False,
     frames: list | None = None,
     progress: Progress | None = None,
+    untimed: int = 0,
 ) -> dict:
     """A fresh session of ``start``: seconds to its first chunk (open to its
-    frames), then frames per second over the ``chunks - 1`` after it (at least
-    one), the device waited for at both ends of each span. ``frames``: a list
-    its chunks (``ChunkOutput``) are added to; ``progress`` advanced by each
-    chunk made (``session_chunks``)."""
+    frames), then ``untimed`` chunks not timed, then frames per second over the
+    ``chunks - 1`` after them (at least one), the device waited for at both
+    ends of each span. ``frames``: a list its chunks (``ChunkOutput``) are
+    added to; ``progress`` advanced by each chunk made (``session_chunks``,
+    and the untimed ones)."""
     progress = progress or Progress.silent()
     driver = ChunkDriver(pipeline, overlap_decode=overlap_decode)
     began = _synchronized(pipeline)
@@ -344,6 +350,8 @@ def one_session(
     first_chunk = driver.run([start.session_id])
     first = _synchronized(pipeline) - began
     progress.advance()
+    settled = driver.run([start.session_id], untimed)[start.session_id] if untimed else []
+    progress.advance(untimed)
     began = _synchronized(pipeline)
     made = driver.run([start.session_id], max(1, chunks - 1))
     seconds = _synchronized(pipeline) - began
@@ -351,7 +359,7 @@ def one_session(
     driver.release(start.session_id)
     driver.close()
     if frames is not None:
-        frames.extend([first_chunk[start.session_id][0], *made[start.session_id]])
+        frames.extend([first_chunk[start.session_id][0], *settled, *made[start.session_id]])
     count = sum(out.num_frames for out in made[start.session_id])
     return {"time_to_first_chunk_s": first, "fps": count / seconds}
 

@@ -28,7 +28,17 @@ Variants (``VARIANTS``):
   (``workers.pipelines.quantize``; refused, naming why, where they cannot);
 - ``commit-from-last-step``: a second pipeline whose commits write the keys
   and values of each chunk's last denoise step instead of running a clean
-  pass (a forward less a chunk; its quality figure is what that costs).
+  pass (a forward less a chunk; its quality figure is what that costs);
+- ``cuda-graphs``: a second pipeline whose single-row denoise forwards over
+  a full window are captured as CUDA graphs and replayed (``cuda_graphs``;
+  ``workers.pipelines.step_graphs``). Only a full window's forwards are
+  captured, so in each session the chunks that fill the window and the one
+  whose forward is captured (``untimed_chunks`` after the first) run
+  untimed, through both pipelines alike; the timed chunks follow them. On a
+  CPU there is nothing to capture: the variant runs ``cuda_graphs: "eager"``,
+  the same path replayed eagerly (its frames identical; its speed the cost
+  of the path's copies), and its settings say so. Each contender's
+  ``step_graphs`` counts the captures and replays.
 
 Each round also compares the variant's frames with the default's (the same
 seed, prompt and noise): PSNR in dB and the mean absolute difference in
@@ -54,7 +64,7 @@ from workers.bench_pipeline import one_session, session_chunks
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 
-VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder", "commit-from-last-step", "fp8")
+VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder", "commit-from-last-step", "fp8", "cuda-graphs")
 OPTIONS = {  # a variant that is a second pipeline: its options
     "compile": {"compile": True},
     "vae-float32": {"vae_dtype": "float32"},
@@ -99,7 +109,6 @@ def versus(
     if variant == "cudnn-benchmark" and cudnn_benchmark:
         raise ValueError("the default it is measured against has cuDNN's algorithm timing on already")
     progress = progress or Progress.silent()
-    progress.expect(2 * rounds * session_chunks(chunks))
     progress.describe("building the pipelines")
     default = build()
     if variant == "compile" and default.compiled:
@@ -117,10 +126,14 @@ def versus(
     elif variant == "tiny-decoder":
         contenders = {"default": (default, cudnn_benchmark, start), variant: (default, cudnn_benchmark, tiny)}
     else:
+        options = OPTIONS.get(variant) or {"cuda_graphs": True if default.device.type == "cuda" else "eager"}
         contenders = {
             "default": (default, cudnn_benchmark, start),
-            variant: (build(**OPTIONS[variant]), cudnn_benchmark, start),
+            variant: (build(**options), cudnn_benchmark, start),
         }
+    # cuda-graphs: the window filled and the capture made before the timed chunks
+    untimed = (default.sink_frames + default.window_frames) // default.latent_frames if variant == "cuda-graphs" else 0
+    progress.expect(2 * rounds * (session_chunks(chunks) + untimed))
     progress.describe("warming up")
     for pipeline, benchmark, _ in contenders.values():  # the default twice for cudnn-benchmark: once each way
         with _cudnn_benchmark(benchmark):
@@ -136,7 +149,9 @@ def versus(
             pipeline, benchmark, session = contenders[name]
             frames[name] = []
             with _cudnn_benchmark(benchmark), _peak_memory(pipeline.device) as peak:
-                figures[name] = one_session(pipeline, session, chunks, frames=frames[name], progress=progress)
+                figures[name] = one_session(
+                    pipeline, session, chunks, frames=frames[name], progress=progress, untimed=untimed
+                )
             figures[name]["peak_memory_bytes"] = peak()
         results.append(
             {
@@ -157,6 +172,7 @@ def versus(
         "height": start.height or default.default_size[1],
         "steps": start.num_inference_steps,
         "chunks": chunks,
+        "untimed_chunks": untimed,
         "rounds": results,
         "fps_ratios": ratios,
         "median_fps_ratio": statistics.median(ratios),
@@ -196,6 +212,8 @@ def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSe
         "compiled": pipeline.compiled,
         "commit_from_last_step": pipeline.commit_from_last_step,
         "quantize": pipeline.quantized,
+        "cuda_graphs": pipeline.cuda_graphs,
+        "step_graphs": pipeline.step_graphs.figures() if pipeline.step_graphs is not None else None,
         "cudnn_benchmark": cudnn_benchmark,
         "decoder": start.decoder or pipeline.default_decoder,
     }

@@ -102,3 +102,19 @@ def test_cuda_graphs_on_a_cpu_is_refused_naming_the_option_and_the_device():
         build("tiny", device="cpu", warm_up_chunks=0, cuda_graphs=True)
     with pytest.raises(ValueError, match=r"cuda_graphs must be true, false or \"eager\", got 'yes'"):
         build("tiny", device="cpu", warm_up_chunks=0, cuda_graphs="yes")
+
+
+def test_bench_pipeline_versus_cuda_graphs_on_a_cpu_runs_the_eager_replay_and_says_so():
+    from tests.support import rtvideo_summary
+
+    flags = ("--versus", "cuda-graphs", "--chunks", "2", "--rounds", "1")
+    summary = rtvideo_summary("bench", "pipeline", "--json", *flags)
+    assert summary["variant"] == "cuda-graphs" and summary["device"] == "cpu"
+    default, variant = summary["pipelines"]["default"], summary["pipelines"]["cuda-graphs"]
+    assert default["cuda_graphs"] is False and default["step_graphs"] is None
+    assert variant["cuda_graphs"] == "eager"  # nothing to capture on a CPU: the same path, replayed eagerly
+    assert summary["untimed_chunks"] == 6  # the tiny preset's 3 + 15 frames fill in 6 chunks; the 7th captures
+    assert variant["step_graphs"]["captures"] == 1 and variant["step_graphs"]["replays"] == 3 + 4
+    assert variant["step_graphs"]["held"] == 0  # the session was released
+    [one] = summary["rounds"]
+    assert one["quality"]["identical"] and one["fps_ratio"] > 0
