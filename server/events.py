@@ -46,6 +46,8 @@ class ChunkMetadata(_Event):
     active_event_ids: list[str]
     completed_event_ids: list[str]
     compute_ms: float  # the worker's pipeline time for this chunk
+    input_frame_indexes: list[int] | None = None  # video to video: the client frames it was made from, in order
+    input_frames_dropped: int | None = None  # video to video: input frames dropped so far in the session
 
 
 class InteractionQueuedEvent(_Event):
@@ -104,3 +106,4 @@ class ErrorEvent(_Event):
     fatal: bool = False
     request_id: str | None = None
     event_id: str | None = None
+    frame_index: int | None = None  # an input frame refused: its index (absent when it had none)

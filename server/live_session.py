@@ -66,6 +66,7 @@ from engine.messages import (
     ResultMessage,
     SessionDone,
     SessionFailed,
+    VideoInput,
 )
 from server.dispatch import TypeDispatcher
 from server.events import VideoStart
@@ -76,6 +77,7 @@ from server.rendition import Rendition
 from server.resume_buffer import BufferedChunk, ChunkBuffer, ResumeGapError
 from server.session_registry import SessionRegistry, new_token
 from server.settings import ServerSettings
+from server.video_input import FrameError, InputFeeder
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ class LiveSession:
         registry: SessionRegistry,
         shared_control: bool = False,
         on_end: Callable[[], Awaitable[None]] | None = None,
+        video_input: VideoInput | None = None,
     ) -> None:
         self.handle = handle
         self.output = output
@@ -174,6 +177,12 @@ class LiveSession:
         )
         registry.add(self, {"resume": self.resume_token, "watch": self.watch_token, "control": self.control_token})
         metrics.sessions_active.inc()
+        # Video to video: the controllers' binary frames, gathered into chunks and handed to the engine.
+        self.input: InputFeeder | None = None
+        self._input_task: asyncio.Task | None = None
+        if video_input is not None:
+            self.input = InputFeeder(video_input, handle, metrics, self._input_refused, output.config.num_chunks)
+            self._input_task = asyncio.create_task(self._feed(), name=f"session-input-{self.request_id}")
         self._pump_task = asyncio.create_task(self._pump(), name=f"session-pump-{self.request_id}")
         self._limit_task = asyncio.create_task(self._duration_limit(), name=f"session-limit-{self.request_id}")
 
@@ -347,15 +356,44 @@ class LiveSession:
         self.output.clock.playhead = position_seconds
         await self.engine.playback(self.session_id, position_seconds)
 
+    def input_frame(self, data: bytes, received_at: float) -> dict[str, Any] | None:
+        """A controller's binary frame (the session has an ``input``): taken, or the
+        ``error`` event (``invalid_input_frame``, naming the frame) for its sender."""
+        try:
+            self.input.receive(data, received_at)
+        except FrameError as error:
+            return self._frame_error(error)
+        return None
+
+    def _frame_error(self, error: FrameError) -> dict[str, Any]:
+        return error_event("invalid_input_frame", str(error), request_id=self.request_id, frame_index=error.frame_index)
+
+    def _input_refused(self, error: FrameError) -> None:
+        """A frame refused as its chunk was gathered (a JPEG that does not decode, or
+        of another size): every controller is told (any of them may have sent it)."""
+        self._to_controllers(self._frame_error(error))
+
+    async def _feed(self) -> None:
+        """The input feeder's task: a failure here (a server bug) is logged and
+        stops the session, whose end then reaches every viewer."""
+        try:
+            await self.input.run()
+        except Exception:
+            log.exception("session %s: its input failed in the server", self.request_id)
+            await self.stop("server_error")
+
     async def written(self, viewer: Viewer, chunk: BufferedChunk) -> None:
         """``chunk`` was written to ``viewer``'s socket. A controller's counts as
-        delivered: on /metrics once per chunk, and for the engine's pacing."""
+        delivered: on /metrics once per chunk, and for the engine's pacing; with
+        an input, each of its frames' latency from the input frame it came from."""
         if viewer.role != "controller":
             return
         if chunk.index > self._counted:
             self._counted = chunk.index
             frames = chunk.metadata["num_frames"]
             self.output.clock.chunk(chunk.metadata["media_start_seconds"], chunk.media_seconds, frames, chunk.compute_s)
+            if self.input is not None:
+                self.input.written(chunk.index, frames)
         if chunk.media_end_seconds > self._delivered_s:
             self._delivered_s = chunk.media_end_seconds
             with contextlib.suppress(EngineDeadError, UnknownSessionError):
@@ -388,8 +426,15 @@ class LiveSession:
 
     async def _on_chunk(self, message: ChunkReady) -> None:
         """Encode the chunk once, keep it for a resume and queue it on every viewer
-        of the session's format (controllers first) and on each rendition."""
-        chunk = await self.output.chunk(message)
+        of the session's format (controllers first) and on each rendition. With an
+        input, its metadata names the input frames it was made from and the frames
+        dropped so far, and the next chunks' input may go to the engine."""
+        taken = None
+        if self.input is not None:
+            self.input.made(message.generation_chunk_index)
+            known = self.input.sent.get(message.generation_chunk_index)
+            taken = (known.indexes if known is not None else (), self.input.dropped)
+        chunk = await self.output.chunk(message, taken)
         if chunk is None:
             return
         buffered = BufferedChunk(
@@ -466,6 +511,8 @@ class LiveSession:
             self._grace = None
             self.metrics.sessions_detached.dec()
         self._limit_task.cancel()
+        if self._input_task is not None:
+            self._input_task.cancel()
         self.kept.clear()
         self.buffer.clear()  # now, not when the cyclic collector gets to this object
         log.info("session %s ended: %s", self.request_id, outcome)

@@ -130,6 +130,25 @@ class Metrics:
             buckets=LEAD_BUCKETS,
             registry=r,
         )
+        self.input_latency = Histogram(
+            "rtvideo_input_frame_latency_seconds",
+            "From the server reading an input frame to writing the output frame made from it to a controller",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.input_received = Counter(
+            "rtvideo_input_frames_received", "Input frames (binary WebSocket frames) read from clients", registry=r
+        )
+        self.input_dropped = Counter(
+            "rtvideo_input_frames_dropped",
+            "Input frames dropped unprocessed, oldest first, because the model fell behind their sender",
+            registry=r,
+        )
+        self.input_invalid = Counter(
+            "rtvideo_input_frames_invalid",
+            "Input frames refused (bad header, index, size, or a JPEG that does not decode)",
+            registry=r,
+        )
         self.jobs = Counter("rtvideo_jobs", "Request-mode jobs ended, by status", ["status"], registry=r)
         up = Gauge("rtvideo_worker_up", "1 while the engine's workers are up", registry=r)
         up.set_function(lambda: 1.0 if worker_up() else 0.0)

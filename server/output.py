@@ -78,6 +78,8 @@ class SessionOutput:
         self.chunks_sent = 0
         self.compute_ms = 0.0  # pipeline time of the chunks sent, from the worker
         self.inexact: dict[str, str] = {}  # why a replay would not be bit-exact: kind -> the first instance
+        if config.input is not None:
+            self.inexact["input"] = "the frames were made from the session's input video, which a replay does not carry"
         # event_id -> the controller that sent it (realtime sessions), for the newest ids, as the mailbox keeps them
         self.senders: IdWindow[str | None] = IdWindow(EVENT_ID_WINDOW)
         # The non-media session results (what a session's handle yields besides ChunkReady), by type.
@@ -104,8 +106,11 @@ class SessionOutput:
             },
         )
 
-    async def chunk(self, ready: ChunkReady) -> MediaChunk | None:
-        """Encode one chunk; None when every frame of it is past ``num_frames``."""
+    async def chunk(self, ready: ChunkReady, taken: tuple[tuple[int, ...], int] | None = None) -> MediaChunk | None:
+        """Encode one chunk; None when every frame of it is past ``num_frames``.
+        ``taken`` (a session with an input): the client frame indexes the chunk
+        was made from, and the input frames dropped so far in the session, for
+        its metadata."""
         frames = np.frombuffer(ready.payload, dtype=np.uint8).reshape(ready.num_frames, ready.height, ready.width, 3)
         limit = self.config.num_frames
         if limit is not None:
@@ -132,6 +137,8 @@ class SessionOutput:
             active_event_ids=list(ready.active_event_ids),
             completed_event_ids=list(ready.completed_event_ids),
             compute_ms=compute_ms,
+            input_frame_indexes=None if taken is None else list(taken[0][: len(frames)]),
+            input_frames_dropped=None if taken is None else taken[1],
         ).wire()
         init_length = len(self.init_segment) if self.chunks_sent == 0 else 0
         self.transport_index += 1
@@ -292,6 +299,14 @@ class SessionOutput:
 
 
 def error_event(
-    code: str, message: str, *, request_id: str | None = None, event_id: str | None = None, fatal: bool = False
+    code: str,
+    message: str,
+    *,
+    request_id: str | None = None,
+    event_id: str | None = None,
+    fatal: bool = False,
+    frame_index: int | None = None,
 ) -> dict[str, Any]:
-    return ErrorEvent(code=code, message=message, fatal=fatal, request_id=request_id, event_id=event_id).wire()
+    return ErrorEvent(
+        code=code, message=message, fatal=fatal, request_id=request_id, event_id=event_id, frame_index=frame_index
+    ).wire()

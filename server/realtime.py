@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -339,7 +340,10 @@ class RealtimeConnection:
         request_id = f"rtv-{uuid.uuid4().hex}"
         defaults = self.engine.ready.defaults
         try:
-            engine_start, config = resolve(start, request_id, defaults, self.settings, self.model)
+            video_input = None if start.input is None else start.input.engine()
+            engine_start, config = resolve(
+                start, request_id, defaults, self.settings, self.model, video_input=video_input
+            )
         except RequestError as error:
             return await self._fatal("invalid_request", str(error), CLOSE_POLICY)
         try:
@@ -359,6 +363,7 @@ class RealtimeConnection:
             self.sessions,
             shared_control=start.shared_control,
             on_end=self._capacity_freed,
+            video_input=engine_start.input,
         )
         await self._attached(session, session.attach_first)
 
@@ -517,6 +522,9 @@ class RealtimeConnection:
             except ValueError as error:
                 self._send(error_event("invalid_json", f"not JSON: {error}", request_id=rid))
                 continue
+            if isinstance(data, bytes):
+                self._input_frame(data, time.monotonic())
+                continue
             event = self._parse(data)
             if isinstance(event, dict):  # not a valid client event: the error saying why
                 self._send({**event, "request_id": rid})
@@ -528,6 +536,20 @@ class RealtimeConnection:
                 continue
             if why is not None:
                 return why
+
+    def _input_frame(self, data: bytes, received_at: float) -> None:
+        """A binary frame after the start: an input frame for a session started with
+        an ``input``, taken from a controller (refused frames get ``invalid_input_frame``);
+        ``read_only`` from a spectator; ``binary_not_supported`` for a session without input."""
+        rid = self.session.request_id
+        if self.session.input is None:
+            message = "binary frames are input video frames, and this session was started without an input"
+            return self._send(error_event("binary_not_supported", message, request_id=rid))
+        if self.role == "spectator":
+            message = "binary frame: this connection watches the session (?watch=) and cannot send its input"
+            return self._send(error_event("read_only", message, request_id=rid))
+        if (refused := self.session.input_frame(data, received_at)) is not None:
+            self._send(refused)
 
     # Client event handlers (``_events_by_role``): each returns why the reader
     # ends (a stop), or None to read on.

@@ -13,18 +13,22 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.limits import (
     DECODERS,
+    INPUT_FORMATS,
+    INPUT_KINDS,
     MAX_INFERENCE_STEPS,
     MAX_PROMPT_CHARS,
     MAX_SEED,
     MAX_TRANSITION_CHUNKS,
     PROMPT_CHANGE_MODES,
 )
-from engine.messages import Interaction, ScheduledInteraction, SessionGeometry, StartSession
+from engine.messages import Interaction, ScheduledInteraction, SessionGeometry, StartSession, VideoInput
 from server.settings import ServerSettings
+from server.video_input import HEADER_BYTES
 
 FORMAT_ALIASES = {"m4s": "fmp4"}
 DEFAULT_JOB_SECONDS = 4.0
@@ -138,10 +142,44 @@ class JobRequest(VideoRequest):
 # -- WebSocket client events ---------------------------------------------------------
 
 
+class VideoInputSpec(_Strict):
+    """A realtime session's input video (video to video): the client sends its
+    frames as binary WebSocket frames, and the model restyles them under the
+    prompt. The session's width, height and fps are the input's (a request that
+    gives them must give the same)."""
+
+    kind: Literal[INPUT_KINDS]
+    """What the input is: video (a stream of frames)."""
+    strength: float = Field(ge=0, le=1, allow_inf_nan=False)
+    """How far the output departs from the input: 0 returns the input (as the model
+    reconstructs it), 1 ignores its content (text to video)."""
+    format: Literal[INPUT_FORMATS] = "jpeg"
+    """How each frame's image travels: jpeg, or raw (width x height x 3 bytes of uint8 RGB)."""
+    width: int = Field(ge=2)
+    """Width of the frames sent, in pixels: the session's width."""
+    height: int = Field(ge=2)
+    """Height of the frames sent, in pixels: the session's height."""
+    fps: float = Field(gt=0, le=120, allow_inf_nan=False)
+    """Frames per second the client captures: the session's fps."""
+
+    def engine(self) -> VideoInput:
+        return VideoInput(
+            kind=self.kind,
+            strength=self.strength,
+            format=self.format,
+            width=self.width,
+            height=self.height,
+            fps=self.fps,
+        )
+
+
 class SessionStartEvent(VideoRequest):
     type: Literal["session.start"]
     shared_control: bool = False
     """Let further controllers join with video.start's control_token (shared steering)."""
+    input: VideoInputSpec | None = None
+    """An input video to restyle (video to video), its frames sent as binary frames;
+    null: video from the prompt alone."""
 
 
 class InteractionBody(_Strict):
@@ -420,6 +458,7 @@ class EffectiveConfig:
     prompt_change: str
     max_lead_seconds: float | None  # None: not paced (always for a job)
     decoder: str = "full"  # full or tiny
+    input: dict[str, Any] | None = None  # the input video (kind, strength, format, width, height, fps); None: none
 
     def wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -469,19 +508,27 @@ def resolve(
     model: str,
     paced: bool = True,
     default_seconds: float | None = None,
+    video_input: VideoInput | None = None,
 ) -> tuple[StartSession, EffectiveConfig]:
     """The engine start for ``request`` and the effective configuration to echo.
     ``paced`` False (request mode) runs at full speed whatever ``max_lead_seconds`` says;
-    ``default_seconds`` is the length of a request that gives none (None: until stopped)."""
+    ``default_seconds`` is the length of a request that gives none (None: until stopped).
+    ``video_input`` (video to video) gives the session's width, height and fps, which
+    the request must leave out or give the same (``input_geometry``)."""
     if request.model is not None and request.model != model:
         raise RequestError(f"model: this server serves {model!r}, not {request.model!r}")
-    width = request.width or defaults.width
-    height = request.height or defaults.height
-    fps = request.fps or defaults.fps
+    width, height, fps, named = input_geometry(request, video_input, defaults)
     if width > settings.max_width:
-        raise RequestError(f"width: at most {settings.max_width}, got {width}")
+        raise RequestError(f"{named['width']}: at most {settings.max_width}, got {width}")
     if height > settings.max_height:
-        raise RequestError(f"height: at most {settings.max_height}, got {height}")
+        raise RequestError(f"{named['height']}: at most {settings.max_height}, got {height}")
+    if video_input is not None and video_input.format == "raw":
+        size = HEADER_BYTES + width * height * 3
+        if size > settings.max_message_bytes:
+            raise RequestError(
+                f"input.format: a raw {width}x{height} frame is {size} bytes with its header, past this server's "
+                f"max_message_bytes ({settings.max_message_bytes}); send jpeg frames, or a smaller size"
+            )
     first, per = defaults.first_chunk_frames, defaults.frames_per_chunk
     num_frames = _frames_asked(request, fps, first, per, settings.max_frames, default_seconds)
     num_chunks = None if num_frames is None else 1 + max(0, math.ceil((num_frames - first) / per))
@@ -507,6 +554,7 @@ def resolve(
         prompt_change=request.prompt_change,
         max_lead_seconds=request.max_lead_seconds if paced else None,
         decoder=request.decoder,
+        input=video_input,
         scheduled=tuple(scheduled),
         reports_delivery=paced,  # a live session's server reports each chunk it wrote; a job's has no client
     )
@@ -528,5 +576,33 @@ def resolve(
         prompt_change=request.prompt_change,
         max_lead_seconds=request.max_lead_seconds if paced else None,
         decoder=request.decoder or settings.decoder,
+        input=None if video_input is None else msgspec.structs.asdict(video_input),
     )
     return start, config
+
+
+def input_geometry(
+    request: VideoRequest, video_input: VideoInput | None, defaults: SessionGeometry
+) -> tuple[int, int, float, dict[str, str]]:
+    """The session's width, height and fps, and the field each is named by in an
+    error: the request's (the model's defaults where it gives none), or, with an
+    input video, the input's (``input.width`` ...): the model restyles frames at
+    the session's own size and rate, so a request that gives one of them must
+    give the input's, else ``RequestError`` naming both."""
+    if video_input is None:
+        named = {"width": "width", "height": "height", "fps": "fps"}
+        return (
+            request.width or defaults.width,
+            request.height or defaults.height,
+            request.fps or defaults.fps,
+            named,
+        )
+    for name in ("width", "height", "fps"):
+        given, theirs = getattr(request, name), getattr(video_input, name)
+        if given is not None and given != theirs:
+            raise RequestError(
+                f"input.{name}: {theirs:g} differs from the session's {name} ({given:g}); the model restyles frames "
+                f"at the session's own size and rate: give the same {name}, or leave {name} out to take the input's"
+            )
+    named = {"width": "input.width", "height": "input.height", "fps": "input.fps"}
+    return video_input.width, video_input.height, video_input.fps, named
