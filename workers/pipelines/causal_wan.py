@@ -117,6 +117,7 @@ class CausalWanPipeline(CausalWanDecoding):
         split_decode_batch=True,
         pipeline_ranks=True,
         kv_window=True,
+        video_input=True,  # take_input: a session's input frames, encoded before each boundary
         synchronize=True,
     )
 
@@ -751,9 +752,12 @@ class CausalWanPipeline(CausalWanDecoding):
         peak, less 1 GiB. The warm-up ran a forward of ``max_batch_rows`` rows
         (``workers.warmup``), so its peak is that of a full batch: activations
         and roped keys beyond the model and the warm-up sessions' state (about
-        ``state_bytes`` each). On a CPU, where the state lives in host memory:
-        the host's available memory (and its cgroup's room) less this process's
-        transient peak and a margin (``workers.host_memory``)."""
+        ``state_bytes`` each). With CUDA graphs (``cuda_graphs``) that peak is
+        reserved twice: the graphs' memory pool, made after this is read,
+        holds a single-row forward's activations of its own. On a CPU, where
+        the state lives in host memory: the host's available memory (and its
+        cgroup's room) less this process's transient peak and a margin
+        (``workers.host_memory``)."""
         if self.device.type != "cuda":
             return host_session_budget()
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -762,6 +766,8 @@ class CausalWanPipeline(CausalWanDecoding):
         g = self.describe(StartSession(session_id="budget", prompt="budget"))
         peak = torch.cuda.max_memory_allocated(self.device) - allocated
         transient = max(0, peak - g.state_bytes * self.max_batch_rows)
+        if self.cuda_graphs is True:  # at most one single-row forward's activations, in the graphs' pool
+            transient *= 2
         return max(0, free + unused - transient - 2**30)
 
     def synchronize(self) -> None:
