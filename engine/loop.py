@@ -74,7 +74,7 @@ from engine.messages import (
 from engine.pacing import Playhead, wait_seconds
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from engine.scheduler import ChunkScheduler
-from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase, first_frame
+from engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase, first_frame, passes_for
 from engine.slo import SloController, SloTarget, micro_step_budget
 from engine.stream_batch import StreamBatchScheduler
 
@@ -242,7 +242,12 @@ class EngineLoop:
             if session.phase is Phase.FINISHING and not session.release_planned and self._idle(session):
                 step.release.append(sid)
                 session.release_planned = True
+        self._end_faulted()
         held, wake_in = self._paced(playheads)
+        waiting, input_wake = self._awaiting_input(held)
+        held |= waiting
+        if input_wake is not None:
+            wake_in = input_wake if wake_in is None else min(wake_in, input_wake)
         for session in self.scheduler.select(self.sessions.values(), held):
             sid = session.session_id
             finishing = self.scheduler.finishing_chunks(sid)
@@ -278,6 +283,46 @@ class EngineLoop:
         carried = any(sid in sessions for sessions in self._carrying.values())  # at most the executor's depth
         return not carried and not session.decoding and not self.scheduler.in_flight(sid)
 
+    def _end_faulted(self) -> None:
+        """Fail the sessions the control plane failed (input frames it refused):
+        ``SessionFailed`` with its code once nothing of them runs."""
+        for session in self.sessions.values():
+            if session.failure is None and (fault := self.control.fault(session.session_id)) is not None:
+                self._fail(session, fault[1], fault[0])
+
+    def _awaiting_input(self, held: set[str]) -> tuple[set[str], float | None]:
+        """Video to video: the sessions whose next chunk is about to begin (pacing
+        does not hold them, ``held``) but whose input frames have not come; they
+        wait, other sessions run. One that has waited ``input_timeout_s`` for a
+        chunk fails (``input_timeout``). Returns them, and the soonest a wait
+        times out (None: none waits)."""
+        now = self.clock()
+        limit = self.config.input_timeout_s
+        waiting: set[str] = set()
+        wake: float | None = None
+        for sid, session in self.sessions.items():
+            if not session.takes_input or session.phase is Phase.FINISHING or sid in held:
+                session.input_wait = None
+                continue
+            index = session.next_pass(self.scheduler.busy_chunks(sid), self.scheduler.finishing_chunks(sid))
+            came = self.control.inputs_through(sid) or 0
+            if index is None or index in session.chunks or index < came:
+                session.input_wait = None  # mid-chunk, or its frames are here
+                continue
+            if session.input_wait is None or session.input_wait[0] != index:
+                session.input_wait = (index, now)
+            left = session.input_wait[1] + limit - now
+            if left <= 0:
+                message = (
+                    f"session {sid}: the input frames of chunk {index} did not come within {limit:g} s "
+                    "(input_timeout_s)"
+                )
+                self._fail(session, message, "input_timeout")
+                continue
+            waiting.add(sid)
+            wake = left if wake is None else min(wake, left)
+        return waiting, wake
+
     def _paced(self, playheads: dict[str, Playhead]) -> tuple[set[str], float | None]:
         """Sessions held back by pacing, and the soonest one of them may run."""
         now = self.clock()
@@ -304,6 +349,7 @@ class EngineLoop:
         session's next chunk change together, under the control plane's lock:
         an interaction accepted meanwhile is told the chunk it lands at."""
         in_flight = 1 + sum(1 for i in session.chunks if i not in finishing)
+        given = self.control.take_input(session.session_id, session.next_chunk) if session.takes_input else None
         with self.control.boundary(session.session_id) as mailbox:
             index = session.next_chunk
             taken = mailbox.take(index)
@@ -311,7 +357,7 @@ class EngineLoop:
             session.chunks[index] = ChunkInFlight(
                 index=index,
                 steps=session.steps_per_chunk,
-                passes=session.steps_per_chunk + (1 if self.split else 0),
+                passes=passes_for(session.steps_per_chunk, self.split),
                 events=session.events.begin_chunk(
                     index,
                     None if applied is None else (applied.event_id, applied.transition_chunks),
@@ -327,6 +373,7 @@ class EngineLoop:
             chunk_index=index,
             prompt=None if applied is None else applied.prompt,
             transition_chunks=0 if applied is None else applied.transition_chunks,
+            input=given,
         )
 
     # ------------------------------------------------------------------
@@ -545,7 +592,7 @@ class EngineLoop:
         if session.failure is not None:
             message = f"the session failed before this interaction reached a chunk boundary: {session.failure}"
             self._reject_leftovers(sid, "session_failed", message)
-            self.send(SessionFailed(session_id=sid, code="pipeline_error", message=session.failure))
+            self.send(SessionFailed(session_id=sid, code=session.failure_code, message=session.failure))
             return
         message = "the session ended before this interaction reached a chunk boundary"
         self._reject_leftovers(sid, "session_ended", message)
@@ -561,13 +608,15 @@ class EngineLoop:
             )
         )
 
-    def _fail(self, session: EngineSession, error: str) -> None:
-        """A pipeline call failed the session. Chunks it committed before are still
+    def _fail(self, session: EngineSession, error: str, code: str = "pipeline_error") -> None:
+        """A pipeline call failed the session (or, ``code`` other than
+        pipeline_error, its input did). Chunks it committed before are still
         decoding: they are emitted first; once they are back a micro-step frees its
-        state (the runner freed it at once when nothing was left to decode), and
-        then ``SessionFailed``, its stream's last message, goes out (``_end``)."""
+        state (the runner freed it at once when a call failed and nothing was left
+        to decode), and then ``SessionFailed``, its stream's last message, goes out
+        (``_end``)."""
         if session.failure is None:
-            session.failure = error
+            session.failure, session.failure_code = error, code
         for chunk in session.chunks.values():  # boundaries taken that no micro-step will report
             if chunk.boundary is not None:
                 self._report_boundary(session, chunk, error)

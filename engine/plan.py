@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.messages import SessionGeometry, StartSession
+from engine.messages import SessionGeometry, StartSession, SubmitInput
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,19 @@ class BoundaryTask:
     chunk_index: int
     prompt: str | None  # None: no interaction applies here
     transition_chunks: int  # 0/1 hard cut; N >= 2 blend over N chunks
+    input: SubmitInput | None = None
+    """Video to video: the chunk's input frames, handed to the pipeline
+    (``take_input``) before its boundary; None for a session without an input."""
 
 
 @dataclass(frozen=True)
 class StepRow:
     """One row of a forward: chunk ``chunk_index`` of one session at denoise step
     ``step`` (0-based). After the chunk's last step the executor also commits
-    the chunk and decodes it, and the row's result carries the frames."""
+    the chunk and decodes it, and the row's result carries the frames. A chunk
+    of no denoise step (``steps_per_chunk`` 0: video to video at strength 0,
+    its clean latent the encoded input) has one row, its commit (``commit``),
+    which runs no forward: the boundary, then the commit and the decode."""
 
     session_id: str
     chunk_index: int
@@ -54,8 +60,8 @@ class StepRow:
     @property
     def commit(self) -> bool:
         """The chunk's commit pass (``step == steps_per_chunk``): planned as a row of
-        its own only when the blocks are split over ranks (with one rank the
-        last denoise step's row commits)."""
+        its own when the blocks are split over ranks (with one rank the last
+        denoise step's row commits), or when the chunk has no denoise step."""
         return self.step == self.steps_per_chunk
 
 

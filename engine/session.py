@@ -91,7 +91,7 @@ class ChunkInFlight:
     events: ChunkEvents
     boundary: BoundaryTaken | None  # reported once the micro-step that crossed it came back
     boundary_step: int  # number of that micro-step
-    passes: int = 0  # rows it takes: its steps, and its commit pass when that is a row of its own (0: steps)
+    passes: int = 0  # rows it takes: its steps, and its commit pass when that is a row of its own (``passes_for``)
     planned: int = 0  # rows (steps, then the commit pass) handed to the executor
     done: int = 0  # denoise steps whose result came back
     boundary_ms: float = 0.0
@@ -114,6 +114,13 @@ class ChunkInFlight:
     @property
     def all_planned(self) -> bool:
         return self.planned >= (self.passes or self.steps)
+
+
+def passes_for(steps: int, split: bool) -> int:
+    """The rows a chunk of ``steps`` denoise steps takes: one per step, and its
+    commit as a row of its own when the blocks are split over ranks (``split``)
+    or when it has no step (the commit then follows its boundary alone)."""
+    return steps + 1 if split or steps == 0 else steps
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,10 @@ class EngineSession:
     release_planned: bool = False  # FINISHING: the micro-step that frees its state was submitted
     decoding: dict[int, ChunkInFlight] = field(default_factory=dict)  # committed chunks the decode stage has
     failure: str | None = None  # why it failed; said (SessionFailed) once its state was released
+    failure_code: str = "pipeline_error"  # SessionFailed.code of ``failure`` (invalid_input, input_timeout too)
+    input_wait: tuple[int, float] | None = None
+    """Video to video: (chunk, since) while the chunk about to begin waits for its
+    input frames and nothing else holds it back (the loop's clock); None otherwise."""
     decodes_dropped: bool = False  # a decode failed or was cancelled: the chunks after it are not emitted
     stop_reason: Callable[[], str | None] = _not_stopped
     """The control plane's stop flag for it (``ControlPlane.stop_reason``): the
@@ -170,6 +181,11 @@ class EngineSession:
     @property
     def steps_per_chunk(self) -> int:
         return self.geometry.num_inference_steps
+
+    @property
+    def takes_input(self) -> bool:
+        """Opened with an input (video to video): a chunk begins once its frames came."""
+        return self.start is not None and self.start.input is not None
 
     @property
     def committed_all(self) -> bool:

@@ -28,6 +28,7 @@ ENGINE_KEYS = {
     "wedged_after_s",
     "max_pixels",
     "max_realtime_load",
+    "input_timeout_s",
 }
 
 PINNED_LIMITS = {"max_pixels": 1 << 22, "max_realtime_load": None}

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from engine.messages import StartSession
+from engine.messages import StartSession, SubmitInput
 from engine.plan import BoundaryTask, ChunkOutput, DecodeResult, MicroStep, StepResult, StepRow
 from workers.decode_stage import DecodeStage, decode_batch_rows
 from workers.pipelines.base import ChunkPipeline, SessionState
@@ -64,11 +65,15 @@ class ChunkDriver:
         session_ids: Sequence[str],
         chunks: int = 1,
         interactions: Mapping[str, tuple[str, int]] | None = None,
+        inputs: Mapping[str, Sequence[Any]] | None = None,
     ) -> dict[str, list[ChunkOutput]]:
         """``chunks`` more chunks of each session; ``interactions`` maps a session to
-        (prompt, transition chunks) applied at its next boundary. Returns each
-        session's chunks, in order."""
+        (prompt, transition chunks) applied at its next boundary; ``inputs`` (video
+        to video) maps a session to its frames for each of those chunks, uint8
+        ``[F, H, W, 3]`` numpy arrays, handed to its boundaries as the engine hands
+        them (``BoundaryTask.input``). Returns each session's chunks, in order."""
         pending = dict(interactions or {})
+        given = {sid: list(frames) for sid, frames in (inputs or {}).items()}
         left = {sid: chunks for sid in session_ids}
         at_step: dict[str, int] = {}  # sessions inside a chunk: the step of their next row
         outputs: dict[str, list[ChunkOutput]] = {sid: [] for sid in session_ids}
@@ -86,13 +91,14 @@ class ChunkDriver:
                 chunk, step = self.next_chunk[sid], at_step.get(sid, 0)
                 if step == 0:
                     prompt, transition = pending.pop(sid, (None, 0))
-                    micro.boundaries.append(BoundaryTask(sid, chunk, prompt, transition))
+                    frames = _submitted(sid, chunk, given[sid].pop(0)) if given.get(sid) else None
+                    micro.boundaries.append(BoundaryTask(sid, chunk, prompt, transition, frames))
                 steps = self.runner.states[sid].geometry.num_inference_steps
-                micro.ranks[0].append(StepRow(sid, chunk, step, steps))
+                micro.ranks[0].append(StepRow(sid, chunk, step, steps))  # no step: its commit row
             result = self.execute(micro)
             for row in micro.ranks[0]:
                 sid = row.session_id
-                if not row.last:
+                if not (row.last or row.commit):
                     at_step[sid] = row.step + 1
                     continue
                 if self._decoder is None:
@@ -144,3 +150,16 @@ class ChunkDriver:
             self._errors.setdefault(call.session_id, call.error)
         if self._on_stage is not None:
             self._on_stage(call)
+
+
+def _submitted(session_id: str, chunk_index: int, frames: Any) -> SubmitInput:
+    """A chunk's input frames as the engine hands them to its boundary."""
+    count, height, width, _ = frames.shape
+    return SubmitInput(
+        session_id=session_id,
+        chunk_index=chunk_index,
+        count=count,
+        height=height,
+        width=width,
+        frames=frames.tobytes(),
+    )

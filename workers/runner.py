@@ -108,15 +108,21 @@ class ModelRunner:
 
     def execute(self, step: MicroStep) -> StepResult:
         """Release, open (encode the prompt, allocate), cross boundaries (encode an
-        interaction's prompt, then the boundary), then one forward over the rows of
-        ``step`` (in groups of the pipeline's ``max_batch_rows``), each row's sampler
-        step, and commit then decode for rows whose chunk ended."""
+        interaction's prompt, take a chunk's input frames, then the boundary), then
+        one forward over the rows of ``step`` (in groups of the pipeline's
+        ``max_batch_rows``), each row's sampler step, and commit then decode for
+        rows whose chunk ended; a chunk of no denoise step has a commit row only
+        (``StepRow.commit``), which commits and decodes it without a forward."""
         result = StepResult(step.number)
         self.sessions.prepare(step, result)
         rows = self.sessions.running(step.rows)
+        commits = [(row.session_id, row.chunk_index) for row in rows if row.commit]  # chunks of no denoise step
+        rows = [row for row in rows if not row.commit]
         width = self.pipeline.max_batch_rows
         for first in range(0, len(rows), width):
             self._forward(rows[first : first + width], result)
+        if commits:
+            self.sessions.committed(result, self._commit(result, commits))
         return result
 
     # -- internals -------------------------------------------------------------

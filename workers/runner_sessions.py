@@ -11,7 +11,8 @@ session, abandonable; outcomes ``Ok``, ``Failed``, ``Cancelled``), and does
 what is the same for both runners:
 
 - ``prepare``: a micro-step's releases, opens (prompt encode, allocate) and
-  boundaries (an interaction's prompt encode, then the boundary);
+  boundaries (an interaction's prompt encode; video to video, the chunk's
+  input frames, ``take_input``; then the boundary);
 - ``forwards``: a forward over rows as one batch, each row alone when the
   batch raises (so only a row that fails on its own fails its session);
 - ``committed``: the chunks whose commit finished, decoded now or left to
@@ -34,6 +35,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from engine.messages import SessionGeometry, StartSession
 from engine.plan import BoundaryTask, DecodeResult, MicroStep, StepResult, StepRow
@@ -96,6 +99,11 @@ class RunnerSessions:
         return self.rows.stop_check(session_ids)
 
     def describe(self, start: StartSession) -> SessionGeometry:
+        """The pipeline's ``describe``; a start with an ``input`` is refused here,
+        naming the pipeline, where it does not declare ``video_input``."""
+        if start.input is not None and not self.pipeline.capabilities.video_input:
+            name = getattr(self.pipeline, "name", type(self.pipeline).__name__)
+            raise ValueError(f"input: the {name!r} pipeline takes no input video (it does not declare video_input)")
         return self.pipeline.describe(start)
 
     def held_sessions(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -312,6 +320,14 @@ class RunnerSessions:
                 return
             prompt = encoded.value
         session = self.states[sid]
+        if task.input is not None:  # video to video: the chunk's frames, before its boundary
+            given = task.input
+            data = bytearray(given.frames)  # writable: a pipeline may hand it to torch as it is
+            frames = np.frombuffer(data, dtype=np.uint8).reshape(given.count, given.height, given.width, 3)
+            taken = self.rows.call(result, sid, index, "take_input", self.pipeline.take_input, session, index, frames)
+            result.row(sid, index).boundary_ms += taken.ms
+            if not isinstance(taken, Ok):
+                return
         crossed = self.rows.call(
             result, sid, index, "boundary", self.pipeline.boundary, session, index, prompt, task.transition_chunks
         )

@@ -198,8 +198,44 @@ def test_release_frees_the_input(pipeline, driver):
     assert "free" not in pipeline.held_sessions()
 
 
-def test_the_stub_refuses_an_input_it_cannot_take():
+def test_the_stub_refuses_an_input_that_is_not_the_sessions_size():
     from workers.pipelines.stub import StubPipeline
 
-    with pytest.raises(ValueError, match="input: the 'stub' pipeline takes no input video"):
-        StubPipeline().describe(video_start("stub", 0.5))
+    with pytest.raises(ValueError, match=r"input\.width must equal the session's width \(32\), got 64"):
+        StubPipeline().describe(video_start("stub", 0.5, width=32, height=32))
+
+
+def reconstruction(pipeline: CausalWanPipeline, stream: np.ndarray) -> np.ndarray:
+    """``stream`` through diffusers' own one-shot encode and decode of every frame."""
+    pixels = torch.from_numpy(stream).permute(3, 0, 1, 2).unsqueeze(0).float() / 127.5 - 1.0
+    latents = pipeline.encoder.reference_encode(pixels)
+    decoded = pipeline.decoder.reference_decode(latents).clamp(-1.0, 1.0)
+    return ((decoded[0].permute(1, 2, 3, 0) + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("overlap_decode", [False, True])
+def test_strength_0_through_the_runner_returns_the_inputs_vae_reconstruction(pipeline, overlap_decode):
+    """The worker's path: the runner takes each chunk's frames from its boundary
+    task (``BoundaryTask.input``, as the engine loop hands them), and a chunk of
+    no denoise step is one commit row (no forward), then its decode, in line or
+    on the decode stage."""
+    driver = ChunkDriver(pipeline, overlap_decode=overlap_decode)
+    stream = camera(9 + 12 * 2, seed=3)
+    forwards = []
+    real = pipeline.forward
+    pipeline.forward = lambda *a, **k: forwards.append(a) or real(*a, **k)
+    try:
+        driver.open(video_start("runner-zero", 0.0))
+        chunks = driver.run(["runner-zero"], 3, inputs={"runner-zero": [chunk_frames(stream, i) for i in range(3)]})
+        driver.release("runner-zero")
+    finally:
+        del pipeline.forward
+        driver.close()
+    assert forwards == []  # no denoise step ran
+    outputs = chunks["runner-zero"]
+    assert [(c.num_frames, c.width, c.height) for c in outputs] == [(9, 64, 64), (12, 64, 64), (12, 64, 64)]
+    got = np.concatenate([np.frombuffer(c.payload, np.uint8).reshape(-1, 64, 64, 3) for c in outputs])
+    expected = reconstruction(pipeline, stream)
+    difference = np.abs(got.astype(int) - expected.astype(int))
+    assert difference.max() <= 1 and (difference > 0).mean() < 1e-3  # a rounding's flip at most
+    assert "runner-zero" not in pipeline.held_sessions()

@@ -2,7 +2,7 @@
 when the worker builds it (``build_pipeline``, by registered name or import
 path alike): one that declares a part it does not implement, or lacks a
 ``ChunkPipeline`` member, is refused with an error naming the pipeline and
-the method. The stub declares none, and passes."""
+the method. The stub declares video input only, and passes."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import dataclasses
 import pytest
 
 from engine.config import PipelineSpec
+from engine.messages import StartSession, VideoInput
 from workers.pipelines import build_pipeline
 from workers.pipelines.capabilities import PROTOCOLS, Capabilities, PipelineContractError, check_pipeline
 from workers.pipelines.stub import StubPipeline
+from workers.runner import ModelRunner
 
 HERE = "tests.unit.test_pipeline_capabilities"
 
@@ -71,9 +73,21 @@ def no_limits(**options) -> NoLimits:
 
 def test_the_stub_declares_only_what_it_implements_and_passes():
     stub = build_pipeline(PipelineSpec("stub", {}), 2)
-    assert stub.capabilities == Capabilities()
-    assert set(stub.capabilities.declared()) == implemented(stub) == set()
+    assert stub.capabilities == Capabilities(video_input=True)
+    assert set(stub.capabilities.declared()) == implemented(stub) == {"video_input"}
     assert check_pipeline(StubPipeline()) is not None
+
+
+def test_a_start_with_an_input_is_refused_where_the_pipeline_does_not_declare_video_input():
+    class TextOnly(StubPipeline):
+        capabilities = Capabilities()
+
+    start = StartSession(
+        session_id="s", prompt="p", input=VideoInput(strength=0.5, format="raw", width=32, height=32, fps=16.0)
+    )
+    with pytest.raises(ValueError, match=r"^input: the 'stub' pipeline takes no input video \(it does not declare "):
+        ModelRunner(TextOnly()).describe(start)
+    assert ModelRunner(StubPipeline()).describe(start).num_inference_steps == 2  # half of its 4 steps
 
 
 def test_a_pipeline_by_import_path_declaring_a_method_it_lacks_is_refused_at_build():

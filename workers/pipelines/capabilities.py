@@ -25,6 +25,8 @@ The parts, and who calls them:
     pipeline_ranks      PipelineRanks       the transformer's blocks split over ranks (needs
                                             ``supports_micro_step_execution``)
     kv_window           KvWindow            calibration: how many chunks fill a session's KV cache
+    video_input         VideoInputs         the runner: a session's input frames (video to video) before each
+                                            boundary; a start with an ``input`` is refused without it
     synchronize         Synchronize         timings: wait for the device's queued work
 """
 
@@ -162,6 +164,18 @@ class KvWindow(Protocol):
     """Latent frames the KV cache keeps of the most recent ones."""
 
 
+class VideoInputs(Protocol):
+    def take_input(self, session: SessionState, chunk_index: int, frames: Any) -> None:
+        """Video to video, first rank: chunk ``chunk_index``'s input frames, uint8
+        ``[frames, height, width, 3]`` (numpy) at the session's size, for a session
+        opened with an ``input``; the runner gives them once per chunk, in chunk
+        order, before the chunk's boundary. ``describe`` says in
+        ``geometry.num_inference_steps`` the denoise steps its chunks then run
+        (0: none, the chunk's boundary then its commit). ``ValueError`` names
+        what is wrong; when it raises the session fails."""
+        ...
+
+
 class Synchronize(Protocol):
     def synchronize(self) -> None:
         """Wait for the work queued on the pipeline's device (timings)."""
@@ -181,6 +195,7 @@ class Capabilities:
     split_decode_batch: bool = False
     pipeline_ranks: bool = False
     kv_window: bool = False
+    video_input: bool = False
     synchronize: bool = False
 
     def declared(self) -> tuple[str, ...]:
@@ -196,6 +211,7 @@ PROTOCOLS: dict[str, type] = {
     "split_decode_batch": SplitDecodeBatch,
     "pipeline_ranks": PipelineRanks,
     "kv_window": KvWindow,
+    "video_input": VideoInputs,
     "synchronize": Synchronize,
 }
 """Each capability's protocol."""

@@ -8,6 +8,12 @@ KV cache). Frames are real uint8 RGB so media code downstream can run on it.
 It has the stages of a model (``workers.pipelines.base``), two "blocks"
 included, so engine and runner tests drive the very calls a model gets.
 
+Video to video (``video_input``): a session started with an ``input`` runs the
+last ``input_steps(strength, steps)`` steps of its schedule from its frames,
+and a chunk's frames are its input blended toward the usual pattern by those
+steps over the schedule's (``input_frames``): at strength 0 (no step) the
+input itself, byte for byte; otherwise row 0 still holds the conditioning.
+
 What a test can read back from each decoded frame:
 - row 0 holds the chunk's conditioning (``conditioning_row``), so the prompt,
   or blend of prompts, active in a chunk is visible in its pixels;
@@ -43,6 +49,7 @@ from engine.messages import ModelLimits, SessionGeometry, StartSession
 from engine.plan import ChunkOutput
 from workers.pipelines.base import (
     BatchRow,
+    ChunkOrderError,
     ChunkRecord,
     Hidden,
     SessionState,
@@ -87,6 +94,8 @@ class StubChunk(ChunkRecord):
     noise: np.ndarray
     latent: np.ndarray
     clean: np.ndarray | None = None
+    input: np.ndarray | None = None  # video to video: the chunk's input frames, uint8 [F, H, W, 3]
+    weight: float = 1.0  # video to video: the pattern's share of its frames (its steps over the schedule's)
 
 
 @dataclass(kw_only=True)
@@ -96,9 +105,27 @@ class StubSession(SessionState[StubChunk]):
 
     prompt: PromptBlend
     context: np.ndarray = field(default_factory=lambda: np.zeros(DIM))
+    schedule_steps: int = 0  # video to video: the steps of the whole schedule (its chunks run the last ones)
+    inputs: dict[int, np.ndarray] = field(default_factory=dict)  # input frames waiting for their boundary
+    input_next: int = 0  # the chunk whose input frames come next
 
 
 DECODE_GATE_STEP = -1  # a StubGate at this step blocks the decode of its chunk
+
+
+def input_steps(strength: float, steps: int) -> int:
+    """Video to video on the stub: the denoise steps a chunk runs of a schedule of
+    ``steps`` (the last ones), for an input of ``strength``: ``strength x steps``
+    rounded half up (strength 0: none, 1: all)."""
+    return int(strength * steps + 0.5)
+
+
+def input_frames(given: np.ndarray, pattern: np.ndarray, weight: float) -> np.ndarray:
+    """The stub's frames of a video-to-video chunk: ``given`` (its input, uint8)
+    blended toward its usual ``pattern`` by ``weight`` (its steps over the
+    schedule's), rounded half up: the input itself at strength 0 (weight 0), so
+    every pixel lies within ``weight x 255`` (+ 1) of ``(1 - weight) x input``."""
+    return np.floor((1.0 - weight) * given + weight * pattern + 0.5).astype(np.uint8)
 
 
 @dataclass
@@ -124,7 +151,8 @@ class StubPipeline:
     warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
     batch_invariant: ClassVar[bool] = True  # each row's arithmetic is its own, whatever the batch
     device: ClassVar[None] = None  # numpy on the host: no torch device
-    capabilities: ClassVar[Capabilities] = Capabilities()  # the stages only: each chunk commits and decodes alone
+    # The stages, and video input; each chunk commits and decodes alone.
+    capabilities: ClassVar[Capabilities] = Capabilities(video_input=True)
 
     def __init__(
         self,
@@ -174,12 +202,11 @@ class StubPipeline:
     def describe(self, start: StartSession) -> SessionGeometry:
         refuse_negative_prompt(start, self.name)
         chosen_decoder(start, "full", ("full",), self.name)
-        if start.input is not None:  # it has no take_input: an input would be ignored, never refused
-            raise ValueError(f"input: the {self.name!r} pipeline takes no input video (text to video only)")
+        given = start.input  # video to video: the session's size and rate default to the input's
         width, height, fps, steps = self.defaults
-        width = start.width if start.width is not None else width
-        height = start.height if start.height is not None else height
-        fps = start.fps if start.fps is not None else fps
+        width = start.width if start.width is not None else given.width if given else width
+        height = start.height if start.height is not None else given.height if given else height
+        fps = start.fps if start.fps is not None else given.fps if given else fps
         steps = start.num_inference_steps if start.num_inference_steps is not None else steps
         for name, value in (("width", width), ("height", height)):
             if not 2 <= value <= self.max_size or value % 2:
@@ -188,6 +215,13 @@ class StubPipeline:
             raise ValueError(f"num_inference_steps must be between 1 and {self.max_steps}, got {steps}")
         if not 1.0 <= fps <= 120.0:
             raise ValueError(f"fps must be between 1 and 120, got {fps}")
+        if given is not None:
+            for name, value, session in (("width", given.width, width), ("height", given.height, height)):
+                if value != session:
+                    raise ValueError(f"input.{name} must equal the session's {name} ({session}), got {value}")
+            if given.fps != fps:
+                raise ValueError(f"input.fps must equal the session's fps ({fps}), got {given.fps}")
+            steps = input_steps(given.strength, steps)  # the chunks run the last steps of the schedule
         return SessionGeometry(
             width=width,
             height=height,
@@ -212,9 +246,32 @@ class StubPipeline:
             geometry=geometry,
             prompt=PromptBlend(prompt),
             context=np.zeros(DIM),
+            schedule_steps=self.defaults[3] if start.num_inference_steps is None else start.num_inference_steps,
         )
         self._pool[start.session_id] = bytearray(geometry.state_bytes)
         return session
+
+    def take_input(self, session: StubSession, chunk_index: int, frames: np.ndarray) -> None:
+        """Video to video: chunk ``chunk_index``'s input frames, uint8 ``[F, H, W, 3]``
+        (F: ``first_chunk_frames`` for chunk 0, ``frames_per_chunk`` after), in
+        chunk order, kept for its boundary; ``ValueError`` / ``ChunkOrderError``
+        name what is wrong."""
+        sid = session.session_id
+        if session.start.input is None:
+            raise ValueError(f"session {sid} was opened without an input: it takes no frames")
+        if chunk_index != session.input_next:
+            raise ChunkOrderError(
+                f"session {sid}: input frames for chunk {chunk_index}; chunk {session.input_next}'s come next"
+            )
+        g = session.geometry
+        count = g.first_chunk_frames if chunk_index == 0 else g.frames_per_chunk
+        if frames.dtype != np.uint8 or frames.shape != (count, g.height, g.width, 3):
+            raise ValueError(
+                f"session {sid}: chunk {chunk_index} takes uint8 [{count}, {g.height}, {g.width}, 3] input frames, "
+                f"got {frames.dtype} {list(frames.shape)}"
+            )
+        session.inputs[chunk_index] = frames
+        session.input_next += 1
 
     def boundary(
         self, session: StubSession, chunk_index: int, prompt: np.ndarray | None = None, transition_chunks: int = 0
@@ -226,9 +283,20 @@ class StubPipeline:
         rng = random.Random(f"{session.start.seed}:{chunk_index}")
         noise = np.array([rng.gauss(0.0, 1.0) for _ in range(DIM)])
         steps = session.geometry.num_inference_steps
-        session.chunks[chunk_index] = StubChunk(
-            chunk_index, steps, conditioning=conditioning, noise=noise, latent=noise.copy()
-        )
+        chunk = StubChunk(chunk_index, steps, conditioning=conditioning, noise=noise, latent=noise.copy())
+        if session.start.input is not None:  # video to video: start from the input, part-way down the schedule
+            given = session.inputs.pop(chunk_index, None)
+            if given is None:
+                raise ChunkOrderError(
+                    f"session {session.session_id}: chunk {chunk_index} has no input frames yet (take_input comes "
+                    "before its boundary)"
+                )
+            chunk.input, chunk.weight = given, steps / session.schedule_steps
+            encoded = given.reshape(-1, 3).mean(axis=0)[np.arange(DIM) % 3] / 255.0  # the stub's "encoder"
+            chunk.latent = (1.0 - chunk.weight) * encoded + chunk.weight * noise
+            if steps == 0:  # no denoise step: the encoded input is the chunk's clean latent
+                chunk.clean = chunk.latent
+        session.chunks[chunk_index] = chunk
 
     def forward(
         self,
@@ -314,12 +382,17 @@ class StubPipeline:
                 values = np.abs(final[(y + x + f + c) % DIM]) * 997.0
                 video[f, :, :, c] = (np.floor(values).astype(np.int64) + 7 * chunk_index + f) % 256
             video[f, 0] = conditioning_row(chunk.conditioning, width)
+        if chunk.input is not None:  # video to video: the input blended toward the pattern (itself at strength 0)
+            video = input_frames(chunk.input, video, chunk.weight)
+            if chunk.weight > 0:
+                video[:, 0] = conditioning_row(chunk.conditioning, width)
         del session.chunks[chunk_index]
         return ChunkOutput(num_frames=frames, width=width, height=height, payload=video.tobytes())
 
     def release(self, session: StubSession) -> None:
         self._pool.pop(session.session_id, None)
         session.chunks.clear()
+        session.inputs.clear()
 
     def held_sessions(self) -> tuple[str, ...]:
         return tuple(self._pool)
