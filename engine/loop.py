@@ -15,15 +15,22 @@ it runs. Each iteration:
   end reason read (``EngineSession.stop_reason``), as the executor does;
 - **boundary work + schedule**: the sessions with a row in the next
   micro-step (``ChunkScheduler``), skipping those pacing holds back
-  (``engine.pacing``). For each that sits between chunks, take what its
+  (``engine.pacing``) and, video to video, those whose next chunk's input
+  frames have not come (failing one that waited past ``input_timeout_s``,
+  ``input_timeout``, and one whose frames the control plane refused,
+  ``invalid_input``). For each that sits between chunks, take what its
   mailbox holds for the next chunk: after the drain, in a fresh iteration,
   once the previous chunk came back, and only for sessions about to run, so
-  a session that waits keeps collecting interactions for its next chunk;
+  a session that waits keeps collecting interactions for its next chunk; a
+  session with an input takes its chunk's frames there too
+  (``BoundaryTask.input``), which the runner gives the pipeline before the
+  boundary;
 - **submit**: up to the executor's depth, so the next micro-step is planned
   while the current one runs (grouped steps of a chunk go out back to back);
 - **wait**: on the control plane, until a result (the executor wakes it), a
-  control message, a playback report that may free a paced session, or the
-  soonest time a paced session may run again. The wait is handed the wake-up
+  control message, a playback report that may free a paced session, input
+  frames, or the soonest time a paced session may run again or an input wait
+  times out. The wait is handed the wake-up
   count read before anything was collected or decided, so nothing that lands
   in between is slept through.
 

@@ -10,7 +10,10 @@ turns round-robin when they do not all fit); a chunk's boundary comes only after
 chunk came back. After a chunk's last step the runner commits and decodes it;
 with ``overlap_decode`` the decode goes to the decode stage
 (``workers.decode_stage``, as in the worker) and the next micro-steps run while
-it decodes. A pipeline error is raised here, as the pipeline raised it.
+it decodes. A session with an input (video to video) gets each chunk's frames
+in its boundary task (``run``'s ``inputs``), as the engine loop hands them, and
+a chunk of no denoise step is its commit row alone. A pipeline error is raised
+here, as the pipeline raised it.
 """
 
 from __future__ import annotations

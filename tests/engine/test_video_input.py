@@ -161,3 +161,26 @@ async def test_frames_for_a_session_opened_without_an_input_fail_it(make_engine)
     result = await collect(handle)
     assert isinstance(result.end, SessionFailed) and result.end.code == "invalid_input"
     assert "session text: input frames for chunk 0, but the session was opened without an input" in result.end.message
+
+
+@pytest.mark.parametrize(("overlap_decode", "rows"), [(False, 1), (False, 2), (True, 1), (True, 2)])
+async def test_sessions_of_both_kinds_side_by_side_in_every_decode_and_batch_mode(make_engine, overlap_decode, rows):
+    """A session of no step (strength 0: commit rows), one of two steps and a text
+    session share the worker, its forwards batched or not, decodes in line or on
+    the decode stage: each gets its own chunks, in order."""
+    engine = await make_engine(overlap_decode=overlap_decode, max_batch_rows=rows, **stub())
+    zero = await engine.start_session(video("zero", 0.0, num_chunks=3))
+    half = await engine.start_session(video("half", 0.5, num_chunks=3))
+    text = await engine.start_session(StartSession(session_id="text", prompt="a red fox", num_chunks=3))
+    for index in range(3):
+        await zero.send_input(index, camera(index, seed=7))
+        await half.send_input(index, camera(index, seed=8))
+    results = {handle.session_id: await collect(handle) for handle in (zero, half, text)}
+    for result in results.values():
+        assert isinstance(result.end, SessionDone) and result.end.reason == "completed"
+        assert [c.generation_chunk_index for c in result.chunks] == [0, 1, 2]
+    assert [c.payload for c in results["zero"].chunks] == [camera(i, seed=7).tobytes() for i in range(3)]
+    for chunk in results["half"].chunks:
+        assert chunk.timing.steps == 2
+        assert_made_from(chunk, camera(chunk.generation_chunk_index, seed=8), 0.5, "a red fox")
+    assert [c.timing.steps for c in results["text"].chunks] == [4, 4, 4]
