@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.chunk_cost import ChunkCostModel, SessionLoad, chunk_media_s, realtime_load
 from engine.config import EngineConfig
@@ -78,6 +78,13 @@ class Progress(Protocol):
         ...
 
 
+class Fault(NamedTuple):
+    """Why the control plane failed a session: ``SessionFailed``'s code and message."""
+
+    code: str
+    message: str
+
+
 @dataclass
 class SessionInputs:
     """A video-to-video session's input frames (``SubmitInput``) that came and
@@ -100,7 +107,7 @@ class SessionControl:
     delivered_s: float | None = None  # media written to the client's socket, as the API process reported
     progress: Progress | None = None  # the loop's record, once it took the session (``attach``); None: none begun
     inputs: SessionInputs | None = None  # video to video: its input frames; None: opened without an input
-    fault: tuple[str, str] | None = None  # (code, message): the session failed here (bad input); the loop ends it
+    fault: Fault | None = None  # the session failed here (bad input frames); the loop ends it
 
     def boundary_marks(self) -> tuple[int | None, int]:
         """The chunk in progress (None between chunks) and the next chunk whose
@@ -244,7 +251,7 @@ class ControlPlane:
             return
         fault = self._input_fault(submit, control)
         if fault is not None:
-            control.fault = ("invalid_input", f"session {submit.session_id}: {fault}")
+            control.fault = Fault(code="invalid_input", message=f"session {submit.session_id}: {fault}")
             if control.inputs is not None:
                 control.inputs.frames.clear()
             self._wake()
@@ -429,9 +436,9 @@ class ControlPlane:
         reason = None if control is None else control.stop_reason
         return self._shutdown_reason if reason is None else reason
 
-    def fault(self, session_id: str) -> tuple[str, str] | None:
-        """(code, message) when the control plane failed the session (bad input
-        frames), else None; lock-free, as ``is_stopping``."""
+    def fault(self, session_id: str) -> Fault | None:
+        """Why the control plane failed the session (bad input frames), else None;
+        lock-free, as ``is_stopping``."""
         control = self._sessions.get(session_id)
         return None if control is None else control.fault
 

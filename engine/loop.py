@@ -295,7 +295,7 @@ class EngineLoop:
         ``SessionFailed`` with its code once nothing of them runs."""
         for session in self.sessions.values():
             if session.failure is None and (fault := self.control.fault(session.session_id)) is not None:
-                self._fail(session, fault[1], fault[0])
+                self._fail(session, fault.message, fault.code)
 
     def _awaiting_input(self, held: set[str]) -> tuple[set[str], float | None]:
         """Video to video: the sessions whose next chunk is about to begin (pacing
@@ -324,7 +324,7 @@ class EngineLoop:
                     f"session {sid}: the input frames of chunk {index} did not come within {limit:g} s "
                     "(input_timeout_s)"
                 )
-                self._fail(session, message, "input_timeout")
+                self._fail(session, message, code="input_timeout")
                 continue
             waiting.add(sid)
             wake = left if wake is None else min(wake, left)
@@ -503,7 +503,7 @@ class EngineLoop:
 
     def _account_row(self, session: EngineSession, row: RowResult, number: int) -> None:
         if row.error is not None:
-            self._fail(session, row.error)
+            self._fail(session, row.error, code="pipeline_error")
             return
         chunk = session.chunks.get(row.chunk_index)
         if chunk is None:
@@ -554,7 +554,7 @@ class EngineLoop:
             session.decodes_dropped = True
         elif result.error is not None and not session.decodes_dropped:
             session.decodes_dropped = True
-            self._fail(session, result.error)
+            self._fail(session, result.error, code="pipeline_error")
         elif not session.decodes_dropped:
             self._emit_chunk(session, chunk, result.chunk, result.decode_ms)
 
@@ -615,7 +615,7 @@ class EngineLoop:
             )
         )
 
-    def _fail(self, session: EngineSession, error: str, code: str = "pipeline_error") -> None:
+    def _fail(self, session: EngineSession, error: str, code: str) -> None:
         """A pipeline call failed the session (or, ``code`` other than
         pipeline_error, its input did). Chunks it committed before are still
         decoding: they are emitted first; once they are back a micro-step frees its

@@ -184,3 +184,16 @@ async def test_sessions_of_both_kinds_side_by_side_in_every_decode_and_batch_mod
         assert chunk.timing.steps == 2
         assert_made_from(chunk, camera(chunk.generation_chunk_index, seed=8), 0.5, "a red fox")
     assert [c.timing.steps for c in results["text"].chunks] == [4, 4, 4]
+
+
+async def test_a_stop_while_a_chunk_waits_for_its_frames_ends_the_session(make_engine):
+    engine = await make_engine(**stub())
+    handle = await engine.start_session(video("s", 0.5))
+    await handle.send_input(0, camera(0))
+    seen = Collected()
+    await read_until(handle, ChunkReady, seen)  # chunk 1 now waits for frames that never come
+    await handle.stop()
+    result = await collect(handle, seen)
+    assert isinstance(result.end, SessionDone) and result.end.reason == "stopped" and result.end.chunks == 1
+    after = await engine.probe()
+    assert after.sessions == after.runner_sessions == after.pipeline_sessions == ()
