@@ -30,7 +30,7 @@ from engine.client import EngineClient, EngineDeadError, EngineRestartingError, 
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized
 from server.drain import Drainer
-from server.job_forms import OPENAPI_FORMS, FormBodies
+from server.job_forms import INPUT_REFERENCE, OPENAPI_FORMS, FormBodies
 from server.job_store import StoreError
 from server.jobs import JobManager, JobsFullError, UnknownJobError, open_job_store
 from server.limits import BodyLimits
@@ -494,7 +494,7 @@ async def _create(request: Request, body: JobRequest):
     if request.app.state.drainer.draining:
         raise HTTPException(503, detail={"code": "shutting_down", "message": "the server is shutting down"})
     try:
-        return await request.app.state.jobs.create(body)
+        return await request.app.state.jobs.create(body, request.scope.get(INPUT_REFERENCE))
     except RequestError as error:
         raise HTTPException(422, detail={"code": "invalid_request", "message": str(error)}) from None
     except JobsFullError as error:

@@ -11,9 +11,11 @@ refuses, whatever the content type.
 The contract: each form field is a field of the JSON body, its value as text
 (``"4"`` for a number, ``"true"`` for a boolean: the schema converts it);
 ``interactions`` is a JSON array as text; a field left empty is as if it were
-not sent; a field given twice, a file in any field, ``input_reference`` in any
-form (this server makes video from the prompt alone), and a form that does not
-parse are refused 422 ``invalid_request`` naming the field. A urlencoded body
+not sent; ``input_reference``, a multipart form's one file, is an input video
+to restyle (video to video): its bytes reach the route beside the body, in the
+request's scope (``INPUT_REFERENCE``), never in the JSON. A field given twice,
+a file in any other field, an ``input_reference`` that is text, and a form
+that does not parse are refused 422 ``invalid_request`` naming the field. A urlencoded body
 that begins with ``{`` or ``[`` is JSON sent without its content type (what
 ``curl -d`` sends unless told) and is refused saying to add
 ``-H 'content-type: application/json'``. It sits inside
@@ -38,14 +40,14 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 FORM_TYPES = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 JSON_FIELDS = ("interactions",)  # form fields whose text is JSON
-REFUSED = "input_reference"
+REFERENCE = "input_reference"
+INPUT_REFERENCE = "rtvideo.input_reference"
+"""The scope key under which a form's ``input_reference`` file reaches the route (its bytes)."""
 JSON_AS_FORM = (
     "body: this is JSON sent as a form (content-type application/x-www-form-urlencoded, what curl -d sends "
     "unless told); add -H 'content-type: application/json'"
 )
-REFUSED_MESSAGE = (
-    "input_reference: not supported: this server makes video from the prompt alone (no reference image or video)"
-)
+REFERENCE_AS_TEXT = "input_reference: expected a video file (a file field of a multipart/form-data body), got text"
 
 
 def _text(**more: str) -> dict[str, str]:
@@ -58,7 +60,7 @@ FORM_SCHEMA = dict(
     description=(
         "The JSON body's fields as form fields, each value as text (interactions: a JSON array as text; "
         "an empty field is as if not sent). What the OpenAI SDK's videos.create sends: prompt, model, "
-        'seconds (e.g. "4"), size (WIDTHxHEIGHT). input_reference is refused (422).'
+        'seconds (e.g. "4"), size (WIDTHxHEIGHT); input_reference, a video file to restyle (with input_strength).'
     ),
     properties={
         "prompt": _text(),
@@ -66,7 +68,11 @@ FORM_SCHEMA = dict(
         "seconds": _text(),
         "size": _text(pattern="^[0-9]{1,5}x[0-9]{1,5}$"),
         "interactions": _text(description="a JSON array, as in the JSON body"),
-        "input_reference": _text(format="binary", description="not supported: refused with 422"),
+        "input_reference": _text(
+            format="binary",
+            description="an input video to restyle (video to video), decoded and resampled to the job's size and fps",
+        ),
+        "input_strength": _text(description="with input_reference: 0-1, how far the video departs from it"),
     },
     required=["prompt"],
     additionalProperties=_text(),
@@ -87,12 +93,19 @@ class FormError(ValueError):
 
 
 def form_to_json(items: list[tuple[str, str | UploadFile]]) -> dict[str, Any]:
-    """The JSON body a form's fields stand for (the module's contract); ``FormError``
-    naming the field when it cannot."""
+    """The JSON body a form's fields stand for (the module's contract), the
+    ``input_reference`` file left out (``_parse`` reads it); ``FormError`` naming the
+    field when it cannot."""
     body: dict[str, Any] = {}
+    references = 0
     for name, value in items:
-        if name == REFUSED or name.startswith(REFUSED + "["):
-            raise FormError(REFUSED_MESSAGE)
+        if name == REFERENCE or name.startswith(REFERENCE + "["):
+            if isinstance(value, str):
+                raise FormError(REFERENCE_AS_TEXT)
+            references += 1
+            if references > 1:
+                raise FormError(f"{REFERENCE}: given more than once; give one video file")
+            continue
         if not isinstance(value, str):
             raise FormError(f"{name}: expected a text value, got a file ({value.filename or 'unnamed'})")
         if name in body:
@@ -138,9 +151,10 @@ class FormBodies:
         if content_type == b"application/x-www-form-urlencoded" and body.lstrip()[:1] in (b"{", b"["):
             return await _refuse(send, JSON_AS_FORM)  # no form's field name begins so
         try:
-            payload = json.dumps(await _parse(scope, bytes(body))).encode()
+            fields, reference = await _parse(scope, bytes(body))
         except FormError as error:
             return await _refuse(send, str(error))
+        payload = json.dumps(fields).encode()
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -152,10 +166,11 @@ class FormBodies:
 
         rest = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-type", b"content-length")]
         json_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        await self.app({**scope, "headers": rest + json_headers}, replay, send)
+        await self.app({**scope, "headers": rest + json_headers, INPUT_REFERENCE: reference}, replay, send)
 
 
-async def _parse(scope: Scope, body: bytes) -> dict[str, Any]:
+async def _parse(scope: Scope, body: bytes) -> tuple[dict[str, Any], bytes | None]:
+    """The JSON body a form stands for, and the bytes of its ``input_reference`` file (None: none)."""
     sent = False
 
     async def once() -> dict[str, Any]:
@@ -174,7 +189,10 @@ async def _parse(scope: Scope, body: bytes) -> dict[str, Any]:
     except Exception as error:  # whatever else the parser meets in a malformed body: the client's error
         raise FormError(f"body: not a valid form ({type(error).__name__}: {error})") from None
     try:
-        return form_to_json(list(form.multi_items()))
+        items = list(form.multi_items())
+        fields = form_to_json(items)
+        files = [value for name, value in items if name == REFERENCE and not isinstance(value, str)]
+        return fields, (await files[0].read() if files else None)
     finally:
         await form.close()
 

@@ -47,12 +47,14 @@ from engine.messages import (
     SessionDone,
     SessionFailed,
     StartSession,
+    VideoInput,
 )
 from server.drain import Drainer
 from server.job_store import INTERRUPTED, INTERRUPTED_MESSAGE, JobStore, StoredJob, UnknownCursorError
 from server.metrics import Metrics
 from server.output import SessionOutput
 from server.schemas import (
+    DEFAULT_INPUT_STRENGTH,
     DEFAULT_JOB_SECONDS,
     EffectiveConfig,
     JobRequest,
@@ -62,6 +64,7 @@ from server.schemas import (
     resolve,
 )
 from server.settings import ServerSettings
+from server.video_reference import ReferenceFeeder, ReferenceVideo
 
 log = logging.getLogger(__name__)
 CAPACITY_RETRY_S = 1.0  # a queued job retries its start at least this often
@@ -88,6 +91,7 @@ class Job:
     waiting: bool = False  # queued for want of an engine session (max_queued_jobs counts these)
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once its end is in the store
+    reference: ReferenceVideo | None = None  # its input video (video to video), checked; None: from the prompt
 
     def public(self, final: bool = False) -> VideoObject:
         """The job as the API answers it (``VideoObject``, the schema /openapi.json
@@ -231,9 +235,11 @@ class JobManager:
             except Exception:
                 log.exception("expiring jobs failed; trying again in %g s", interval)
 
-    async def create(self, request: JobRequest) -> Job:
+    async def create(self, request: JobRequest, reference: bytes | None = None) -> Job:
         """Validate and start a job (``DEFAULT_JOB_SECONDS`` long when the request
-        gives no length); ``RequestError`` names what is wrong. The
+        gives no length, the input video's length with a ``reference``: the bytes of
+        its ``input_reference`` file, ``with_reference``); ``RequestError`` names
+        what is wrong. The
         first start attempt happens here, so the worker's own checks (sizes,
         steps) refuse a bad request at once; a full engine leaves it queued.
         The job is in the store (``queued``) when this returns."""
@@ -258,6 +264,13 @@ class JobManager:
             start, config = resolve(
                 request, job_id, defaults, self.settings, self.model, paced=False, default_seconds=DEFAULT_JOB_SECONDS
             )
+            video = None
+            if reference is not None:
+                start, config, video = await self.with_reference(request, reference, job_id, config)
+            elif request.input_strength is not None:
+                raise RequestError(
+                    "input_strength: given without input_reference (the input video it is the strength of)"
+                )
             handle = None
             try:
                 handle = await self.engine.start_session(start)
@@ -269,7 +282,7 @@ class JobManager:
                     limit = self.settings.max_queued_jobs
                     message = f"{waiting} jobs wait for the engine already; at most {limit}"
                     raise JobsFullError("queue_full", message, CAPACITY_RETRY_S) from None
-            job = Job(job_id, request, config, self.settings.job_ttl_s, waiting=handle is None)
+            job = Job(job_id, request, config, self.settings.job_ttl_s, waiting=handle is None, reference=video)
             self.live[job_id] = job  # now: the next create's waiting count sees it
             try:
                 await self.store.insert(job.id, job.created_at, job.body())
@@ -282,6 +295,38 @@ class JobManager:
             self._starting -= 1
         job.task = asyncio.create_task(self._run(job, start, handle), name=f"job-{job_id}")
         return job
+
+    async def with_reference(
+        self, request: JobRequest, reference: bytes, job_id: str, config: EffectiveConfig
+    ) -> tuple[StartSession, EffectiveConfig, ReferenceVideo]:
+        """A job with an input video: the file decoded once (in a thread) at the job's
+        size and fps (``server.video_reference``), the job's length its length unless
+        the request gives one (no longer than the video), and the engine start with
+        its ``input`` (``input_strength``, ``DEFAULT_INPUT_STRENGTH`` when null).
+        ``RequestError`` naming ``input_reference`` for a file that does not decode or
+        is too long or too short."""
+        fps = config.fps
+        video = await asyncio.to_thread(ReferenceVideo.open, reference, config.width, config.height, fps)
+        length = f"{video.count} frames at {fps:g} fps ({video.count / fps:g} s)"
+        if not any(getattr(request, name) is not None for name in ("num_frames", "num_chunks", "seconds")):
+            if video.count > self.settings.max_frames:
+                most = self.settings.max_frames
+                raise RequestError(
+                    f"input_reference: the video is {length}, past this server's max_frames ({most} frames, "
+                    "rtvideo serve --max-frames); give a shorter length (num_frames, num_chunks or seconds)"
+                )
+            request = request.model_copy(update={"num_frames": video.count})
+        elif config.num_frames > video.count:
+            raise RequestError(
+                f"input_reference: the video is {length}, shorter than the job's {config.num_frames} frames; "
+                "give a shorter length, or none to take the video's"
+            )
+        strength = DEFAULT_INPUT_STRENGTH if request.input_strength is None else request.input_strength
+        source = VideoInput(strength=strength, format="raw", width=config.width, height=config.height, fps=fps)
+        start, config = resolve(
+            request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False, video_input=source
+        )
+        return start, config, video
 
     async def get(self, job_id: str) -> VideoObject:
         """The job as the API answers it; ``UnknownJobError`` if it is not kept."""
@@ -384,10 +429,16 @@ class JobManager:
         job.status = "in_progress"
         await self.store.update(job.id, job.body())
         output = SessionOutput(job.id, job.config, self.metrics)
+        feeder = feeding = None
+        if job.reference is not None:
+            feeder = ReferenceFeeder(job.reference, handle, job.config.num_chunks)
+            feeding = asyncio.create_task(self._feed(job, feeder), name=f"job-input-{job.id}")
         try:
             async with asyncio.timeout(self.settings.max_session_seconds):
                 async for message in handle:
                     if isinstance(message, ChunkReady):
+                        if feeder is not None:
+                            feeder.made(message.generation_chunk_index)
                         chunk = await output.chunk(message)
                         if chunk is not None:
                             await self.store.append(job.id, chunk.payload)
@@ -411,11 +462,23 @@ class JobManager:
             await self.engine.stop(job.id, "max_duration")
             self._fail(job, "max_duration", f"the job ran longer than {self.settings.max_session_seconds:g} s")
         finally:
+            if feeding is not None:
+                feeding.cancel()
+                await asyncio.gather(feeding, return_exceptions=True)
             if not handle.finished:
                 await _stop_and_drain(self.engine, handle)
             async with self.capacity:
                 self.capacity.notify_all()
         job.completed_at = time.time()
+
+    async def _feed(self, job: Job, feeder: ReferenceFeeder) -> None:
+        """A job's input video to its engine session. One that fails to decode
+        midway (checked whole before the job began: not expected) is logged, and
+        the engine fails the job (``input_timeout``) for want of its frames."""
+        try:
+            await feeder.run()
+        except Exception:
+            log.exception("job %s: its input video failed", job.id)
 
     @staticmethod
     def _fail(job: Job, code: str, message: str) -> None:

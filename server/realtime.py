@@ -85,6 +85,7 @@ from server.schemas import (
     SessionResumeEvent,
     SessionStartEvent,
     SessionStopEvent,
+    check_input_message,
     describe_validation_error,
     resolve,
 )
@@ -344,6 +345,7 @@ class RealtimeConnection:
             engine_start, config = resolve(
                 start, request_id, defaults, self.settings, self.model, video_input=video_input
             )
+            check_input_message(video_input, self.settings)
         except RequestError as error:
             return await self._fatal("invalid_request", str(error), CLOSE_POLICY)
         try:

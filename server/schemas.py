@@ -31,6 +31,8 @@ from server.settings import ServerSettings
 from server.video_input import HEADER_BYTES
 
 FORMAT_ALIASES = {"m4s": "fmp4"}
+DEFAULT_INPUT_STRENGTH = 0.5
+"""A job's ``input_strength`` when it gives an ``input_reference`` and no strength."""
 DEFAULT_JOB_SECONDS = 4.0
 """A job's length when its request gives none of num_frames, num_chunks, seconds
 (the OpenAI API's default); a realtime session's is "until stopped"."""
@@ -121,13 +123,20 @@ class JobRequest(VideoRequest):
     """WIDTHxHEIGHT, as the OpenAI SDK sends it (e.g. "64x64"): the same as width and
     height, which it must not contradict."""
     input_reference: Any = None
-    """Not supported (the OpenAI SDK's reference image or video): this server makes
-    video from the prompt alone, and refuses a request that carries one."""
+    """An input video to restyle (video to video), as the OpenAI SDK sends it: a file
+    field of a multipart/form-data body, decoded and resampled to the job's size and
+    fps. A JSON body cannot carry it (refused)."""
+    input_strength: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    """With input_reference: how far the video departs from it, 0 (the input as the
+    model reconstructs it) to 1 (its content ignored); null: 0.5."""
 
     @model_validator(mode="after")
     def _size(self) -> JobRequest:
         if self.input_reference is not None:
-            raise ValueError("input_reference: not supported: this server makes video from the prompt alone")
+            raise ValueError(
+                "input_reference: send the input video as a file field of a multipart/form-data body "
+                "(what the OpenAI SDK's input_reference does); a JSON body cannot carry it"
+            )
         if self.size is not None:
             width, height = (int(side) for side in self.size.split("x"))
             for name, side, given in (("width", width, self.width), ("height", height, self.height)):
@@ -522,13 +531,6 @@ def resolve(
         raise RequestError(f"{named['width']}: at most {settings.max_width}, got {width}")
     if height > settings.max_height:
         raise RequestError(f"{named['height']}: at most {settings.max_height}, got {height}")
-    if video_input is not None and video_input.format == "raw":
-        size = HEADER_BYTES + width * height * 3
-        if size > settings.max_message_bytes:
-            raise RequestError(
-                f"input.format: a raw {width}x{height} frame is {size} bytes with its header, past this server's "
-                f"max_message_bytes ({settings.max_message_bytes}); send jpeg frames, or a smaller size"
-            )
     first, per = defaults.first_chunk_frames, defaults.frames_per_chunk
     num_frames = _frames_asked(request, fps, first, per, settings.max_frames, default_seconds)
     num_chunks = None if num_frames is None else 1 + max(0, math.ceil((num_frames - first) / per))
@@ -579,6 +581,20 @@ def resolve(
         input=None if video_input is None else msgspec.structs.asdict(video_input),
     )
     return start, config
+
+
+def check_input_message(video_input: VideoInput | None, settings: ServerSettings) -> None:
+    """A realtime session's raw input frame, with its header, fits in one WebSocket
+    message (``max_message_bytes``); ``RequestError`` naming ``input.format`` otherwise."""
+    if video_input is None or video_input.format != "raw":
+        return
+    width, height = video_input.width, video_input.height
+    size = HEADER_BYTES + width * height * 3
+    if size > settings.max_message_bytes:
+        raise RequestError(
+            f"input.format: a raw {width}x{height} frame is {size} bytes with its header, past this server's "
+            f"max_message_bytes ({settings.max_message_bytes}); send jpeg frames, or a smaller size"
+        )
 
 
 def input_geometry(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,3 +88,9 @@ def assert_applied_as_promised(queued: dict[str, Any], applied: dict[str, Any]) 
 
 def open_realtime(url: str, **kwargs: Any):
     return connect(url, max_size=None, **kwargs)
+
+
+def input_frame(index: int, image: bytes, capture_us: int = 0) -> bytes:
+    """One input frame as a client sends it (a session with ``input``): the 12-byte
+    header (index uint32, capture time in microseconds uint64, big-endian), then the image."""
+    return struct.pack(">IQ", index, capture_us) + image

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 from engine.messages import SessionGeometry, VideoInput
 from server.media import JpegEncoder, split_jpeg_payload
 from server.metrics import Metrics
-from server.schemas import ClientEvent, RequestError, describe_validation_error, resolve
+from server.schemas import ClientEvent, RequestError, check_input_message, describe_validation_error, resolve
 from server.settings import ServerSettings
 from server.video_input import (
     HEADER,
@@ -331,4 +331,5 @@ def test_the_servers_limits_name_the_input_field_the_size_came_from():
         resolve(event, "s", STUB, ServerSettings(), "stub", video_input=event.input.engine())
     event = EVENTS.validate_python({**START, "input": {**INPUT, "width": 640, "height": 480}})
     with pytest.raises(RequestError, match=r"^input.format: a raw 640x480 frame is 921612 bytes .* \(1000\)"):
-        resolve(event, "s", STUB, ServerSettings(max_message_bytes=1000), "stub", video_input=event.input.engine())
+        check_input_message(event.input.engine(), ServerSettings(max_message_bytes=1000))
+    check_input_message(event.input.engine(), ServerSettings(max_message_bytes=921612))
