@@ -139,18 +139,23 @@ async def test_every_configuration_serves_two_sessions_with_an_interaction(mode:
 SPEED_OPTIONS = {  # pipeline options that change the frames: each checked against one rank in line with it too
     "commit-from-last-step": (Mode(pp=1, overlap_decode=True), {"commit_from_last_step": True}),
     "tiny-decoder": (Mode(pp=2, overlap_decode=True, pp_decode="split"), {"tiny_decoder": "random", "decoder": "tiny"}),
+    # captured denoise steps, replayed eagerly on the CPU (the static-buffer path CUDA replays): a one-chunk
+    # window is full from chunk 1 on, so both sessions' later chunks go through their graphs.
+    "captured-steps": (Mode(pp=1, overlap_decode=True), {"cuda_graphs": "eager", "window_frames": 3}),
 }
+REFERENCE_OPTIONS = {"captured-steps": {"window_frames": 3}}  # what the reference shares (else the same options)
 
 
 @pytest.mark.parametrize("name", SPEED_OPTIONS)
 async def test_a_speed_option_through_the_workers_makes_what_one_rank_in_line_makes_with_it(name: str):
     """The options a server may be started with for speed, through real worker
     processes: the last step's keys committed (decoded on the decode stage, two
-    sessions' commits batched), and the tiny decoder (the decoder split over
-    two ranks: the tiny one decodes whole in front). Each against one rank
-    deciding everything in line with the same option: bit for bit."""
+    sessions' commits batched), the tiny decoder (the decoder split over
+    two ranks: the tiny one decodes whole in front), and captured denoise steps
+    (against eager forwards). Each against one rank deciding everything in line
+    with the same option (captured steps: without them): bit for bit."""
     mode, options = SPEED_OPTIONS[name]
-    reference = EngineClient(REFERENCE.config(options=options))
+    reference = EngineClient(REFERENCE.config(options=REFERENCE_OPTIONS.get(name, options)))
     await reference.start()
     try:
         await check_mode(mode, mode.config(options=options), reference)
