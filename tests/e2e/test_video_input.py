@@ -251,6 +251,44 @@ async def test_binary_frames_without_an_input_are_still_not_supported(server):
     assert got.of("error")[0]["code"] == "binary_not_supported" and got.close_code == 1008
 
 
+async def test_a_spectator_cannot_send_input_and_a_resumed_controller_sends_on(server):
+    """Frames from a spectator are ``read_only``; a controller whose socket dropped
+    resumes and sends the next frames (indexes going on), and the session's chunks
+    are its input, whichever connection sent them."""
+    first = Realtime(await open_realtime(server.ws))
+    await first.send(start(num_chunks=3))
+    started = await first.until("video.start")
+    await send_chunk(first, 0)
+    await send_chunk(first, 1)
+    chunk = await first.next()
+    assert chunk.metadata["generation_chunk_index"] == 0
+    async with open_realtime(f"{server.ws}?watch={started['watch_token']}") as ws:
+        spectator = Realtime(ws)
+        await spectator.until("video.start")
+        await spectator.send(input_frame(100, picture(100).tobytes()))
+        refused = await spectator.until("error")
+        assert (refused["code"], refused["fatal"]) == ("read_only", False)
+    first.ws.transport.abort()  # a network drop: the session waits for a resume
+    body = {"type": "session.resume", "request_id": started["request_id"], "resume_token": started["resume_token"]}
+    for _ in range(50):
+        second = Realtime(await open_realtime(server.ws))
+        await second.send({**body, "last_chunk_index": 0})
+        answer = await second.next()
+        if answer["type"] == "video.start":
+            break
+        assert answer["code"] == "resume_token_in_use", answer
+        await second.rest()
+    await send_chunk(second, 2)
+    got = await second.rest()
+    await second.ws.close()
+    assert [c.metadata["generation_chunk_index"] for c in got.chunks] == [1, 2]
+    assert got.of("session.done")[0]["reason"] == "completed"
+    for c in [chunk, *got.chunks]:
+        k = c.metadata["generation_chunk_index"]
+        assert c.metadata["input_frame_indexes"] == list(range(k * PER, (k + 1) * PER))
+        assert np.array_equal(frames_of(c), np.stack([picture(i) for i in range(k * PER, (k + 1) * PER)]))
+
+
 @pytest.mark.parametrize(
     ("fields", "code", "says"),
     [
