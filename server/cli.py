@@ -249,6 +249,29 @@ def _bench_realtime(args: argparse.Namespace) -> int:
     return bench_realtime.main(options, as_json=args.json)
 
 
+def _bench_v2v(args: argparse.Namespace) -> int:
+    from server import bench_v2v
+
+    url = args.url if args.url.endswith("/v1/realtime/video") else args.url.rstrip("/") + "/v1/realtime/video"
+    url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    try:
+        options = bench_v2v.V2vBenchOptions(
+            url=url,
+            sessions=args.sessions,
+            chunks=args.chunks,
+            strength=args.strength,
+            format=args.format,
+            width=args.width,
+            height=args.height,
+            fps=args.fps,
+            interact_at=args.interact_at,
+            api_key=args.api_key,
+        )
+    except ValueError as error:
+        raise SystemExit(f"rtvideo bench v2v: {error}") from None
+    return bench_v2v.main(options, as_json=args.json)
+
+
 def _bench_pp(args: argparse.Namespace) -> int:
     from server import bench_pp
 
@@ -358,6 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
     realtime.add_argument("--api-key", default=None)
     realtime.add_argument("--json", action="store_true", help="print only the JSON summary")
     realtime.set_defaults(func=_bench_realtime)
+    v2v = benches.add_parser("v2v", help="K concurrent video-to-video sessions (frames in, restyled chunks out)")
+    v2v.add_argument("--url", default="ws://127.0.0.1:8000", help="the server (http(s):// or ws(s)://)")
+    v2v.add_argument("--sessions", type=int, default=1, help="concurrent sessions (default 1)")
+    v2v.add_argument("--chunks", type=int, default=12, help="chunks per session (default 12)")
+    v2v.add_argument("--strength", type=float, default=0.6, help="input.strength, 0-1 (default 0.6)")
+    v2v.add_argument("--format", choices=("jpeg", "raw"), default="jpeg", help="how input frames travel")
+    v2v.add_argument("--width", type=int, default=None, help="input width (default: the model's)")
+    v2v.add_argument("--height", type=int, default=None, help="input height (default: the model's)")
+    v2v.add_argument("--fps", type=float, default=None, help="input frame rate (default: the model's)")
+    v2v.add_argument("--interact-at", type=int, default=3, help="send a new prompt once this chunk arrived")
+    v2v.add_argument("--api-key", default=None)
+    v2v.add_argument("--json", action="store_true", help="print only the JSON summary")
+    v2v.set_defaults(func=_bench_v2v)
     pp = benches.add_parser("pp", help="temporal pipeline parallelism: 1 vs 2 ranks, 1 and 4 sessions, batching")
     pp.add_argument("--model", default="tiny", help="tiny, or a model directory")
     pp.add_argument("--chunks", type=int, default=6, help="chunks per session of four (one session runs 4x as many)")
