@@ -78,7 +78,7 @@ class SessionOutput:
         self.chunks_sent = 0
         self.compute_ms = 0.0  # pipeline time of the chunks sent, from the worker
         self.inexact: dict[str, str] = {}  # why a replay would not be bit-exact: kind -> the first instance
-        if config.input is not None:
+        if config.input is not None and clock is not None:  # a job's request carries its input file; a replay not
             self.inexact["input"] = "the frames were made from the session's input video, which a replay does not carry"
         # event_id -> the controller that sent it (realtime sessions), for the newest ids, as the mailbox keeps them
         self.senders: IdWindow[str | None] = IdWindow(EVENT_ID_WINDOW)

@@ -9,7 +9,8 @@ its controllers, each one input frame:
 the image a JPEG or ``width x height x 3`` bytes of raw RGB (``input.format``).
 
 - ``parse_frame`` checks a frame as it arrives (pure): the header's length, an
-  index above the last frame taken, a raw image's byte length. A bad frame is
+  index above the last frame taken, a raw image's byte length, a JPEG's size
+  as its frame header says (``jpeg_size``, read without decoding). A bad frame is
   refused alone (``FrameError``, naming its index when it has one); the
   session goes on.
 - ``FrameGatherer`` (pure) holds the frames taken and not yet handed to the
@@ -110,7 +111,47 @@ def parse_frame(data: bytes, spec: VideoInput, last_index: int | None, received_
             )
     elif not image:
         raise FrameError(f"frame {index}: no image after the header", index)
+    elif (size := jpeg_size(image)) is not None and size != (spec.width, spec.height):
+        raise FrameError(_wrong_size(index, size, spec), index)
     return InputFrame(index=index, capture_us=capture_us, image=image, received_at=received_at)
+
+
+SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+"""The JPEG start-of-frame markers: their segment holds the image's height and width."""
+
+
+def jpeg_size(image: bytes) -> tuple[int, int] | None:
+    """A JPEG's ``(width, height)`` from its start-of-frame segment, read without
+    decoding it (so a frame of another size is refused before it costs a decode);
+    None when the bytes do not read as a JPEG's segments (the decoder then says why)."""
+    if image[:2] != b"\xff\xd8":
+        return None
+    at = 2
+    while at + 4 <= len(image):
+        if image[at] != 0xFF:
+            return None
+        marker = image[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        length = int.from_bytes(image[at + 2 : at + 4], "big")
+        if marker in SOF_MARKERS:
+            if at + 9 > len(image):
+                return None
+            height = int.from_bytes(image[at + 5 : at + 7], "big")
+            width = int.from_bytes(image[at + 7 : at + 9], "big")
+            return width, height
+        if marker == 0xDA or length < 2:  # the scan began before any frame header: not a JPEG we can read
+            return None
+        at += 2 + length
+    return None
+
+
+def _wrong_size(index: int, size: tuple[int, int], spec: VideoInput) -> str:
+    return (
+        f"frame {index}: a {size[0]}x{size[1]} image; the session's input is {spec.width}x{spec.height} "
+        "(input.width x input.height)"
+    )
 
 
 class JpegDecoder:
@@ -142,11 +183,7 @@ def decode_image(frame: InputFrame, spec: VideoInput, decoder: JpegDecoder | Non
     except ValueError as error:
         raise FrameError(f"frame {frame.index}: not a JPEG image that decodes ({error})", frame.index) from None
     if (picture.width, picture.height) != (spec.width, spec.height):
-        raise FrameError(
-            f"frame {frame.index}: a {picture.width}x{picture.height} image; the session's input is "
-            f"{spec.width}x{spec.height} (input.width x input.height)",
-            frame.index,
-        )
+        raise FrameError(_wrong_size(frame.index, (picture.width, picture.height), spec), frame.index)
     return picture.to_ndarray(format="rgb24")
 
 

@@ -28,6 +28,7 @@ from server.video_input import (
     InputFeeder,
     InputFrame,
     decode_image,
+    jpeg_size,
     parse_frame,
 )
 
@@ -112,6 +113,14 @@ def test_a_jpeg_that_does_not_decode_or_has_another_size_is_refused_naming_the_f
     larger = InputFrame(index=10, capture_us=0, image=jpeg_image(16, 12), received_at=0.0)
     with pytest.raises(FrameError, match=r"^frame 10: a 16x12 image; the session's input is 8x6"):
         decode_image(larger, JPEG, None)
+
+
+def test_a_jpegs_size_is_read_from_its_frame_header_without_decoding_it():
+    assert jpeg_size(jpeg_image(16, 12)) == (16, 12)
+    assert jpeg_size(b"\xff\xd8 not segments") is None and jpeg_size(b"GIF89a") is None
+    with pytest.raises(FrameError, match=r"^frame 4: a 16x12 image; the session's input is 8x6") as refused:
+        parse_frame(HEADER.pack(4, 0) + jpeg_image(16, 12), JPEG, last_index=3, received_at=0.0)
+    assert refused.value.frame_index == 4
 
 
 def test_a_raw_image_is_its_bytes():
@@ -225,14 +234,15 @@ async def test_a_jpeg_that_does_not_decode_is_reported_and_the_next_frame_takes_
     good = jpeg_image()
     feeder.receive(HEADER.pack(0, 0) + good)
     feeder.receive(HEADER.pack(1, 0) + b"\xff\xd8broken" * 8)
-    feeder.receive(HEADER.pack(2, 0) + jpeg_image(4, 4))  # decodes, but not at the declared size
+    with pytest.raises(FrameError, match=r"^frame 2: a 4x4 image; the session's input is 8x6"):
+        feeder.receive(HEADER.pack(2, 0) + jpeg_image(4, 4))  # refused as it comes: its frame header says 4x4
     feeder.receive(HEADER.pack(3, 0) + good)
     feeder.receive(HEADER.pack(4, 0) + good)
     k, frames = await asyncio.wait_for(sink.next_chunk(), 10)
     await asyncio.wait_for(task, 10)
     assert k == 0 and frames.shape == (3, H, W, 3)
     assert feeder.sent[0].indexes == (0, 3, 4)
-    assert [(e.frame_index, str(e).split(":")[0]) for e in refused] == [(1, "frame 1"), (2, "frame 2")]
+    assert [(e.frame_index, str(e).split(":")[0]) for e in refused] == [(1, "frame 1")]
     assert feeder.invalid == 2 and metric(metrics, "rtvideo_input_frames_invalid_total") == 2
 
 
