@@ -301,14 +301,17 @@ class JobManager:
     ) -> tuple[StartSession, EffectiveConfig, ReferenceVideo]:
         """A job with an input video: the file decoded once (in a thread) at the job's
         size and fps (``server.video_reference``), the job's length its length unless
-        the request gives one (no longer than the video), and the engine start with
+        the request gives one (no longer than the video; a still image, one frame,
+        stands for every frame of a job as long as any), and the engine start with
         its ``input`` (``input_strength``, ``DEFAULT_INPUT_STRENGTH`` when null).
         ``RequestError`` naming ``input_reference`` for a file that does not decode or
         is too long or too short."""
         fps = config.fps
         video = await asyncio.to_thread(ReferenceVideo.open, reference, config.width, config.height, fps)
         length = f"{video.count} frames at {fps:g} fps ({video.count / fps:g} s)"
-        if not any(getattr(request, name) is not None for name in ("num_frames", "num_chunks", "seconds")):
+        if video.count == 1:
+            pass  # a still image: every frame of the job is it (ReferenceFeeder repeats the last frame)
+        elif not any(getattr(request, name) is not None for name in ("num_frames", "num_chunks", "seconds")):
             if video.count > self.settings.max_frames:
                 most = self.settings.max_frames
                 raise RequestError(
@@ -324,7 +327,14 @@ class JobManager:
         strength = DEFAULT_INPUT_STRENGTH if request.input_strength is None else request.input_strength
         source = VideoInput(strength=strength, format="raw", width=config.width, height=config.height, fps=fps)
         start, config = resolve(
-            request, job_id, self.engine.ready.defaults, self.settings, self.model, paced=False, video_input=source
+            request,
+            job_id,
+            self.engine.ready.defaults,
+            self.settings,
+            self.model,
+            paced=False,
+            default_seconds=DEFAULT_JOB_SECONDS,
+            video_input=source,
         )
         return start, config, video
 

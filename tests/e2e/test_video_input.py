@@ -361,6 +361,18 @@ def test_a_jobs_input_video_is_restyled_and_its_length_is_the_videos(server):
     assert twice[0].content != made.content  # restyled: not the input
 
 
+def test_a_still_image_stands_for_every_frame_of_a_job(server):
+    """The OpenAI SDK's input_reference is often an image: one frame, held for the job's length."""
+    image = picture(7)
+    still = post_job(server, "/v1/videos/sync", jpeg(image), input_strength="0", num_frames="6")
+    assert still.status_code == 200, still.text
+    frames = np.frombuffer(still.content, np.uint8).reshape(-1, H, W, 3)
+    assert len(frames) == 6 and all(np.array_equal(f, frames[0]) for f in frames)
+    assert np.abs(frames[0].astype(int) - image).mean() < 8  # the JPEG's own loss
+    default = post_job(server, file=jpeg(image))  # no length: a job's default, 4 s
+    assert default.status_code == 202 and default.json()["num_frames"] == 64, default.text
+
+
 @pytest.mark.parametrize(
     ("file", "fields", "says"),
     [
