@@ -12,6 +12,7 @@ import io
 import av
 import httpx
 import numpy as np
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -371,6 +372,23 @@ def test_a_still_image_stands_for_every_frame_of_a_job(server):
     assert np.abs(frames[0].astype(int) - image).mean() < 8  # the JPEG's own loss
     default = post_job(server, file=jpeg(image))  # no length: a job's default, 4 s
     assert default.status_code == 202 and default.json()["num_frames"] == 64, default.text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks its videos API deprecated
+def test_the_openai_sdk_sends_an_input_reference(server):
+    sdk = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=60)
+    source = [picture(i) for i in range(16)]  # one second at 16 fps
+    video = sdk.videos.create_and_poll(
+        prompt="a watercolour",
+        model="stub",
+        size=f"{W}x{H}",
+        input_reference=("input.mkv", video_file(source, 16), "video/x-matroska"),
+        poll_interval_ms=10,
+    )
+    assert (video.status, video.seconds, video.size) == ("completed", "1", f"{W}x{H}")
+    content = sdk.videos.download_content(video.id).read()
+    assert len(content) > 0
+    sdk.videos.delete(video.id)
 
 
 @pytest.mark.parametrize(
