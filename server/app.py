@@ -473,8 +473,8 @@ def _path_parameter(name: str) -> dict:
 def _not_implemented(method: str, path: str, call: str):
     message = (
         f"{method} {path} (the OpenAI SDK's videos.{call}) exists in the OpenAI API but is not implemented by "
-        "this server; it makes videos from a prompt (POST /v1/videos) and changes the prompt of one playing "
-        "(WS /v1/realtime/video)"
+        "this server; it makes videos from a prompt, or restyles an input video (POST /v1/videos, its "
+        "input_reference), and changes the prompt of one playing (WS /v1/realtime/video)"
     )
 
     async def answer() -> JSONResponse:
