@@ -53,8 +53,8 @@ class ChunkDriver:
         self._decoder: DecodeStage | None = None
         self._decoded: queue.SimpleQueue[DecodeResult] = queue.SimpleQueue()
         if overlap_decode:
-            self.runner.defer_decode = True
-            self._decoder = DecodeStage(self.runner, self._decoded.put, batch=decode_batch_rows(pipeline))
+            self.runner.sessions.defer_decode = True
+            self._decoder = DecodeStage(self.runner.sessions, self._decoded.put, batch=decode_batch_rows(pipeline))
 
     def open(self, *starts: StartSession) -> list[SessionState]:
         """Open sessions (one micro-step); returns their pipeline states."""

@@ -8,7 +8,7 @@ each a FIFO; a session keeps the lane it was first given (the least loaded),
 so its chunks come out in order while different sessions decode side by
 side. With ``batch``, a lane takes every decode waiting on it at once and
 decodes them in rounds of one chunk per session, each round one decoder
-batch (``ModelRunner.decode_many``): on a GPU the decodes that queued while
+batch (``RunnerSessions.decode_many``): on a GPU the decodes that queued while
 a forward ran go through the VAE together. On a CPU the overlap is threads
 sharing the cores (it pays where the loop's own thread mostly waits, as
 rank 0's does on a pipeline ring); on a
@@ -27,7 +27,7 @@ from typing import Any
 from engine.plan import DecodeResult
 from workers.ordered_thread import OrderedThread
 from workers.pipelines.capabilities import device_type
-from workers.runner import ModelRunner
+from workers.runner_sessions import RunnerSessions
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,14 @@ def decode_batch_rows(pipeline) -> int:
 class DecodeStage:
     def __init__(
         self,
-        runner: ModelRunner,
+        sessions: RunnerSessions,
         on_done: Callable[[DecodeResult], None],
         lanes: int = 1,
         batch: int = 1,
         nice: int = 0,
     ) -> None:
-        """``on_done`` is called on a lane's thread with each result; a session's
+        """``sessions``: the runner's (``runner.sessions``), whose deferred
+        decodes this runs. ``on_done`` is called on a lane's thread with each result; a session's
         in order. ``batch``: the most chunks one decoder batch takes (1: none).
         ``nice``: steps of ``nice`` the lanes run below the worker
         (``workers.os_threads``)."""
@@ -69,7 +70,7 @@ class DecodeStage:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
-        self._runner = runner
+        self._sessions = sessions
         self._on_done = on_done
         self._batch = batch
         together = self._decode_waiting if batch > 1 else None
@@ -101,8 +102,8 @@ class DecodeStage:
     def _decode(self, item: tuple[str, int]) -> bool:
         session_id, chunk_index = item
         try:
-            result = self._runner.decode(session_id, chunk_index)
-        except Exception as error:  # the runner returns pipeline errors; this is a bug of ours
+            result = self._sessions.decode(session_id, chunk_index)
+        except Exception as error:  # RunnerSessions returns pipeline errors; this is a bug of ours
             log.exception("decode of session %s chunk %d failed", session_id, chunk_index)
             result = DecodeResult(session_id, chunk_index, None, 0.0, f"decode failed: {error!r}")
         self._done(result)
@@ -117,7 +118,7 @@ class DecodeStage:
                 self._decode(keys[0])
                 continue
             try:
-                results = self._runner.decode_many(keys)
+                results = self._sessions.decode_many(keys)
             except Exception as error:  # as in _decode: a bug of ours, not a pipeline error
                 log.exception("decodes of sessions %s failed", [sid for sid, _ in keys])
                 results = [DecodeResult(sid, index, None, 0.0, f"decode failed: {error!r}") for sid, index in keys]

@@ -7,7 +7,7 @@ Each finished micro-step's result is queued for the loop, and ``on_result``
 wakes it. Before a micro-step starts, rows of sessions that are stopping are
 taken out (reported cancelled), so a stop cuts a grouped chunk between two
 steps; and the runner abandons a forward, commit or decode under way once
-every session it is for is stopping (``ModelRunner.is_stopping``), so a stop
+every session it is for is stopping (``RunnerSessions.is_stopping``), so a stop
 waits for one transformer block or one decoded latent frame, not a chunk.
 This is the one-rank case of the executor seam; the ring of several
 ranks plugs in at the same seam.
@@ -35,6 +35,7 @@ from engine.plan import DecodeResult, MicroStep, StepResult
 from workers.decode_stage import DecodeStage
 from workers.ordered_thread import OrderedThread
 from workers.runner import ModelRunner
+from workers.runner_sessions import RunnerSessions
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +51,23 @@ class LocalExecutor:
         overlap_decode: bool = True,
         decode_lanes: int = 1,
         batch_decodes: int = 1,
-        decode_stage: Callable[[ModelRunner, Callable[[DecodeResult], None]], DecodeStage] | None = None,
+        decode_stage: Callable[[RunnerSessions, Callable[[DecodeResult], None]], DecodeStage] | None = None,
         decode_nice: int = 0,
     ) -> None:
-        """``decode_stage``: builds the decode stage from the runner and the
-        callback for its results (default: ``DecodeStage`` with ``decode_lanes``
-        lanes, each decoding what waits on it in batches of at most
-        ``batch_decodes`` chunks, ``decode_nice`` steps of ``nice`` below
-        the worker: ``workers.os_threads``); anything with its ``submit`` / ``forget`` /
+        """``decode_stage``: builds the decode stage from the runner's sessions
+        (``runner.sessions``, whose deferred decodes it runs) and the callback
+        for its results (default: ``DecodeStage`` with ``decode_lanes`` lanes,
+        each decoding what waits on it in batches of at most ``batch_decodes``
+        chunks, ``decode_nice`` steps of ``nice`` below the worker:
+        ``workers.os_threads``); anything with its ``submit`` / ``forget`` /
         ``close`` and ``decodes`` (chunks decoded per rank, for ``rank_figures``)."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.depth = depth if threaded else 1
         self._runner = runner
         self._is_cancelled = is_cancelled
-        runner.is_stopping = is_cancelled  # a forward or decode of stopping sessions only is abandoned part-way
+        # a forward or decode of stopping sessions only is abandoned part-way
+        runner.sessions.is_stopping = is_cancelled
         self._on_result = on_result
         self._lock = threading.Lock()
         self._done: deque[StepResult | DecodeResult] = deque()
@@ -75,13 +78,13 @@ class LocalExecutor:
         self._held = runner.held_sessions()
         self._decoder: DecodeStage | None = None
         if threaded and overlap_decode:
-            runner.defer_decode = True
+            runner.sessions.defer_decode = True
             if decode_stage is None:
                 self._decoder = DecodeStage(
-                    runner, self._decoded, lanes=decode_lanes, batch=batch_decodes, nice=decode_nice
+                    runner.sessions, self._decoded, lanes=decode_lanes, batch=batch_decodes, nice=decode_nice
                 )
             else:
-                self._decoder = decode_stage(runner, self._decoded)
+                self._decoder = decode_stage(runner.sessions, self._decoded)
         self._thread: OrderedThread[MicroStep] | None = OrderedThread("executor", self._run) if threaded else None
 
     # -- engine.plan.Executor -------------------------------------------------

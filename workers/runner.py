@@ -9,16 +9,16 @@ timed and guarded per session, so an exception fails that session only,
 releases it at once, and the other rows go on; its outcome is typed (``Ok``,
 ``Failed``, ``Cancelled``). The ring runner over pipeline ranks
 (``workers.parallel.ring.RingRunner``) holds one too; the decode stage and
-the executor use either runner through the same methods, which hand on to
-it. Which chunk and step a call is about comes from the plan's rows; the
-pipeline refuses a row its session's state cannot take (a chunk never
+the executor take it (``runner.sessions``) and call it directly. Which
+chunk and step a call is about comes from the plan's rows; the pipeline
+refuses a row its session's state cannot take (a chunk never
 prepared, a step out of order), which fails that session. When a batched
 forward raises, each of its rows is rerun alone, so only the row that fails
 on its own loses its session.
 
-A stop is honoured mid-call: with ``is_stopping`` set (the executor sets it to
-the control plane's), each forward, commit and decode runs inside
-``abandon_when`` (``workers.pipelines.base``), so one whose rows' sessions
+A stop is honoured mid-call: with ``RunnerSessions.is_stopping`` set (the
+executor sets it to the control plane's), each forward, commit and decode
+runs inside ``abandon_when`` (``workers.pipelines.base``), so one whose rows' sessions
 are ALL stopping ends at the pipeline's next ``abandon_point`` (between
 blocks, between latent frames). Its rows are reported ``cancelled``, never
 failed, and nothing is released here: the engine releases the session in a
@@ -30,11 +30,10 @@ unusable, and the session is being released anyway).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 from engine.messages import SessionGeometry, StartSession
-from engine.plan import DecodeResult, MicroStep, StepResult, StepRow
+from engine.plan import MicroStep, StepResult, StepRow
 from workers.pipelines.base import ChunkPipeline
 from workers.row_executor import Cancelled, Ok, StageCall
 from workers.runner_sessions import RunnerSessions
@@ -58,45 +57,6 @@ class ModelRunner:
         self.pipeline = pipeline
         self.states = self.sessions.states  # session id -> the pipeline's state (RunnerSessions owns it)
         self.rows = self.sessions.rows
-
-    # -- what the executor and the decode stage use: RunnerSessions' ----------
-
-    @property
-    def defer_decode(self) -> bool:
-        """``RunnerSessions.defer_decode``: committed chunks go to the decode stage."""
-        return self.sessions.defer_decode
-
-    @defer_decode.setter
-    def defer_decode(self, deferred: bool) -> None:
-        self.sessions.defer_decode = deferred
-
-    @property
-    def is_stopping(self) -> Callable[[str], bool] | None:
-        """``RunnerSessions.is_stopping``: the control plane's check; None: never abandon."""
-        return self.sessions.is_stopping
-
-    @is_stopping.setter
-    def is_stopping(self, check: Callable[[str], bool] | None) -> None:
-        self.sessions.is_stopping = check
-
-    def stop_check(self, session_ids: Iterable[str]) -> Callable[[], bool] | None:
-        return self.sessions.stop_check(session_ids)
-
-    def decode(self, session_id: str, chunk_index: int) -> DecodeResult:
-        """``RunnerSessions.decode``: one deferred chunk (the decode stage's thread)."""
-        return self.sessions.decode(session_id, chunk_index)
-
-    def decode_many(self, keys: list[tuple[str, int]]) -> list[DecodeResult]:
-        """``RunnerSessions.decode_many``: deferred chunks of several sessions."""
-        return self.sessions.decode_many(keys)
-
-    def hand_off_decode(self, session_id: str, chunk_index: int) -> Any:
-        """``RunnerSessions.hand_off_decode``: a deferred chunk's input, for another rank."""
-        return self.sessions.hand_off_decode(session_id, chunk_index)
-
-    def decode_returned(self, session_id: str) -> None:
-        """``RunnerSessions.decode_returned``: a deferred decode is no longer pending."""
-        self.sessions.decode_returned(session_id)
 
     # -- engine.plan.Runner --------------------------------------------------
 

@@ -335,7 +335,7 @@ def test_where_each_session_decodes(pipelines, split, steps, expected):
 
     ranks = joined(2)
     group = SimpleNamespace(sockets=ranks[0], world=2, closing=False, on_death=lambda why: None)
-    stage = RankDecodeStage(ModelRunner(pipelines[0]), lambda result: None, group, split=split)
+    stage = RankDecodeStage(ModelRunner(pipelines[0]).sessions, lambda result: None, group, split=split)
     placed = []
     try:
         for step in steps:

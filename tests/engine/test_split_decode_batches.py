@@ -101,7 +101,7 @@ def split_stage(pipelines, monkeypatch):
     monkeypatch.setattr(pipelines[1], "back_rows", back_rows)
     results = Results()
     group = SimpleNamespace(sockets=ranks[0], world=2, closing=False, on_death=lambda why: results(why))
-    stage = RankDecodeStage(runner, results, group, split=SPLIT)
+    stage = RankDecodeStage(runner.sessions, results, group, split=SPLIT)
     yield SimpleNamespace(stage=stage, results=results, batches=batches, runner=runner)
     stage.close()
     server.close()

@@ -43,7 +43,7 @@ def _committed_runner(pipeline, sessions, chunks: int) -> ModelRunner:
     """A runner that deferred its decodes, with ``chunks`` chunks of each of
     ``sessions`` (one step a chunk) committed and waiting for their decodes."""
     runner = ModelRunner(pipeline)
-    runner.defer_decode = True
+    runner.sessions.defer_decode = True
     for chunk in range(chunks):
         step = MicroStep(number=chunk + 1, ranks=[[StepRow(sid, chunk, 0, 1) for sid in sessions]])
         step.boundaries = [BoundaryTask(sid, chunk, None, 0) for sid in sessions]
@@ -71,7 +71,7 @@ def _blocked_lane(pipeline, runner, monkeypatch, batch_lengths: list[int], rows:
     monkeypatch.setattr(pipeline, "decode", decode)
     monkeypatch.setattr(pipeline, "decode_batch", lambda s, i: batch_lengths.append(len(s)) or real_batch(s, i))
     done = []
-    stage = DecodeStage(runner, done.append, batch=rows)
+    stage = DecodeStage(runner.sessions, done.append, batch=rows)
     stage.submit("blocker", 0)
     assert entered.wait(60)
     return stage, gate, done
@@ -83,7 +83,7 @@ def test_how_many_chunks_a_pipeline_decodes_in_one_batch(pipeline):
     assert decode_batch_rows(one_row) == CPU_DECODE_ROWS  # on a CPU, batches whatever rows a forward takes
     assert decode_batch_rows(StubPipeline(max_batch_rows=4)) == 1  # declares no decode_batch: each decodes alone
     with pytest.raises(ValueError, match="batch must be >= 1"):
-        DecodeStage(ModelRunner(pipeline), print, batch=0)
+        DecodeStage(ModelRunner(pipeline).sessions, print, batch=0)
 
 
 def test_batch_rounds_keep_each_sessions_order_and_the_bound():
@@ -136,7 +136,7 @@ def test_a_lane_batches_no_more_chunks_than_its_bound(pipeline, alone, monkeypat
 
 def test_a_stopping_session_is_cancelled_and_a_failing_batch_falls_back(pipeline, alone, monkeypatch):
     runner = _committed_runner(pipeline, ["blocker", *SESSIONS], chunks=2)
-    runner.is_stopping = lambda sid: sid == "dc"
+    runner.sessions.is_stopping = lambda sid: sid == "dc"
     batches: list[int] = []
     stage, gate, done = _blocked_lane(pipeline, runner, monkeypatch, batches)
     for sid in SESSIONS:

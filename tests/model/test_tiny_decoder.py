@@ -146,7 +146,7 @@ def denoised(pipeline, starts: list, chunks: int) -> tuple[ChunkDriver, list[lis
     """Open ``starts`` and run ``chunks`` chunks of each, committed and left to
     decode (as the decode stage finds them); each chunk's clean latent, per session."""
     driver = ChunkDriver(pipeline)
-    driver.runner.defer_decode = True
+    driver.runner.sessions.defer_decode = True
     driver.open(*starts)
     sids = [start.session_id for start in starts]
     cleans: list[list] = [[] for _ in sids]

@@ -1,6 +1,6 @@
 """The decode stage's lanes: different sessions decode side by side, a
 session's chunks come out in order, on one lane, and a released session's
-lane goes to the next (threads; a recording runner stands in for the model)."""
+lane goes to the next (threads; a recording stand-in for the runner's sessions)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from engine.plan import DecodeResult
 from workers.decode_stage import DecodeStage
 
 
-class RecordingRunner:
+class RecordingSessions:
     """``decode`` records (session, chunk, thread); a barrier can hold it until
     ``parties`` decodes are inside at once."""
 
@@ -28,7 +28,7 @@ class RecordingRunner:
 
 
 def test_two_sessions_decode_at_once_on_two_lanes_each_in_order():
-    runner = RecordingRunner(parties=2)
+    runner = RecordingSessions(parties=2)
     done: list[DecodeResult] = []
     stage = DecodeStage(runner, done.append, lanes=2)
     for chunk in range(3):
@@ -44,7 +44,7 @@ def test_two_sessions_decode_at_once_on_two_lanes_each_in_order():
 
 
 def test_a_released_sessions_lane_goes_to_the_next_session():
-    runner = RecordingRunner()
+    runner = RecordingSessions()
     stage = DecodeStage(runner, lambda result: None, lanes=2)
     stage.submit("a", 0)
     stage.submit("b", 0)

@@ -16,22 +16,23 @@ from engine.plan import DecodeResult
 from workers.executor import LocalExecutor
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
+from workers.runner_sessions import RunnerSessions
 
 
 class AbandoningStage:
     """A decode stage that answers every chunk from ``abandon_from`` on as
     abandoned (cancelled) and decodes the ones before it."""
 
-    def __init__(self, runner: ModelRunner, done, abandon_from: int) -> None:
-        self.runner, self.done, self.abandon_from = runner, done, abandon_from
+    def __init__(self, sessions: RunnerSessions, done, abandon_from: int) -> None:
+        self.sessions, self.done, self.abandon_from = sessions, done, abandon_from
         self.decodes = ()
 
     def submit(self, session_id: str, chunk_index: int) -> None:
         if chunk_index >= self.abandon_from:
-            self.runner.decode_returned(session_id)
+            self.sessions.decode_returned(session_id)
             self.done(DecodeResult(session_id, chunk_index, None, 0.0, cancelled=True))
         else:
-            self.done(self.runner.decode(session_id, chunk_index))
+            self.done(self.sessions.decode(session_id, chunk_index))
 
     def forget(self, session_id: str) -> None:
         pass
@@ -42,7 +43,7 @@ class AbandoningStage:
 
 def stub_loop(send, decode_stage) -> tuple[ControlPlane, LocalExecutor, EngineLoop]:
     """A loop over the stub with a threaded executor whose decode stage is
-    ``decode_stage(runner, done)``; not yet running."""
+    ``decode_stage(runner.sessions, done)``; not yet running."""
     config = EngineConfig()
     runner = ModelRunner(StubPipeline())
     control = ControlPlane(config, runner.describe, send)
@@ -60,7 +61,7 @@ def run_one(start: StartSession, abandon_from: int) -> list:
         if isinstance(message, SessionDone | SessionFailed):
             ended.set()
 
-    control, _, loop = stub_loop(send, lambda runner, done: AbandoningStage(runner, done, abandon_from))
+    control, _, loop = stub_loop(send, lambda sessions, done: AbandoningStage(sessions, done, abandon_from))
     thread = threading.Thread(target=loop.run, name="loop")
     thread.start()
     try:
@@ -90,8 +91,8 @@ def test_an_open_ended_session_whose_decodes_are_abandoned_ends_instead_of_runni
 class GatedStage:
     """A decode stage that holds every chunk until the test lets the oldest go."""
 
-    def __init__(self, runner: ModelRunner, done) -> None:
-        self.runner, self.done = runner, done
+    def __init__(self, sessions: RunnerSessions, done) -> None:
+        self.sessions, self.done = sessions, done
         self.decodes = ()
         self.waiting: list[tuple[str, int]] = []
         self._lock = threading.Lock()
@@ -103,7 +104,7 @@ class GatedStage:
     def release_oldest(self) -> None:
         with self._lock:
             session_id, chunk_index = self.waiting.pop(0)
-        self.done(self.runner.decode(session_id, chunk_index))
+        self.done(self.sessions.decode(session_id, chunk_index))
 
     def forget(self, session_id: str) -> None:
         pass
@@ -123,8 +124,8 @@ def test_a_session_whose_decodes_lag_stops_at_its_limit_and_begins_one_more_as_e
     sent: list = []
     stages: list[GatedStage] = []
 
-    def gated(runner, done) -> GatedStage:
-        stages.append(GatedStage(runner, done))
+    def gated(sessions, done) -> GatedStage:
+        stages.append(GatedStage(sessions, done))
         return stages[-1]
 
     control, executor, loop = stub_loop(sent.append, gated)

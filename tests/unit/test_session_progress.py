@@ -50,7 +50,7 @@ class StepperExecutor:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        runner.defer_decode = True
+        runner.sessions.defer_decode = True
         self.waiting: list[MicroStep] = []
         self.done: list[StepResult | DecodeResult] = []
         self.decodes: list[tuple[str, int]] = []  # committed, not decoded yet, in order
@@ -64,12 +64,12 @@ class StepperExecutor:
         self.decodes.extend(result.decodes)
 
     def decode(self) -> None:
-        self.done.append(self.runner.decode(*self.decodes.pop(0)))
+        self.done.append(self.runner.sessions.decode(*self.decodes.pop(0)))
 
     def answer(self, result: DecodeResult) -> None:
         """The oldest decode comes back as ``result`` (the decode stage's answer)."""
         session_id, _ = self.decodes.pop(0)
-        self.runner.decode_returned(session_id)
+        self.runner.sessions.decode_returned(session_id)
         self.done.append(result)
 
     def results(self) -> list[StepResult | DecodeResult]:
@@ -98,7 +98,7 @@ class Engine:
         config = EngineConfig()
         self.runner = ModelRunner(StubPipeline(frames_per_chunk=5, first_chunk_frames=3))
         self.control = ControlPlane(config, self.runner.describe, self.sent.append)
-        self.runner.is_stopping = self.control.is_stopping
+        self.runner.sessions.is_stopping = self.control.is_stopping
         self.executor = StepperExecutor(self.runner)
         self.loop = EngineLoop(config, self.control, self.executor, self.sent.append, grouping=True, max_rows=1)
 

@@ -30,7 +30,7 @@ batch (below).
 interface and takes its place in the executor. A session placed on rank 0
 decodes on a local lane as before (batching what waits on it where the
 pipeline batches decodes); one placed on rank r: the committed
-chunk's clean latent (``ModelRunner.hand_off_decode``) goes to rank r in a
+chunk's clean latent (``RunnerSessions.hand_off_decode``) goes to rank r in a
 ``DECODE`` frame, and a thread per follower waits for its ``DECODED``
 frames and hands each ``DecodeResult`` on, as a local lane would. A
 session's chunks decode on one rank, in order, and come back in order on one
@@ -89,7 +89,7 @@ from workers.ordered_thread import OrderedThread
 from workers.parallel.link import LinkTimeout, Message
 from workers.parallel.sockets import CANCEL, DECODE, DECODED, RankSockets
 from workers.pipelines.base import Abandoned, abandon_when
-from workers.runner import ModelRunner
+from workers.runner_sessions import RunnerSessions
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a waiting receiver looks for stopping sessions to cancel
@@ -110,22 +110,23 @@ def can_split(pipeline) -> bool:
 class RankDecodeStage:
     def __init__(
         self,
-        runner: ModelRunner,
+        sessions: RunnerSessions,
         on_done: Callable[[DecodeResult], None],
         group,
         split: int = 0,
         nice: int = 0,
     ) -> None:
-        """``group``: the ``RankGroup`` (its sockets, its world, ``on_death``).
+        """``sessions``: the runner's (``runner.sessions``), whose deferred
+        decodes this runs or hands off. ``group``: the ``RankGroup`` (its sockets, its world, ``on_death``).
         ``split``: 0, each session decodes whole on one rank (``spread``); else
         every session's decoder is split, its first ``split`` stages on rank 0.
         ``nice``: steps of ``nice`` rank 0's decode lanes run below the worker
         (``workers.os_threads``)."""
-        self._runner = runner
+        self._sessions = sessions
         self._split = split
-        rows = decode_batch_rows(runner.pipeline)
+        rows = decode_batch_rows(sessions.pipeline)
         # split chunks a front batch takes
-        self._front_rows = rows if runner.pipeline.capabilities.split_decode_batch else 1
+        self._front_rows = rows if sessions.pipeline.capabilities.split_decode_batch else 1
         self._front = None
         self._gather = RoundGather(self._front_rows)  # when the front lane's waiting chunks go together
         if split and self._front_rows > 1:
@@ -139,7 +140,7 @@ class RankDecodeStage:
         self._sockets: RankSockets = group.sockets
         self._on_done = on_done
         # Rank 0's own whole decodes (none when sessions are split: a split decode ends on a follower).
-        self._local = None if split else DecodeStage(runner, on_done, lanes=1, batch=rows, nice=nice)
+        self._local = None if split else DecodeStage(sessions, on_done, lanes=1, batch=rows, nice=nice)
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
         self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
@@ -239,8 +240,8 @@ class RankDecodeStage:
                     handed.append((session_id, chunk_index, rank, value))
             for rank in dict.fromkeys(row[2] for row in handed):
                 rows = [row for row in handed if row[2] == rank]
-                states = [self._runner.states[row[0]] for row in rows]
-                for group in self._runner.pipeline.decode_groups(states, [row[3] for row in rows]):
+                states = [self._sessions.states[row[0]] for row in rows]
+                for group in self._sessions.pipeline.decode_groups(states, [row[3] for row in rows]):
                     if len(group) == 1:
                         self._send_front(*rows[group[0]])
                     else:
@@ -263,9 +264,9 @@ class RankDecodeStage:
         end: dict = {"last": True}
         try:
             try:
-                with abandon_when(self._runner.stop_check(ids)):
-                    states = [self._runner.states[sid] for sid in ids]
-                    parts = self._runner.pipeline.decode_fronts(states, [row[3] for row in rows], self._split)
+                with abandon_when(self._sessions.stop_check(ids)):
+                    states = [self._sessions.states[sid] for sid in ids]
+                    parts = self._sessions.pipeline.decode_fronts(states, [row[3] for row in rows], self._split)
                     for part, (header, activation) in enumerate(parts):
                         message = Message({**head, **header, "part": part}, [activation])
                         self._sockets.post(rank, DECODE, number, message)
@@ -291,8 +292,8 @@ class RankDecodeStage:
         end: dict = {"last": True}
         try:
             try:
-                with abandon_when(self._runner.stop_check((session_id,))):
-                    parts = self._runner.pipeline.decode_front(self._runner.states[session_id], value, self._split)
+                with abandon_when(self._sessions.stop_check((session_id,))):
+                    parts = self._sessions.pipeline.decode_front(self._sessions.states[session_id], value, self._split)
                     for part, (header, activation) in enumerate(parts):
                         self._sockets.post(
                             rank, DECODE, chunk_index, Message({**head, **header, "part": part}, [activation])
@@ -327,7 +328,7 @@ class RankDecodeStage:
         """The chunk's clean latent, now out on ``rank``; None when it will not
         decode there (its result went on already: the session is stopping, or
         the pipeline failed)."""
-        value = self._runner.hand_off_decode(session_id, chunk_index)
+        value = self._sessions.hand_off_decode(session_id, chunk_index)
         if isinstance(value, DecodeResult):
             self._on_done(value)
             return None
@@ -337,7 +338,7 @@ class RankDecodeStage:
 
     def _came_back(self, rank: int, session_id: str) -> None:
         """The oldest chunk of ``session_id`` out on ``rank`` is back (or lost)."""
-        self._runner.decode_returned(session_id)
+        self._sessions.decode_returned(session_id)
         with self._lock:
             out = self._out[rank]
             out[session_id].popleft()
@@ -369,7 +370,7 @@ class RankDecodeStage:
             )
 
     def _cancel_stopping(self, rank: int) -> None:
-        is_stopping = self._runner.is_stopping
+        is_stopping = self._sessions.is_stopping
         if is_stopping is None:
             return
         with self._lock:

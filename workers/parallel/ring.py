@@ -4,8 +4,8 @@ Runs on the executor's thread of worker rank 0 (``workers.executor``), in
 place of the one-rank ``ModelRunner``. Like it, it holds a ``RunnerSessions``
 (``workers.runner_sessions``: the sessions' state, the ``RowExecutor`` every
 pipeline call goes through, releases, opens, boundaries, batched forwards,
-decodes), and offers the executor and the decode stage the same methods,
-which hand on to it; only ``execute`` differs. The engine plans each
+decodes), which the executor and the decode stage take
+(``runner.sessions``) and call directly; only ``execute`` differs. The engine plans each
 micro-step for every rank (``MicroStep.ranks``: rank r runs the rows that
 entered rank 0 r micro-steps ago; ``MicroStep.returning``: the rows the last
 rank finished in the micro-step before, back at rank 0). Micro-step m here:
@@ -26,7 +26,7 @@ rank finished in the micro-step before, back at rank 0). Micro-step m here:
 Rows of a session that is stopping are not started (the plan's later ranks
 expect them, but the message says which rows it carries), and rank 0's part
 of a forward or commit pass whose sessions are all stopping is abandoned
-between its blocks (``is_stopping``): those rows are left out of
+between its blocks (``RunnerSessions.is_stopping``): those rows are left out of
 the message, which still goes to rank 1, so no rank waits for a message that
 never comes. Ranks after the first do not know of stops and run their part
 of the rows they receive to the end. A row a later rank
@@ -37,11 +37,10 @@ fails its session here, like any pipeline error (``RowExecutor.fail``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 from engine.messages import RingHeader, RingItem, SessionGeometry, StartSession
-from engine.plan import DecodeResult, MicroStep, StepResult, StepRow
+from engine.plan import MicroStep, StepResult, StepRow
 from workers.parallel.link import Message, items_and_tensors
 from workers.pipelines.base import BatchRow, ChunkPipeline
 from workers.row_executor import Ok, StageCall
@@ -72,45 +71,6 @@ class RingRunner:
         self._for_rank_1: tuple[int, Message] | None = None  # (tag, message): goes with the next plan
         self.busy_s = 0.0  # rank 0's time computing (not waiting for the ring)
         self.wall_s = 0.0  # rank 0's time inside micro-steps
-
-    # -- what the executor and the decode stage use: RunnerSessions' ----------
-
-    @property
-    def defer_decode(self) -> bool:
-        """``RunnerSessions.defer_decode``: committed chunks go to the decode stage."""
-        return self.sessions.defer_decode
-
-    @defer_decode.setter
-    def defer_decode(self, deferred: bool) -> None:
-        self.sessions.defer_decode = deferred
-
-    @property
-    def is_stopping(self) -> Callable[[str], bool] | None:
-        """``RunnerSessions.is_stopping``: the control plane's check; None: never abandon."""
-        return self.sessions.is_stopping
-
-    @is_stopping.setter
-    def is_stopping(self, check: Callable[[str], bool] | None) -> None:
-        self.sessions.is_stopping = check
-
-    def stop_check(self, session_ids: Iterable[str]) -> Callable[[], bool] | None:
-        return self.sessions.stop_check(session_ids)
-
-    def decode(self, session_id: str, chunk_index: int) -> DecodeResult:
-        """``RunnerSessions.decode``: one deferred chunk (the decode stage's thread)."""
-        return self.sessions.decode(session_id, chunk_index)
-
-    def decode_many(self, keys: list[tuple[str, int]]) -> list[DecodeResult]:
-        """``RunnerSessions.decode_many``: deferred chunks of several sessions."""
-        return self.sessions.decode_many(keys)
-
-    def hand_off_decode(self, session_id: str, chunk_index: int) -> Any:
-        """``RunnerSessions.hand_off_decode``: a deferred chunk's input, for another rank."""
-        return self.sessions.hand_off_decode(session_id, chunk_index)
-
-    def decode_returned(self, session_id: str) -> None:
-        """``RunnerSessions.decode_returned``: a deferred decode is no longer pending."""
-        self.sessions.decode_returned(session_id)
 
     # -- engine.plan.Runner --------------------------------------------------
 
