@@ -506,7 +506,7 @@ ResultMessage = (
 
 
 # --------------------------------------------------------------------------
-# Between pipeline ranks (workers.parallel): plans and ring headers
+# Between pipeline ranks (workers.parallel): plans, ring headers, decode frames
 # --------------------------------------------------------------------------
 # Ranks run the same code, so a field a rank does not know is an error
 # (``forbid_unknown_fields``), as is a missing tag: ``engine.transport.decode_rank``.
@@ -580,4 +580,107 @@ class RingHeader(_Wire, tag="ring_header", forbid_unknown_fields=True):
     inline: bool = True  # the tensors travel inside the header's buffer (``RingLink``; the link sets it)
 
 
-RankMessage = RankPlan | RingHeader
+# The decode stage's frames between rank 0 and a follower (``workers.parallel.rank_decode``:
+# rank 0's side; ``workers.parallel.decode_server``: the follower's), on the ranks' decode
+# connections. ``tensors`` says what follows each header (the sockets set it as they send).
+
+
+class DecodeWhole(_Wire, tag="decode_whole", forbid_unknown_fields=True):
+    """A ``DECODE`` frame: decode a whole chunk of a session; its one tensor is the
+    chunk's clean latent."""
+
+    session_id: str
+    chunk_index: int
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+class DecodeFront(_Wire, tag="decode_front", forbid_unknown_fields=True):
+    """A ``DECODE`` frame: latent frame ``part`` of a split chunk, through the
+    decoder's first ``split`` stages on rank 0; its one tensor is the activation,
+    ``meta`` the pipeline's description of it (``decode_front``; opaque here)."""
+
+    session_id: str
+    chunk_index: int
+    split: int
+    part: int
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+class DecodeFrontEnd(_Wire, tag="decode_front_end", forbid_unknown_fields=True):
+    """A ``DECODE`` frame: the last of a split chunk, after its parts: rank 0's
+    front time, and whether the front was abandoned (``cancelled``) or failed
+    (``error``)."""
+
+    session_id: str
+    chunk_index: int
+    split: int
+    front_ms: float = 0.0
+    error: str | None = None
+    cancelled: bool = False
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+class DecodeFronts(_Wire, tag="decode_fronts", forbid_unknown_fields=True):
+    """A ``DECODE`` frame: latent frame ``part`` of a batch of split chunks
+    (``rows``: session and chunk of each, in the batch's order), through the
+    front as one batch; its one tensor holds every row's activation."""
+
+    rows: tuple[tuple[str, int], ...]
+    split: int
+    part: int
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+    tensors: tuple[TensorSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("a batch of split chunks names no rows")
+
+
+class DecodeFrontsEnd(_Wire, tag="decode_fronts_end", forbid_unknown_fields=True):
+    """A ``DECODE`` frame: the last of a batch of split chunks (``rows`` as its
+    parts'): rank 0's front time, whether the batch was abandoned
+    (``cancelled``), or, with ``retry``, that it failed on rank 0 and each chunk
+    comes again alone (the follower drops the batch unanswered)."""
+
+    rows: tuple[tuple[str, int], ...]
+    split: int
+    front_ms: float = 0.0
+    cancelled: bool = False
+    retry: bool = False
+    tensors: tuple[TensorSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("a batch of split chunks names no rows")
+
+
+class DecodeCancel(_Wire, tag="decode_cancel", forbid_unknown_fields=True):
+    """A ``CANCEL`` frame: the session is stopping (its decodes on the follower
+    are abandoned), or, with ``ended``, it was released and the cancel is over."""
+
+    session_id: str
+    ended: bool = False
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+class Decoded(_Wire, tag="decoded", forbid_unknown_fields=True):
+    """A ``DECODED`` frame, a follower to rank 0: one chunk's decode, its frames
+    (``frames``: count, width, height; their RGB bytes the one tensor) or why
+    there are none (``error``, ``cancelled``)."""
+
+    session_id: str
+    chunk_index: int
+    ms: float
+    frames: tuple[int, int, int] | None = None
+    error: str | None = None
+    cancelled: bool = False
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+DecodeRequest = DecodeWhole | DecodeFront | DecodeFrontEnd | DecodeFronts | DecodeFrontsEnd
+"""What a ``DECODE`` frame carries."""
+
+DecodeFrame = DecodeRequest | DecodeCancel | Decoded
+
+RankMessage = RankPlan | RingHeader | DecodeFrame

@@ -18,8 +18,9 @@ machine or another. Why ZeroMQ rather than ``multiprocessing`` queues:
 
 The client binds, workers connect. Encoding and decoding happen here only,
 those of the messages between pipeline ranks too (``encode_rank``,
-``decode_rank``: a micro-step's plan, a ring message's header), which travel
-on the ranks' own connections (``workers.parallel``).
+``decode_rank``: a micro-step's plan, a ring message's header, the decode
+stage's frames), which travel on the ranks' own connections
+(``workers.parallel``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ import os
 import queue
 import tempfile
 import threading
+import typing
 from dataclasses import dataclass
-from typing import TypeVar
+from types import UnionType
+from typing import Any
 
 import msgspec
 import zmq
 
-from engine.messages import ControlMessage, RankMessage, RankPlan, ResultMessage, RingHeader
+from engine.messages import ControlMessage, RankMessage, ResultMessage
 
 log = logging.getLogger(__name__)
 
@@ -63,27 +66,35 @@ def decode_result(data: bytes) -> ResultMessage:
 
 
 _rank_encoder = msgspec.msgpack.Encoder()
-_Rank = TypeVar("_Rank", RankPlan, RingHeader)
 _rank_decoder = msgspec.msgpack.Decoder(RankMessage)
 
 
 def encode_rank(message: RankMessage) -> bytes:
-    """A message between pipeline ranks (``workers.parallel``): a plan, a ring header."""
+    """A message between pipeline ranks (``workers.parallel``): a plan, a ring
+    header, a decode stage's frame."""
     return _rank_encoder.encode(message)
 
 
-def decode_rank(data: bytes, kind: type[_Rank]) -> _Rank:
-    """Decode a message between pipeline ranks that must be a ``kind``; raises
+def decode_rank(data: bytes, kind: type | UnionType) -> Any:
+    """Decode a message between pipeline ranks that must be a ``kind`` (a type,
+    or a union of them: ``engine.messages.DecodeRequest``); raises
     ``msgspec.DecodeError`` saying which type was expected and what was wrong
     (not msgpack, no tag or another type's, a field missing, unknown or of the
     wrong type)."""
     try:
         message = _rank_decoder.decode(data)
     except msgspec.DecodeError as error:
-        raise type(error)(f"not a valid {kind.__name__}: {error}") from None
+        raise type(error)(f"not a valid {rank_type_name(kind)}: {error}") from None
     if not isinstance(message, kind):
-        raise msgspec.ValidationError(f"not a valid {kind.__name__}: a {type(message).__name__}")
+        raise msgspec.ValidationError(f"not a valid {rank_type_name(kind)}: a {type(message).__name__}")
     return message
+
+
+def rank_type_name(kind: type | UnionType) -> str:
+    """``kind``'s name; a union's as its types' names joined by "or"."""
+    if isinstance(kind, UnionType):
+        return " or ".join(member.__name__ for member in typing.get_args(kind))
+    return kind.__name__
 
 
 @dataclass(frozen=True)

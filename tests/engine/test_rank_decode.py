@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from engine.config import PipelineSpec
-from engine.messages import StartSession
+from engine.messages import DecodeCancel, DecodeFront, DecodeFrontEnd, DecodeWhole, StartSession
 from tests.engine.test_rank_sockets import joined
 from workers.parallel.decode_server import DecodeServer
 from workers.parallel.link import LinkTimeout, Message
@@ -62,8 +62,13 @@ def open_on(pipeline, sid: str, size: int = 32):
     return pipeline.open(start, pipeline.describe(start), pipeline.encode_prompt("p"))
 
 
+def whole_chunk(sid: str, chunk: int, latent: torch.Tensor) -> Message:
+    """A ``DECODE`` frame asking for a whole chunk's decode."""
+    return Message(DecodeWhole(session_id=sid, chunk_index=chunk), [latent])
+
+
 def ask(rank0, sid: str, chunk: int, latent: torch.Tensor) -> Message:
-    rank0.post(1, DECODE, chunk, Message({"session": sid, "chunk": chunk}, [latent]))
+    rank0.post(1, DECODE, chunk, whole_chunk(sid, chunk, latent))
     _, reply = rank0.take(1, (DECODED,), None, 60.0, "decoded chunk")
     return reply
 
@@ -78,9 +83,9 @@ def test_the_follower_decodes_chunk_after_chunk_as_rank_0_would(pipelines, serve
             latent = torch.randn(here.latent_shape, generator=generator)
             expected = pipelines[0].decode_latent(here, latent)
             reply = ask(rank0, "s", chunk, latent)
-            assert reply.header["session"] == "s" and reply.header["chunk"] == chunk
-            assert reply.header["error"] is None and not reply.header["cancelled"]
-            assert reply.header["frames"] == [expected.num_frames, expected.width, expected.height]
+            assert reply.header.session_id == "s" and reply.header.chunk_index == chunk
+            assert reply.header.error is None and not reply.header.cancelled
+            assert reply.header.frames == (expected.num_frames, expected.width, expected.height)
             assert reply.tensors[0].numpy().tobytes() == expected.payload, f"chunk {chunk} differs"
             assert np.frombuffer(expected.payload, np.uint8).std() > 0  # real frames, not a blank
     finally:
@@ -97,25 +102,25 @@ def test_a_cancel_ends_a_decode_and_the_next_request_is_served(pipelines, served
     def cancel_once_begun(module, args) -> None:  # on the decode thread, inside the real decode
         if not began.is_set():
             began.set()
-            rank0.post(1, CANCEL, 0, Message({"session": "big"}, []))
+            rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="big"), []))
             select.select([follower._in[0, DECODES].sock], [], [], 10)  # it has reached the follower's socket
 
     try:
-        rank0.post(1, CANCEL, 0, Message({"session": "small"}, []))  # before its request: never begun
+        rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="small"), []))  # before its request: never begun
         reply = ask(rank0, "small", 0, torch.zeros(small.latent_shape))
-        assert reply.header["cancelled"] and reply.header["frames"] is None and not reply.tensors
+        assert reply.header.cancelled and reply.header.frames is None and not reply.tensors
 
         hook = pipelines[1].decoder.vae.decoder.mid_block.register_forward_pre_hook(cancel_once_begun)
         try:
             reply = ask(rank0, "big", 0, torch.zeros(big.latent_shape))
         finally:
             hook.remove()
-        assert began.is_set() and reply.header["session"] == "big"
-        assert reply.header["cancelled"] and reply.header["frames"] is None  # abandoned part-way
+        assert began.is_set() and reply.header.session_id == "big"
+        assert reply.header.cancelled and reply.header.frames is None  # abandoned part-way
 
         states["other"] = open_on(pipelines[1], "other")
         reply = ask(rank0, "other", 0, torch.zeros(small.latent_shape))
-        assert reply.header["frames"] is not None and not reply.header["cancelled"]
+        assert reply.header.frames is not None and not reply.header.cancelled
     finally:
         for state in states.values():
             pipelines[1].release(state)
@@ -153,45 +158,45 @@ def test_whole_chunks_that_wait_together_decode_as_batches_with_their_own_frames
 
     hook = pipelines[1].decoder.vae.decoder.mid_block.register_forward_pre_hook(hold_first)
     try:
-        rank0.post(1, DECODE, 0, Message({"session": "blocker", "chunk": 0}, [torch.zeros(here["a"].latent_shape)]))
+        rank0.post(1, DECODE, 0, whole_chunk("blocker", 0, torch.zeros(here["a"].latent_shape)))
         assert entered.wait(60)
         for chunk in (0, 1):
             for sid in sessions:
-                rank0.post(1, DECODE, chunk, Message({"session": sid, "chunk": chunk}, [latents[sid, chunk]]))
+                rank0.post(1, DECODE, chunk, whole_chunk(sid, chunk, latents[sid, chunk]))
         gate.set()
         replies = [rank0.take(1, (DECODED,), None, 60.0, "decoded chunk")[1] for _ in range(7)]
     finally:
         hook.remove()
-    assert [r.header["session"] for r in replies][0] == "blocker"
+    assert [r.header.session_id for r in replies][0] == "blocker"
     assert batches == [["a", "b", "c"], ["a", "b", "c"]]  # chunk 0 of the three, then chunk 1: one batch each
-    got = {(r.header["session"], r.header["chunk"]): r for r in replies[1:]}
+    got = {(r.header.session_id, r.header.chunk_index): r for r in replies[1:]}
     for key in latents:
-        assert got[key].header["error"] is None and not got[key].header["cancelled"]
+        assert got[key].header.error is None and not got[key].header.cancelled
         assert got[key].tensors[0].numpy().tobytes() == expected[key], f"{key} differs from its own decode"
-    order = [(r.header["session"], r.header["chunk"]) for r in replies[1:]]
+    order = [(r.header.session_id, r.header.chunk_index) for r in replies[1:]]
     assert all(order.index((sid, 0)) < order.index((sid, 1)) for sid in sessions)
 
     # A cancelled session is left out of its batch; a batch that raises decodes each alone.
     broke.clear()
-    rank0.post(1, CANCEL, 0, Message({"session": "c"}, []))
+    rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="c"), []))
     entered.clear()
     gate.clear()
     hook = pipelines[1].decoder.vae.decoder.mid_block.register_forward_pre_hook(hold_first)
     try:
-        rank0.post(1, DECODE, 1, Message({"session": "blocker", "chunk": 1}, [torch.zeros(here["a"].latent_shape)]))
+        rank0.post(1, DECODE, 1, whole_chunk("blocker", 1, torch.zeros(here["a"].latent_shape)))
         assert entered.wait(60)
         more = {(sid, 2): torch.randn(here[sid].latent_shape, generator=generator) for sid in sessions}
         for (sid, chunk), latent in more.items():
-            rank0.post(1, DECODE, chunk, Message({"session": sid, "chunk": chunk}, [latent]))
+            rank0.post(1, DECODE, chunk, whole_chunk(sid, chunk, latent))
         gate.set()
         replies = [rank0.take(1, (DECODED,), None, 60.0, "decoded chunk")[1] for _ in range(4)]
     finally:
         hook.remove()
-    got = {r.header["session"]: r for r in replies[1:]}
+    got = {r.header.session_id: r for r in replies[1:]}
     assert batches[2:] == [["a", "b"]] and broke == [True]  # c was not in it; it raised once
-    assert got["c"].header["cancelled"] and got["c"].header["frames"] is None
+    assert got["c"].header.cancelled and got["c"].header.frames is None
     for sid in ("a", "b"):
-        assert got[sid].header["error"] is None
+        assert got[sid].header.error is None
         assert got[sid].tensors[0].numpy().tobytes() == pipelines[0].decode_latent(here[sid], more[sid, 2]).payload
     for state in [*here.values()]:
         pipelines[0].release(state)
@@ -202,8 +207,8 @@ def test_whole_chunks_that_wait_together_decode_as_batches_with_their_own_frames
 def test_a_session_the_rank_does_not_hold_is_an_error_naming_it(served):
     rank0, _, _ = served
     reply = ask(rank0, "nobody", 0, torch.zeros(1, 16, 1, 4, 4))
-    assert "session nobody is not open on rank 1" in reply.header["error"]
-    assert reply.header["frames"] is None
+    assert "session nobody is not open on rank 1" in reply.header.error
+    assert reply.header.frames is None
 
 
 SPLIT = 7  # decoder stages on rank 0
@@ -211,16 +216,16 @@ SPLIT = 7  # decoder stages on rank 0
 
 def send_split(rank0, pipeline, here, sid: str, chunk: int, latent: torch.Tensor, last: bool = True) -> None:
     """Rank 0's front lane: the chunk's front stages here, each part posted, then the chunk's last frame."""
-    head = {"session": sid, "chunk": chunk, "split": SPLIT}
-    for part, (header, activation) in enumerate(pipeline.decode_front(here, latent, SPLIT)):
-        rank0.post(1, DECODE, chunk, Message({**head, **header, "part": part}, [activation]))
+    key = {"session_id": sid, "chunk_index": chunk, "split": SPLIT}
+    for part, (meta, activation) in enumerate(pipeline.decode_front(here, latent, SPLIT)):
+        rank0.post(1, DECODE, chunk, Message(DecodeFront(**key, part=part, meta=meta), [activation]))
     if last:
         send_last(rank0, sid, chunk)
 
 
 def send_last(rank0, sid: str, chunk: int, **end) -> None:
-    head = {"session": sid, "chunk": chunk, "split": SPLIT}
-    rank0.post(1, DECODE, chunk, Message({**head, "last": True, "front_ms": 1.0, **end}, []))
+    end = DecodeFrontEnd(session_id=sid, chunk_index=chunk, split=SPLIT, front_ms=1.0, **end)
+    rank0.post(1, DECODE, chunk, Message(end, []))
 
 
 def answer(rank0, timeout_s: float = 60.0) -> Message:
@@ -239,11 +244,11 @@ def test_a_split_decode_gives_the_whole_decoders_frames_chunk_after_chunk(pipeli
             expected = pipelines[0].decode_latent(whole, latent)
             send_split(rank0, pipelines[0], front, "s", chunk, latent)
             reply = answer(rank0)
-            assert reply.header["session"] == "s" and reply.header["chunk"] == chunk
-            assert reply.header["error"] is None and not reply.header["cancelled"]
-            assert reply.header["frames"] == [expected.num_frames, expected.width, expected.height]
+            assert reply.header.session_id == "s" and reply.header.chunk_index == chunk
+            assert reply.header.error is None and not reply.header.cancelled
+            assert reply.header.frames == (expected.num_frames, expected.width, expected.height)
             assert reply.tensors[0].numpy().tobytes() == expected.payload, f"chunk {chunk} differs"
-            assert reply.header["ms"] >= 1.0  # the front's time and the back's
+            assert reply.header.ms >= 1.0  # the front's time and the back's
     finally:
         pipelines[0].release(front)
         pipelines[0].release(whole)
@@ -261,26 +266,26 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
             answer(rank0, timeout_s=0.3)
         send_last(rank0, "nobody", 0)  # then one
         reply = answer(rank0)
-        assert "session nobody is not open on rank 1" in reply.header["error"] and reply.header["chunk"] == 0
+        assert "session nobody is not open on rank 1" in reply.header.error and reply.header.chunk_index == 0
 
         states["c"] = open_on(pipelines[1], "c")
-        rank0.post(1, CANCEL, 0, Message({"session": "c"}, []))
+        rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="c"), []))
         send_split(rank0, pipelines[0], front, "c", 0, latent)  # cancelled at its first part: one answer
         reply = answer(rank0)
-        assert reply.header["session"] == "c" and reply.header["cancelled"] and reply.header["frames"] is None
+        assert reply.header.session_id == "c" and reply.header.cancelled and reply.header.frames is None
 
         states["a"] = open_on(pipelines[1], "a")  # rank 0 abandoned its front after one part
-        head = {"session": "a", "chunk": 0, "split": SPLIT}
-        header, activation = next(pipelines[0].decode_front(fronts["a"], latent, SPLIT))
-        rank0.post(1, DECODE, 0, Message({**head, **header, "part": 0}, [activation]))
+        meta, activation = next(pipelines[0].decode_front(fronts["a"], latent, SPLIT))
+        header = DecodeFront(session_id="a", chunk_index=0, split=SPLIT, part=0, meta=meta)
+        rank0.post(1, DECODE, 0, Message(header, [activation]))
         send_last(rank0, "a", 0, cancelled=True)
         reply = answer(rank0)
-        assert reply.header["session"] == "a" and reply.header["cancelled"] and reply.header["frames"] is None
+        assert reply.header.session_id == "a" and reply.header.cancelled and reply.header.frames is None
 
         states["n"] = open_on(pipelines[1], "n")  # and the next chunk of another session decodes
         send_split(rank0, pipelines[0], fronts["n"], "n", 0, latent)
         reply = answer(rank0)
-        assert reply.header["session"] == "n" and reply.header["frames"] is not None and reply.header["error"] is None
+        assert reply.header.session_id == "n" and reply.header.frames is not None and reply.header.error is None
         with pytest.raises(LinkTimeout):  # nothing more: each chunk was answered once
             answer(rank0, timeout_s=0.3)
     finally:
@@ -360,15 +365,15 @@ def test_a_cancel_that_outlives_its_session_does_not_cancel_the_next_of_that_id(
     rank0, states, _ = served
     states["s"] = open_on(pipelines[1], "s")
     try:
-        assert ask(rank0, "s", 0, torch.zeros(states["s"].latent_shape)).header["frames"] is not None
-        rank0.post(1, CANCEL, 0, Message({"session": "s"}, []))  # late: s has nothing out any more
+        assert ask(rank0, "s", 0, torch.zeros(states["s"].latent_shape)).header.frames is not None
+        rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="s"), []))  # late: s has nothing out any more
         pipelines[1].release(states.pop("s"))  # released
-        rank0.post(1, CANCEL, 0, Message({"session": "s", "ended": True}, []))  # RankDecodeStage.forget
+        rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="s", ended=True), []))  # RankDecodeStage.forget
         states["s"] = open_on(pipelines[1], "s")  # a new session, the same id
         reply = ask(rank0, "s", 0, torch.zeros(states["s"].latent_shape))
-        assert reply.header["frames"] is not None and not reply.header["cancelled"]
-        rank0.post(1, CANCEL, 0, Message({"session": "s"}, []))  # and its own stop
-        assert ask(rank0, "s", 1, torch.zeros(states["s"].latent_shape)).header["cancelled"]
+        assert reply.header.frames is not None and not reply.header.cancelled
+        rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="s"), []))  # and its own stop
+        assert ask(rank0, "s", 1, torch.zeros(states["s"].latent_shape)).header.cancelled
     finally:
         for state in states.values():
             pipelines[1].release(state)

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.messages import RingHeader, RingItem
+from engine.messages import DecodeCancel, Decoded, DecodeWhole, RingHeader, RingItem
 from workers.parallel.link import BadMessage, LinkTimeout, Message
 from workers.parallel.sockets import (
     CANCEL,
@@ -272,12 +272,13 @@ def test_the_decode_stage_has_connections_of_its_own_both_ways(pair):
     big = torch.zeros(64 * 2**20, dtype=torch.uint8)  # 64 MiB: written by the connection's thread
     first.send(1, 0, Message(RingHeader(), [big]))
     first.send_plan(0, b"unread")
-    first.post(1, DECODE, 3, Message({"session": "s"}, [torch.arange(4)]))
+    first.post(1, DECODE, 3, Message(DecodeWhole(session_id="s", chunk_index=3), [torch.arange(4)]))
     kind, request = second.take(0, (DECODE, CANCEL), None, 5.0, "decode request")
-    assert kind == DECODE and request.header == {"session": "s"} and request.tensors[0].tolist() == [0, 1, 2, 3]
-    second.post(0, DECODED, 3, Message({"session": "s", "frames": [1, 2, 2]}, [torch.ones(12, dtype=torch.uint8)]))
+    assert kind == DECODE and request.header.session_id == "s" and request.tensors[0].tolist() == [0, 1, 2, 3]
+    decoded = Decoded(session_id="s", chunk_index=3, ms=1.0, frames=(1, 2, 2))
+    second.post(0, DECODED, 3, Message(decoded, [torch.ones(12, dtype=torch.uint8)]))
     _, result = first.take(1, (DECODED,), None, 5.0, "decoded chunk")
-    assert result.header["frames"] == [1, 2, 2] and result.tensors[0].sum().item() == 12
+    assert result.header.frames == (1, 2, 2) and result.tensors[0].sum().item() == 12
     assert second.recv(0, 0).tensors[0].numel() == big.numel()
     assert second.recv_plan() == b"unread"
     with pytest.raises(ValueError, match="different connections"):
@@ -293,13 +294,13 @@ def test_decode_requests_a_cancel_check_passes_wait_for_the_decode_thread_past_t
     zero, one = pair
     waiting = MAX_KEPT[PIPELINE] + 44
     for chunk in range(waiting):
-        zero.post(1, DECODE, chunk, Message({"session": "s", "chunk": chunk}, []))
-    zero.post(1, CANCEL, 0, Message({"session": "s"}, []))
+        zero.post(1, DECODE, chunk, Message(DecodeWhole(session_id="s", chunk_index=chunk), []))
+    zero.post(1, CANCEL, 0, Message(DecodeCancel(session_id="s"), []))
     kind, cancel = one.take(0, (CANCEL,), None, 5.0, "cancel")
-    assert kind == CANCEL and cancel.header == {"session": "s"}
+    assert kind == CANCEL and cancel.header == DecodeCancel(session_id="s")
     for chunk in range(waiting):
         kind, request = one.take(0, (DECODE, CANCEL), None, 5.0, "decode request")
-        assert kind == DECODE and request.header["chunk"] == chunk
+        assert kind == DECODE and request.header.chunk_index == chunk
     for n in range(MAX_KEPT[PIPELINE] + 1):
         zero.send(1, n, Message(RingHeader(), []))
     zero.send_plan(0, b"behind the ring frames")
@@ -311,11 +312,37 @@ def test_a_ring_frame_whose_header_is_not_a_ring_header_names_the_ranks_and_what
     zero, one = pair
     with pytest.raises(TypeError, match="a ring message's header is a RingHeader, not dict"):
         zero.send(1, 1, Message({"items": []}, []))
-    zero.post(1, RING, 2, Message({"items": [], "failed": {}}, []))  # the untyped header of old
+    with pytest.raises(TypeError, match="a ring message's header is a RingHeader, not DecodeWhole"):
+        zero.post(1, RING, 1, Message(DecodeWhole(session_id="s", chunk_index=0), []))
+    zero._post(1, RING, 2, msgspec.msgpack.encode({"items": [], "failed": {}}), [])  # the untyped header of old
     with pytest.raises(BadMessage, match=r"rank 1: a ring message from rank 0: not a valid RingHeader: .*`type`"):
         one.recv(0, 2)
-    zero.post(1, RING, 3, Message({"type": "ring_header", "items": [{"kind": "sideways", "count": 0}]}, []))
+    raw = {"type": "ring_header", "items": [{"kind": "sideways", "count": 0}]}
+    zero._post(1, RING, 3, msgspec.msgpack.encode(raw), [])
     with pytest.raises(BadMessage, match=r"Invalid enum value 'sideways' - at `\$.items\[0\].kind`"):
         one.recv(0, 3)
     zero.send(1, 4, Message(marked("after"), []))  # the connection is intact: a frame is read whole
     assert mark(one.recv(0, 4)) == "after"
+
+
+@pytest.mark.parametrize(
+    ("kind", "header", "named"),
+    [
+        (DECODE, {"session": "s", "chunk": 0}, r"a decode request from rank 0: not a valid DecodeWhole or .*`type`"),
+        (DECODE, {"type": "decoded", "session_id": "s", "chunk_index": 0, "ms": 1.0}, "not a valid .*: a Decoded"),
+        (DECODE, {"type": "decode_whole", "session_id": "s"}, r"missing required field `chunk_index`"),
+        (DECODE, {"type": "decode_fronts", "rows": [], "split": 2, "part": 0}, "names no rows"),
+        (CANCEL, {"type": "decode_cancel", "session_id": "s", "why": 1}, r"a decode cancel .*unknown field `why`"),
+    ],
+)
+def test_a_decode_frame_whose_header_is_not_its_type_names_the_ranks_and_what_is_wrong(pair, kind, header, named):
+    """The decode stage's frames are typed (``engine.messages.DecodeRequest``,
+    ``DecodeCancel``, ``Decoded``): an untyped or malformed header is a
+    ``BadMessage`` naming the frame, the ranks and what is wrong; a frame is
+    read whole, so the connection goes on."""
+    zero, one = pair
+    zero._post(1, kind, 0, msgspec.msgpack.encode(header), [])
+    with pytest.raises(BadMessage, match=f"rank 1: {named}" if named.startswith("a ") else named):
+        one.take(0, (DECODE, CANCEL), None, 5.0, "decode request")
+    zero.post(1, CANCEL, 0, Message(DecodeCancel(session_id="after"), []))
+    assert one.take(0, (DECODE, CANCEL), None, 5.0, "decode request")[1].header.session_id == "after"

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.messages import StartSession
+from engine.messages import DecodeCancel, DecodeFronts, DecodeFrontsEnd, DecodeWhole, StartSession
 from engine.plan import MicroStep
 from tests.engine.test_rank_sockets import joined
 from tests.model.test_batched_decode_stage import SEEDS, _committed_runner
@@ -178,10 +178,12 @@ def test_a_batch_whose_front_fails_goes_again_chunk_by_chunk(split_stage, alone,
 
 def _send_batch(rank0, pipeline, fronts, rows, latents, **end) -> None:
     """Rank 0's front lane for one batch: its parts, then its last frame."""
-    head = {"rows": [[sid, chunk] for sid, chunk in rows], "split": SPLIT}
-    for part, (header, activation) in enumerate(pipeline.decode_fronts(fronts, latents, SPLIT)):
-        rank0.post(1, DECODE, rows[0][1], Message({**head, **header, "part": part}, [activation]))
-    rank0.post(1, DECODE, rows[0][1], Message({**head, "last": True, "front_ms": 1.0, **end}, []))
+    keys = tuple(rows)
+    for part, (meta, activation) in enumerate(pipeline.decode_fronts(fronts, latents, SPLIT)):
+        header = DecodeFronts(rows=keys, split=SPLIT, part=part, meta=meta)
+        rank0.post(1, DECODE, rows[0][1], Message(header, [activation]))
+    last = DecodeFrontsEnd(rows=keys, split=SPLIT, front_ms=1.0, **end)
+    rank0.post(1, DECODE, rows[0][1], Message(last, []))
 
 
 def test_on_the_follower_a_cancelled_session_leaves_a_batch_and_a_missing_one_fails_it(pipelines):
@@ -195,19 +197,19 @@ def test_on_the_follower_a_cancelled_session_leaves_a_batch_and_a_missing_one_fa
 
     def answers(count: int) -> dict:
         replies = [rank0.take(1, (DECODED,), None, 60.0, "decoded chunk")[1] for _ in range(count)]
-        return {reply.header["session"]: reply for reply in replies}
+        return {reply.header.session_id: reply for reply in replies}
 
     try:
         latents = [torch.randn(here["da"].latent_shape, generator=generator) for _ in SESSIONS]
         expected = {
             sid: pipelines[0].decode_latent(whole[sid], lat) for sid, lat in zip(SESSIONS, latents, strict=True)
         }
-        rank0.post(1, CANCEL, 0, Message({"session": "db"}, []))
+        rank0.post(1, CANCEL, 0, Message(DecodeCancel(session_id="db"), []))
         _send_batch(rank0, pipelines[0], [here[sid] for sid in SESSIONS], [(sid, 0) for sid in SESSIONS], latents)
         got = answers(3)
-        assert got["db"].header["cancelled"] and got["db"].header["frames"] is None
+        assert got["db"].header.cancelled and got["db"].header.frames is None
         for sid in ("da", "dc"):
-            assert got[sid].header["error"] is None and not got[sid].header["cancelled"]
+            assert got[sid].header.error is None and not got[sid].header.cancelled
             assert got[sid].tensors[0].numpy().tobytes() == expected[sid].payload
 
         rows = [("da", 1), ("nobody", 1)]
@@ -215,16 +217,16 @@ def test_on_the_follower_a_cancelled_session_leaves_a_batch_and_a_missing_one_fa
         _send_batch(rank0, pipelines[0], [here["da"], here["dc"]], rows, latents)
         got = answers(2)
         for sid in ("da", "nobody"):
-            assert "session nobody is not open on rank 1" in got[sid].header["error"]
-            assert got[sid].header["frames"] is None
+            assert "session nobody is not open on rank 1" in got[sid].header.error
+            assert got[sid].header.frames is None
 
         other = StartSession(session_id="other", prompt="other")  # the next request is served
         states["other"] = pipelines[1].open(other, pipelines[1].describe(other), None)
         whole["other"] = pipelines[0].open(other, pipelines[0].describe(other), None)
         latent = torch.randn(here["dc"].latent_shape, generator=generator)
-        rank0.post(1, DECODE, 0, Message({"session": "other", "chunk": 0}, [latent]))
+        rank0.post(1, DECODE, 0, Message(DecodeWhole(session_id="other", chunk_index=0), [latent]))
         reply = answers(1)["other"]
-        assert reply.header["error"] is None
+        assert reply.header.error is None
         assert reply.tensors[0].numpy().tobytes() == pipelines[0].decode_latent(whole["other"], latent).payload
     finally:
         server.close()

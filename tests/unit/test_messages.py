@@ -157,6 +157,17 @@ RANK = [
         inline=False,
     ),
     m.RingHeader(),
+    m.DecodeWhole(session_id="s", chunk_index=3, tensors=(m.TensorSpec(shape=(1, 16, 3, 8), dtype="torch.float32"),)),
+    m.DecodeFront(session_id="s", chunk_index=3, split=7, part=2, meta={"slot": 1}),
+    m.DecodeFrontEnd(session_id="s", chunk_index=3, split=7, front_ms=4.5, error="decode failed: boom"),
+    m.DecodeFrontEnd(session_id="s", chunk_index=4, split=7, cancelled=True),
+    m.DecodeFronts(rows=(("s", 3), ("t", 0)), split=7, part=0, meta={"slot": -1}),
+    m.DecodeFrontsEnd(rows=(("s", 3), ("t", 0)), split=7, front_ms=2.0, retry=True),
+    m.DecodeCancel(session_id="s"),
+    m.DecodeCancel(session_id="s", ended=True),
+    m.Decoded(session_id="s", chunk_index=3, ms=12.5, frames=(4, 64, 48)),
+    m.Decoded(session_id="s", chunk_index=4, ms=0.0, cancelled=True),
+    m.Decoded(session_id="s", chunk_index=5, ms=1.0, error="rank 1: decode failed: RuntimeError: x"),
 ]
 
 
@@ -235,6 +246,56 @@ def test_a_malformed_ring_header_is_an_error_naming_what_is_wrong(data, named):
     with pytest.raises(msgspec.DecodeError) as caught:
         decode_rank(data, m.RingHeader)
     assert str(caught.value).startswith("not a valid RingHeader: ") and named in str(caught.value)
+
+
+def test_a_decode_request_is_any_of_its_types_and_decodes_as_the_one_sent():
+    for message in (m.DecodeWhole(session_id="s", chunk_index=0), m.DecodeFrontsEnd(rows=(("s", 0),), split=2)):
+        decoded = decode_rank(encode_rank(message), m.DecodeRequest)
+        assert decoded == message and type(decoded) is type(message)
+
+
+def _frame(kind: str, **fields) -> bytes:
+    return msgspec.msgpack.encode({"type": kind, **fields})
+
+
+_WHOLE = {"session_id": "s", "chunk_index": 0}
+
+
+@pytest.mark.parametrize(
+    ("data", "kind", "named"),
+    [
+        (b"\xc1", m.DecodeRequest, "MessagePack data is malformed"),
+        (msgspec.msgpack.encode({"session": "s", "chunk": 0}), m.DecodeRequest, "missing required field `type`"),
+        (_frame("decoded", ms=1.0, **_WHOLE), m.DecodeRequest, "a Decoded"),  # a reply is not a request
+        (_frame("decode_cancel", session_id="s"), m.Decoded, "a DecodeCancel"),
+        (_frame("decode_whole", session_id="s"), m.DecodeRequest, "missing required field `chunk_index`"),
+        (_frame("decode_whole", chunk_index="0", session_id="s"), m.DecodeRequest, "Expected `int`, got `str`"),
+        (_frame("decode_whole", last=True, **_WHOLE), m.DecodeRequest, "unknown field `last`"),
+        (_frame("decode_front", part=0, **_WHOLE), m.DecodeRequest, "missing required field `split`"),
+        (_frame("decode_front_end", split=2, cancelled="yes", **_WHOLE), m.DecodeRequest, "at `$.cancelled`"),
+        (_frame("decode_fronts", rows=[], split=2, part=0), m.DecodeRequest, "names no rows"),
+        (_frame("decode_fronts", rows=[["s"]], split=2, part=0), m.DecodeRequest, "at `$.rows[0]`"),
+        (_frame("decode_fronts_end", rows=[], split=2), m.DecodeRequest, "names no rows"),
+        (_frame("decode_cancel", session_id="s", ended=1), m.DecodeCancel, "Expected `bool`, got `int`"),
+        (_frame("decoded", ms=1.0, frames=[4, 64], **_WHOLE), m.Decoded, "at `$.frames`"),
+        (_frame("decoded", **_WHOLE), m.Decoded, "missing required field `ms`"),
+        (_frame("decoded", ms=1.0, tensors=[{"shape": [3]}], **_WHOLE), m.Decoded, "at `$.tensors[0]`"),
+    ],
+)
+def test_a_malformed_decode_frame_is_an_error_naming_what_is_wrong(data, kind, named):
+    with pytest.raises(msgspec.DecodeError) as caught:
+        decode_rank(data, kind)
+    wanted = "DecodeWhole or DecodeFront or DecodeFrontEnd or DecodeFronts or DecodeFrontsEnd"
+    assert str(caught.value).startswith(f"not a valid {wanted if kind is m.DecodeRequest else kind.__name__}: ")
+    assert named in str(caught.value)
+
+
+def test_a_malformed_decode_frame_from_a_rank_is_a_bad_message_naming_the_ranks():
+    """What the ranks' sockets raise for it (``workers.parallel.link.frame_header``)."""
+    from workers.parallel.link import BadMessage, frame_header
+
+    with pytest.raises(BadMessage, match=r"^rank 2: a decoded chunk from rank 0: not a valid Decoded: .*`ms`"):
+        frame_header(_frame("decoded", **_WHOLE), m.Decoded, 2, 0, "a decoded chunk")
 
 
 def test_a_malformed_plan_is_an_error_naming_the_field():

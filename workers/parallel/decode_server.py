@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from engine.messages import DecodeCancel, Decoded, DecodeFront, DecodeFronts, DecodeFrontsEnd, DecodeWhole
 from engine.plan import ChunkOutput
 from workers.decode_stage import batch_rounds, decode_batch_rows
 from workers.os_threads import lower_this_thread, name_this_thread
@@ -102,27 +103,24 @@ class DecodeServer:
             wait = 0.0  # what came meanwhile, without waiting: its whole decodes batch
 
     def _handle(self, requests: list[Message]) -> None:
-        """Decode requests in the order they came: split parts, and whole
-        decodes, which wait to go together (``_decode_whole``) until a split
-        part or the end of the list."""
+        """Decode requests (``engine.messages.DecodeRequest``) in the order they
+        came: split parts, and whole decodes, which wait to go together
+        (``_decode_whole``) until a split part or the end of the list."""
         whole: list[tuple[str, int, torch.Tensor]] = []
         for message in requests:
-            if "rows" in message.header:  # a part of a batch of split chunks
-                self._decode_whole(whole)
-                whole = []
-                for reply in self._split_batch_part(message):
-                    self._sockets.post(0, DECODED, int(reply.header["chunk"]), reply)
-                continue
-            sid = message.header["session"]
-            chunk_index = int(message.header["chunk"])
-            if "split" not in message.header:
-                whole.append((sid, chunk_index, message.tensors[0]))
+            header = message.header
+            if isinstance(header, DecodeWhole):
+                whole.append((header.session_id, header.chunk_index, message.tensors[0]))
                 continue
             self._decode_whole(whole)
             whole = []
-            reply = self._split_part(sid, chunk_index, message)
+            if isinstance(header, DecodeFronts | DecodeFrontsEnd):  # a part of a batch of split chunks
+                for reply in self._split_batch_part(message):
+                    self._sockets.post(0, DECODED, reply.header.chunk_index, reply)
+                continue
+            reply = self._split_part(message)
             if reply is not None:
-                self._sockets.post(0, DECODED, chunk_index, reply)
+                self._sockets.post(0, DECODED, header.chunk_index, reply)
         self._decode_whole(whole)
 
     def _decode_whole(self, requests: list[tuple[str, int, torch.Tensor]]) -> None:
@@ -184,20 +182,22 @@ class DecodeServer:
             error = self._failed(failure)
         return _reply(sid, chunk_index, chunk, (time.perf_counter() - began) * 1000.0, error, cancelled)
 
-    def _split_part(self, sid: str, chunk_index: int, message: Message) -> Message | None:
-        """One part of a split chunk: a latent frame's back stages, or the chunk's
-        last frame, which gets the chunk's one reply (its frames, or that it was
+    def _split_part(self, message: Message) -> Message | None:
+        """One part of a split chunk (``DecodeFront``): a latent frame's back
+        stages, or the chunk's last frame (``DecodeFrontEnd``), which gets the
+        chunk's one reply (its frames, or that it was
         abandoned or failed, here or on rank 0). The reply waits for the last
         frame even when a part failed or was cancelled: rank 0's front is then
         done with the session, which the engine may release once it has the
         reply. Parts after a failure or a cancel are only counted off."""
         header = message.header
+        sid, chunk_index = header.session_id, header.chunk_index
         key = (sid, chunk_index)
         chunk = self._split.setdefault(key, _SplitChunk())
-        if header.get("last"):
+        if not isinstance(header, DecodeFront):  # the last frame
             del self._split[key]
-            ms = chunk.back_ms + float(header.get("front_ms", 0.0))
-            error, cancelled = chunk.error or header.get("error"), chunk.cancelled or bool(header.get("cancelled"))
+            ms = chunk.back_ms + header.front_ms
+            error, cancelled = chunk.error or header.error, chunk.cancelled or header.cancelled
             output = None
             if error is None and not cancelled:
                 try:
@@ -211,7 +211,7 @@ class DecodeServer:
         try:
             session = self._session(sid)
             with abandon_when(lambda: self._cancel_arrived(sid)):
-                chunk.pixels.append(self._pipeline.decode_back(session, header, message.tensors[0], header["split"]))
+                chunk.pixels.append(self._pipeline.decode_back(session, header.meta, message.tensors[0], header.split))
         except Abandoned:
             chunk.cancelled = True
         except Exception as failure:
@@ -220,9 +220,10 @@ class DecodeServer:
         return None
 
     def _split_batch_part(self, message: Message) -> list[Message]:
-        """One part of a batch of split chunks (``rows``: session and chunk of
-        each): a latent frame's back stages for every row
-        (``pipeline.back_rows``), or the batch's last frame, which gets each
+        """One part of a batch of split chunks (``DecodeFronts``; ``rows``:
+        session and chunk of each): a latent frame's back stages for every row
+        (``pipeline.back_rows``), or the batch's last frame
+        (``DecodeFrontsEnd``), which gets each
         chunk's one reply (its frames, or that the batch was abandoned or
         failed, here or on rank 0, or that a cancel came for its session). A
         last frame that says ``retry`` is answered by nothing: rank 0 sends
@@ -230,16 +231,16 @@ class DecodeServer:
         before the batch. The batch is abandoned once every session in it is
         cancelled; after a failure or once abandoned, parts are only counted off."""
         header = message.header
-        rows = [(str(sid), int(chunk_index)) for sid, chunk_index in header["rows"]]
+        rows = list(header.rows)
         key = tuple(rows)
         batch = self._split_batches.setdefault(key, _SplitBatch())
         ids = [sid for sid, _ in rows]
-        if header.get("last"):
+        if not isinstance(header, DecodeFronts):  # the last frame
             del self._split_batches[key]
-            if header.get("retry"):
+            if header.retry:
                 return []
-            ms = (batch.back_ms + float(header.get("front_ms", 0.0))) / len(rows)
-            error, abandoned = batch.error, batch.cancelled or bool(header.get("cancelled"))
+            ms = (batch.back_ms + header.front_ms) / len(rows)
+            error, abandoned = batch.error, batch.cancelled or header.cancelled
             outputs: list[ChunkOutput | None] = [None] * len(rows)
             if error is None and not abandoned and batch.back is not None:
                 try:
@@ -259,7 +260,7 @@ class DecodeServer:
             if batch.back is None:
                 batch.back = self._pipeline.back_rows([self._held(sid) for sid in ids])
             with abandon_when(lambda: self._cancel_arrived(ids[0]) and all(sid in self._cancelled for sid in ids)):
-                batch.back.decode(header, message.tensors[0], int(header["split"]))
+                batch.back.decode(header.meta, message.tensors[0], header.split)
         except Abandoned:
             batch.cancelled = True
         except Exception as failure:
@@ -294,17 +295,17 @@ class DecodeServer:
             self._note_cancel(message.header)
         return sid in self._cancelled
 
-    def _note_cancel(self, header: dict) -> None:
+    def _note_cancel(self, header: DecodeCancel) -> None:
         """A ``CANCEL`` frame: the session is stopping (its chunks here are
         answered cancelled), or, with ``ended``, it was released and the cancel
         is over. Both come from rank 0 on this one connection and are taken in
         the order sent, so a cancel that arrives after its session was released
         is always followed by its end, before a later session of the same id
         sends anything."""
-        if header.get("ended"):
-            self._cancelled.discard(header["session"])
+        if header.ended:
+            self._cancelled.discard(header.session_id)
         else:
-            self._cancelled.add(header["session"])
+            self._cancelled.add(header.session_id)
 
 
 class _SplitBatch:
@@ -328,11 +329,11 @@ class _SplitChunk:
 
 
 def _reply(sid: str, chunk_index: int, chunk: ChunkOutput | None, ms: float, error: str | None, cancelled: bool):
-    """A ``DECODED`` frame: the chunk's frames, or why there are none."""
-    header = {"session": sid, "chunk": chunk_index, "frames": None, "error": error, "cancelled": cancelled, "ms": ms}
+    """A ``DECODED`` frame (``Decoded``): the chunk's frames, or why there are none."""
+    frames = None if chunk is None else (chunk.num_frames, chunk.width, chunk.height)
+    header = Decoded(session_id=sid, chunk_index=chunk_index, ms=ms, frames=frames, error=error, cancelled=cancelled)
     tensors: list[torch.Tensor] = []
     if chunk is not None:
-        header["frames"] = [chunk.num_frames, chunk.width, chunk.height]
         with warnings.catch_warnings():  # a read-only buffer: only read, into the frame sent
             warnings.simplefilter("ignore", UserWarning)
             tensors = [torch.frombuffer(chunk.payload, dtype=torch.uint8)]

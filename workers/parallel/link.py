@@ -31,13 +31,14 @@ import datetime
 import math
 import re
 from dataclasses import dataclass, field
+from types import UnionType
 from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.messages import RingHeader, RingItem, TensorSpec
+from engine.messages import DecodeFrame, RingHeader, RingItem, TensorSpec
 from engine.transport import decode_rank, encode_rank
 
 MESSAGE_BYTES = 128 * 1024  # the header (a few hundred bytes per row), and the tensors when they fit
@@ -56,17 +57,19 @@ class LinkTimeout(RuntimeError):
 
 class BadMessage(RuntimeError):
     """A message from another rank that breaks the protocol: its header does not
-    decode as the type its frame must carry, a tensor is of a type the link does
-    not know, or its items take more tensors than came with it."""
+    decode as the type its frame must carry (a ``RingHeader``, a decode stage's
+    frame: ``engine.messages``), a tensor is of a type the link does not know,
+    or its items take more tensors than came with it."""
 
 
 @dataclass
 class Message:
     """What one rank hands another: a ring message for one micro-step (its header
     a ``RingHeader``), or a decode stage's frame (``workers.parallel.rank_decode``:
-    a plain dict, which the ranks' sockets carry on a connection of its own)."""
+    its header an ``engine.messages.DecodeFrame``, which the ranks' sockets carry
+    on a connection of its own)."""
 
-    header: RingHeader | dict[str, Any]
+    header: RingHeader | DecodeFrame
     tensors: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -88,10 +91,17 @@ def tensor_dtype(spec: TensorSpec) -> torch.dtype:
 
 def ring_header(data: bytes, rank: int, peer: int) -> RingHeader:
     """The ``RingHeader`` in ``data``, from ``peer``; ``BadMessage`` saying what is wrong with it."""
+    return frame_header(data, RingHeader, rank, peer, "a ring message")
+
+
+def frame_header(data: bytes, kind: type | UnionType, rank: int, peer: int, what: str) -> Any:
+    """The header in ``data`` of a frame ``peer`` sent ``rank``, which must be a
+    ``kind`` (``engine.transport.decode_rank``); ``BadMessage`` naming the
+    frame (``what``), the ranks, and what is wrong with it."""
     try:
-        return decode_rank(data, RingHeader)
+        return decode_rank(data, kind)
     except msgspec.DecodeError as error:
-        raise BadMessage(f"rank {rank}: a ring message from rank {peer}: {error}") from None
+        raise BadMessage(f"rank {rank}: {what} from rank {peer}: {error}") from None
 
 
 def items_and_tensors(message: Message) -> list[tuple[RingItem, list[torch.Tensor]]]:

@@ -31,20 +31,24 @@ interface and takes its place in the executor. A session placed on rank 0
 decodes on a local lane as before (batching what waits on it where the
 pipeline batches decodes); one placed on rank r: the committed
 chunk's clean latent (``RunnerSessions.hand_off_decode``) goes to rank r in a
-``DECODE`` frame, and a thread per follower waits for its ``DECODED``
-frames and hands each ``DecodeResult`` on, as a local lane would. A
-session's chunks decode on one rank, in order, and come back in order on one
-connection. While a session that is stopping has decodes out on a rank, a
-``CANCEL`` frame tells that rank, which abandons the decode between latent
-frames, as a local lane does; once the session is released, a ``CANCEL``
-that says ``ended`` follows it on the same connection, so a cancel that
-reached the follower late never outlives its session (``forget``).
+``DECODE`` frame (``engine.messages.DecodeWhole``), and a thread per follower
+waits for its ``DECODED`` frames (``Decoded``) and hands each
+``DecodeResult`` on, as a local lane would. Every frame's header is a typed
+message of ``engine.messages``, encoded by ``engine.transport``; one that is
+not what its frame must carry is a ``BadMessage`` naming what is wrong
+(``RankSockets.take``). A session's chunks decode on one rank, in order, and
+come back in order on one connection. While a session that is stopping has
+decodes out on a rank, a ``CANCEL`` frame (``DecodeCancel``) tells that rank,
+which abandons the decode between latent frames, as a local lane does; once
+the session is released, a ``CANCEL`` that says ``ended`` follows it on the
+same connection, so a cancel that reached the follower late never outlives
+its session (``forget``).
 
 A split decode: rank 0's front lane takes the chunk's clean latent, runs the
 front stages of each latent frame (``pipeline.decode_front``) and sends each
-activation in a ``DECODE`` frame with ``part``, then one last ``DECODE``
-frame that ends the chunk (``last``: its front time, or that it was
-abandoned, or failed). However a chunk's decode ends, the follower answers it
+activation in a ``DECODE`` frame (``DecodeFront``, with its ``part``), then
+one last ``DECODE`` frame that ends the chunk (``DecodeFrontEnd``: its front
+time, or that it was abandoned, or failed). However a chunk's decode ends, the follower answers it
 with exactly one ``DECODED`` frame, once the last frame came: so rank 0's
 front is done with the session by the time the engine learns the decode is
 back (and may release the session).
@@ -54,9 +58,10 @@ the sessions' chunks has come (``workers.decode_gather.RoundGather``, told of
 every micro-step by the executor through ``step_done``), then sends the
 chunks whose decoders are at the same point through the front as one batch
 (``pipeline.decode_fronts``): each latent frame's activation of every row in
-one ``DECODE`` frame with ``rows`` (session and chunk of each), and one last
-frame for the batch. The follower runs each part through the back as one
-batch (``pipeline.back_rows``) and answers each chunk with its own
+one ``DECODE`` frame (``DecodeFronts``, with ``rows``: session and chunk of
+each), and one last frame for the batch (``DecodeFrontsEnd``). The follower
+runs each part through the back as one batch (``pipeline.back_rows``) and
+answers each chunk with its own
 ``DECODED`` frame once the last came. Both sides change the sessions' caches
 only once the batch is through, so a batch that fails on rank 0 is sent
 again chunk by chunk (its last frame says ``retry``, and the follower drops
@@ -82,6 +87,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.messages import DecodeCancel, DecodeFront, DecodeFrontEnd, DecodeFronts, DecodeFrontsEnd, DecodeWhole
 from engine.plan import ChunkOutput, DecodeResult
 from workers.decode_gather import RoundGather
 from workers.decode_stage import DecodeStage, batch_rounds, decode_batch_rows
@@ -168,7 +174,7 @@ class RankDecodeStage:
         if value is None:
             return
         try:
-            message = Message({"session": session_id, "chunk": chunk_index}, [value])
+            message = Message(DecodeWhole(session_id=session_id, chunk_index=chunk_index), [value])
             self._sockets.post(rank, DECODE, chunk_index, message)
         except Exception as error:
             self._not_sent(rank, session_id, chunk_index, error)
@@ -192,7 +198,7 @@ class RankDecodeStage:
             self._cancelled.discard(session_id)
         if cancelled and rank:
             try:
-                self._sockets.post(rank, CANCEL, 0, Message({"session": session_id, "ended": True}, []))
+                self._sockets.post(rank, CANCEL, 0, Message(DecodeCancel(session_id=session_id, ended=True), []))
             except Exception:  # the rank is gone: the group ends, and its receiver says so
                 pass
 
@@ -251,59 +257,62 @@ class RankDecodeStage:
     def _send_fronts(self, rank: int, rows: list[tuple[str, int, int, torch.Tensor]]) -> None:
         """Split chunks of different sessions (session, chunk, ``rank``, clean
         latent) through the front as one batch (``pipeline.decode_fronts``): each
-        latent frame's activation of every row in one ``DECODE`` frame with
-        ``rows`` and ``part``, then one last frame for the batch (``last``: its
-        front time, or that it was abandoned: every session in it is stopping).
-        When the batch raises, the last frame says ``retry`` (the follower drops
-        it unanswered) and each chunk goes through the front alone, so only a
-        chunk that fails on its own gets an error."""
+        latent frame's activation of every row in one ``DECODE`` frame
+        (``DecodeFronts``), then one last frame for the batch
+        (``DecodeFrontsEnd``: its front time, or that it was abandoned: every
+        session in it is stopping). When the batch raises, the last frame says
+        ``retry`` (the follower drops it unanswered) and each chunk goes
+        through the front alone, so only a chunk that fails on its own gets an
+        error."""
         ids = [row[0] for row in rows]
-        head = {"rows": [[row[0], row[1]] for row in rows], "split": self._split}
+        keys = tuple((row[0], row[1]) for row in rows)
         number = rows[0][1]
         began = time.perf_counter()
-        end: dict = {"last": True}
+        cancelled = retry = False
         try:
             try:
                 with abandon_when(self._sessions.stop_check(ids)):
                     states = [self._sessions.states[sid] for sid in ids]
                     parts = self._sessions.pipeline.decode_fronts(states, [row[3] for row in rows], self._split)
-                    for part, (header, activation) in enumerate(parts):
-                        message = Message({**head, **header, "part": part}, [activation])
-                        self._sockets.post(rank, DECODE, number, message)
+                    for part, (meta, activation) in enumerate(parts):
+                        header = DecodeFronts(rows=keys, split=self._split, part=part, meta=meta)
+                        self._sockets.post(rank, DECODE, number, Message(header, [activation]))
             except Abandoned:
-                end["cancelled"] = True
+                cancelled = True
             except Exception:  # the pipeline's, or the rank is gone (then the next post raises too)
                 log.warning("a batched decode front of %d chunks failed; each goes alone", len(rows), exc_info=True)
-                end["retry"] = True
-            end["front_ms"] = (time.perf_counter() - began) * 1000.0
-            self._sockets.post(rank, DECODE, number, Message({**head, **end}, []))
+                retry = True
+            front_ms = (time.perf_counter() - began) * 1000.0
+            end = DecodeFrontsEnd(rows=keys, split=self._split, front_ms=front_ms, cancelled=cancelled, retry=retry)
+            self._sockets.post(rank, DECODE, number, Message(end, []))
         except Exception as error:
             for sid, chunk_index, _, _ in rows:
                 self._not_sent(rank, sid, chunk_index, error)
             return
-        if end.get("retry"):
+        if retry:
             for row in rows:
                 self._send_front(*row)
 
     def _send_front(self, session_id: str, chunk_index: int, rank: int, value: torch.Tensor) -> None:
-        """One split chunk (its clean latent handed off) through the front."""
-        head = {"session": session_id, "chunk": chunk_index, "split": self._split}
+        """One split chunk (its clean latent handed off) through the front: a
+        ``DecodeFront`` frame per latent frame, then its ``DecodeFrontEnd``."""
+        key = {"session_id": session_id, "chunk_index": chunk_index, "split": self._split}
         began = time.perf_counter()
-        end: dict = {"last": True}
+        cancelled, failure = False, None
         try:
             try:
                 with abandon_when(self._sessions.stop_check((session_id,))):
                     parts = self._sessions.pipeline.decode_front(self._sessions.states[session_id], value, self._split)
-                    for part, (header, activation) in enumerate(parts):
-                        self._sockets.post(
-                            rank, DECODE, chunk_index, Message({**head, **header, "part": part}, [activation])
-                        )
+                    for part, (meta, activation) in enumerate(parts):
+                        header = DecodeFront(**key, part=part, meta=meta)
+                        self._sockets.post(rank, DECODE, chunk_index, Message(header, [activation]))
             except Abandoned:
-                end["cancelled"] = True
+                cancelled = True
             except Exception as error:  # the pipeline's, or the rank is gone (then the next post raises too)
-                end["error"] = f"decode failed: {type(error).__name__}: {error}"
-            end["front_ms"] = (time.perf_counter() - began) * 1000.0
-            self._sockets.post(rank, DECODE, chunk_index, Message({**head, **end}, []))
+                failure = f"decode failed: {type(error).__name__}: {error}"
+            front_ms = (time.perf_counter() - began) * 1000.0
+            end = DecodeFrontEnd(**key, front_ms=front_ms, error=failure, cancelled=cancelled)
+            self._sockets.post(rank, DECODE, chunk_index, Message(end, []))
         except Exception as error:
             self._not_sent(rank, session_id, chunk_index, error)
 
@@ -357,17 +366,15 @@ class RankDecodeStage:
                 if not self._closing.is_set() and not self._group.closing:
                     self._lost(rank, error)
                 return
-            header = message.header
-            sid, chunk_index = header["session"], int(header["chunk"])
+            header = message.header  # a Decoded (RankSockets.take)
+            sid, chunk_index = header.session_id, header.chunk_index
             chunk = None
-            if header.get("frames") is not None:
-                count, width, height = header["frames"]
+            if header.frames is not None:
+                count, width, height = header.frames
                 chunk = ChunkOutput(count, width, height, message.tensors[0].numpy().tobytes())
             self._came_back(rank, sid)
             self._decoded[rank] += chunk is not None
-            self._on_done(
-                DecodeResult(sid, chunk_index, chunk, float(header["ms"]), header.get("error"), header["cancelled"])
-            )
+            self._on_done(DecodeResult(sid, chunk_index, chunk, header.ms, header.error, header.cancelled))
 
     def _cancel_stopping(self, rank: int) -> None:
         is_stopping = self._sessions.is_stopping
@@ -378,7 +385,7 @@ class RankDecodeStage:
             self._cancelled.update(stopping)
         for sid in stopping:
             try:
-                self._sockets.post(rank, CANCEL, 0, Message({"session": sid}, []))
+                self._sockets.post(rank, CANCEL, 0, Message(DecodeCancel(session_id=sid), []))
             except Exception:  # the rank is gone; the next take says so
                 pass
 

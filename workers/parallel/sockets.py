@@ -55,15 +55,14 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from engine.messages import RingHeader
-from engine.transport import encode_rank
+from engine.messages import DecodeCancel, Decoded, DecodeRequest, RingHeader
+from engine.transport import encode_rank, rank_type_name
 from workers.parallel.link import (
-    DTYPES,
     BadMessage,
     LinkTimeout,
     Message,
     aligned,
-    ring_header,
+    frame_header,
     tensor_dtype,
     tensor_specs,
 )
@@ -83,6 +82,9 @@ CHANNEL = {
     DECODED: DECODES,
     CANCEL: DECODES,
 }
+HEADER = {RING: RingHeader, DECODE: DecodeRequest, DECODED: Decoded, CANCEL: DecodeCancel}
+"""What the header of each kind of message frame is (``engine.messages``)."""
+FRAME_NAME = {RING: "a ring message", DECODE: "a decode request", DECODED: "a decoded chunk", CANCEL: "a decode cancel"}
 _CARRIED = struct.Struct("<Iq")  # a plan carrying a ring message: the plan's bytes, the ring message's tag
 MAX_KEPT = {PIPELINE: 256, DECODES: 16384}
 """Frames a connection keeps for a later taker before it is broken as a
@@ -472,7 +474,11 @@ class RankSockets:
 
     def post(self, peer: int, kind: int, tag: int, message: Message) -> None:
         """One frame of ``kind`` to ``peer``: the message's header (with its
-        tensors' shapes and types) and tensors."""
+        tensors' shapes and types), which must be of the kind's type
+        (``HEADER``: ``TypeError`` otherwise), and tensors."""
+        if not isinstance(message.header, HEADER[kind]):
+            wanted = rank_type_name(HEADER[kind])
+            raise TypeError(f"{FRAME_NAME[kind]}'s header is a {wanted}, not {type(message.header).__name__}")
         header, parts = _encoded(message)
         self._post(peer, kind, tag, header, parts)
 
@@ -482,16 +488,13 @@ class RankSockets:
         """The next frame from ``peer`` of one of ``kinds`` (and ``tag``, unless
         None), as (kind, message); waits up to ``timeout_s`` (None: as long as it
         takes), then ``LinkTimeout``; ``PeerClosed`` when the connection closes.
-        The tensors are views of the received bytes."""
+        The tensors are views of the received bytes. ``BadMessage`` when the
+        header is not of the type the frame's kind carries (``HEADER``), naming
+        what is wrong with it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         frame = self._in[peer, _channel(kinds)].take(kinds, tag, deadline, what)
-        header: RingHeader | dict
-        if frame.kind == RING:
-            header = ring_header(frame.header, self.rank, peer)
-            specs = [(spec.shape, tensor_dtype(spec)) for spec in header.tensors]
-        else:  # a decode stage's frame: a plain dict
-            header = msgspec.msgpack.decode(frame.header)
-            specs = [(shape, DTYPES[dtype]) for shape, dtype in header.pop("tensors")]
+        header = frame_header(frame.header, HEADER[frame.kind], self.rank, peer, FRAME_NAME[frame.kind])
+        specs = [(spec.shape, tensor_dtype(spec)) for spec in header.tensors]
         tensors, offset = [], 0
         for shape, kind in specs:
             count = math.prod(shape) * kind.itemsize
@@ -539,14 +542,11 @@ class RankSockets:
 
 
 def _encoded(message: Message) -> tuple[bytes, list[torch.Tensor]]:
-    """A message's header (with its tensors' shapes and types: a ``RingHeader``
-    through ``encode_rank``, a decode frame's dict as msgpack) and its tensors
-    on the host, as a frame carries them."""
+    """A message's header (a ``RingHeader`` or a decode frame, with its tensors'
+    shapes and types, through ``encode_rank``) and its tensors on the host, as
+    a frame carries them."""
     parts = [t.detach().contiguous().cpu() for t in message.tensors]
-    if isinstance(message.header, RingHeader):
-        return encode_rank(msgspec.structs.replace(message.header, tensors=tensor_specs(parts))), parts
-    metas = [[list(t.shape), str(t.dtype)] for t in parts]
-    return msgspec.msgpack.encode({**message.header, "tensors": metas}), parts
+    return encode_rank(msgspec.structs.replace(message.header, tensors=tensor_specs(parts))), parts
 
 
 def _channel(kinds: tuple[int, ...]) -> int:
