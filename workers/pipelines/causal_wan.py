@@ -27,6 +27,10 @@ Every session's tensors (KV cache, VAE feature cache, cached chunks' clean
 latents) live in its ``CausalWanSession``, and each chunk's (conditioning,
 noise draws, latent, clean latent) in a ``CausalWanChunk`` record of it
 (``causal_wan_state``); ``release`` drops them all.
+
+Parts of the pipeline live beside it: the decode side (``causal_wan_decode``),
+the captured steps (``causal_wan_graphs``), the split over pipeline ranks
+(``causal_wan_ranks``) and the models' device and dtype (``causal_wan_weights``).
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ from workers.pipelines.base import (
     BatchRow,
     Hidden,
     StepBatch,
-    abandon_point,
     block_range,
     check_hidden,
     chosen_decoder,
@@ -52,12 +55,16 @@ from workers.pipelines.base import (
 )
 from workers.pipelines.capabilities import Capabilities
 from workers.pipelines.causal_wan_decode import CausalWanDecoding
+from workers.pipelines.causal_wan_graphs import CapturedSteps
+from workers.pipelines.causal_wan_ranks import CausalWanRanks
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
+from workers.pipelines.causal_wan_weights import cast, resolve_dtype
+from workers.pipelines.causal_wan_weights import own_aligned_memory as _own_aligned_memory  # noqa: F401  (tests)
 from workers.pipelines.conditioning import PromptBlend, nearest_known
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.presets import Components, build_tiny, load_directory
 from workers.pipelines.quantize import QUANTIZE, quantize_fp8
-from workers.pipelines.step_graphs import CudaGraphsOption, StepKey, step_graphs_for
+from workers.pipelines.step_graphs import CudaGraphsOption, step_graphs_for
 from workers.pipelines.tiny_decoder import LATENT_CHANNELS, TinyStreamingDecoder, load_tiny_decoder, random_tiny_decoder
 from workers.pipelines.vae_encode import StreamingEncoder
 from workers.pipelines.vae_stream import StreamingDecoder
@@ -65,26 +72,11 @@ from workers.pipelines.video_input import SessionInput, check_input_geometry, in
 from workers.pipelines.wan_attention import make_causal
 from workers.pipelines.wan_blocks import (
     Activations,
-    activation_tensors,
-    activations_from,
     embed,
     head,
     run_blocks,
-    select_rows,
     stack_rows,
 )
-
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-
-
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """``None`` or ``"auto"``: bf16 on a GPU, fp32 elsewhere; else ``bfloat16`` /
-    ``float32`` (or ``bf16`` / ``fp32``). ``ValueError`` names anything else."""
-    if name is None or name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
-    return DTYPES[name]
 
 
 def self_forcing_timesteps(steps: int, shift: float = 5.0) -> list[float]:
@@ -104,7 +96,7 @@ def _seed_for(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-class CausalWanPipeline(CausalWanDecoding):
+class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
     name: ClassVar[str] = "causal_wan"
     supports_chunk_step_grouping: ClassVar[bool] = True
     supports_micro_step_execution: ClassVar[bool] = True
@@ -163,9 +155,9 @@ class CausalWanPipeline(CausalWanDecoding):
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
         self.name = name
-        self.transformer = _cast(components.transformer, self.device, self.dtype).eval()
-        self.vae = _cast(components.vae, self.device, self.vae_dtype).eval()
-        self.text_encoder = _cast(components.text_encoder, self.device, self.dtype).eval()
+        self.transformer = cast(components.transformer, self.device, self.dtype).eval()
+        self.vae = cast(components.vae, self.device, self.vae_dtype).eval()
+        self.text_encoder = cast(components.text_encoder, self.device, self.dtype).eval()
         self.tokenizer = components.tokenizer
         self.known_prompts = components.known_prompts  # a demo model's: any other prompt is drawn as the nearest
         self.text_length = components.text_length
@@ -522,38 +514,6 @@ class CausalWanPipeline(CausalWanDecoding):
                 predictions[i] = prediction
         return predictions
 
-    def _capturable(self, batch: StepBatch, sessions: Sequence[CausalWanSession], blocks: range) -> bool:
-        """Whether this denoise forward has static shapes and buffers: captured
-        steps are on, one row, every block on this rank, the session's window
-        full (the span attended and the RoPE positions fixed), no chunk in
-        flight before it (stream batch) and nothing staged (the last step
-        under ``commit_from_last_step``). The window filling, batched rows,
-        pipeline ranks and commits run eagerly."""
-        if self.step_graphs is None or len(batch.rows) != 1 or self.split or blocks != range(self.num_blocks):
-            return False
-        session, row = sessions[0], batch.rows[0]
-        staged = self.commit_from_last_step and row.step == len(session.timesteps) - 1
-        return session.kv.frames == session.kv.capacity and session.lookahead == 1 and not staged
-
-    def _captured_step(self, row: BatchRow, session: CausalWanSession) -> torch.Tensor:
-        """One row's denoise forward through ``step_graphs``: the held keys
-        roped for the cache's version first (the graph reads them, and does
-        not rope them), then the latent, timestep and text copied into the
-        graph's static inputs and its prediction copied out. The replay has no
-        block boundaries: a stop is checked once, before it."""
-        chunk, kv = session.chunk_at(row), session.kv
-        abandon_point()
-        serial = self.context.roped.refresh(kv, *chunk.latent.shape[3:])
-        key = StepKey(
-            kv.uid, serial, kv.frames, tuple(chunk.latent.shape), tuple(chunk.conditioning.shape), str(self.dtype)
-        )
-        inputs = {
-            "latent": chunk.latent,
-            "timestep": session.schedule[row.step : row.step + 1],
-            "text": chunk.conditioning,
-        }
-        return self.step_graphs.run(key, inputs, lambda x: self._run((kv,), x["latent"], x["timestep"], x["text"]))
-
     def sampler_step(self, session: CausalWanSession, row: BatchRow, prediction: torch.Tensor) -> None:
         chunk = session.chunk_at(row)
         timesteps = session.timesteps
@@ -656,82 +616,6 @@ class CausalWanPipeline(CausalWanDecoding):
             chunk.committed_on_device = torch.cuda.Event()
             chunk.committed_on_device.record()
         self._keep_for_recache(session, chunk.clean)
-
-    def follow_boundary(self, session: CausalWanSession, chunk_index: int, prompt_changed: bool) -> None:
-        """A later pipeline rank's part of a boundary: its blocks' cache follows the
-        first rank's (a ``reset`` prompt change empties it). Run before any row of
-        the chunk reaches this rank, after every pass of the chunk before it left."""
-        if prompt_changed and session.start.prompt_change == "reset":
-            session.kv.reset()
-
-    # -- pipeline ranks ---------------------------------------------------------------
-
-    @property
-    def split(self) -> bool:
-        """Whether this process runs only part of the blocks (a pipeline rank)."""
-        return len(self.owned) != self.num_blocks
-
-    def own_blocks(self, blocks: range, most_per_rank: int | None = None) -> None:
-        """Keep only ``blocks`` (a contiguous range): the other blocks' weights are
-        dropped, sessions opened from now on hold only these blocks' KV cache, and
-        a rank after the first drops the text encoder (prompts are encoded on the
-        first rank). ``most_per_rank``: the most blocks any rank keeps, which is
-        what a session's state costs the fullest GPU (``state_bytes``). Called
-        once, before any session opens."""
-        blocks = block_range(blocks, self.num_blocks)
-        if self.commit_from_last_step and len(blocks) != self.num_blocks:
-            raise ValueError(
-                "commit_from_last_step: a chunk's commit is a pass of its own across pipeline ranks; "
-                "the option runs on one rank (--pp 1)"
-            )
-        if self.device.type == "cuda":
-            self.kv_layers = most_per_rank or len(blocks)
-        if self._held:
-            raise RuntimeError("own_blocks must be called before any session opens")
-        for index in range(self.num_blocks):
-            if index not in blocks:
-                self.transformer.blocks[index] = torch.nn.Identity()
-        if blocks.start > 0:
-            self.text_encoder = None
-            self._prompts.clear()
-        self.owned = blocks
-
-    def pack(self, hidden: Hidden) -> tuple[dict, list[torch.Tensor]]:
-        """``hidden`` as (a plain description, its tensors), to send to the next rank."""
-        groups = hidden.tensors if isinstance(hidden.tensors, list) else [(None, hidden.tensors)]
-        meta = {
-            "blocks_done": hidden.blocks_done,
-            "rows": [list(row) for row in hidden.rows],
-            "grouped": isinstance(hidden.tensors, list),
-            "groups": [[indices, list(activations.latent_shape)] for indices, activations in groups],
-        }
-        return meta, [tensor for _, activations in groups for tensor in activation_tensors(activations)]
-
-    def unpack(self, meta: dict, tensors: list[torch.Tensor]) -> Hidden:
-        """The ``Hidden`` that ``pack`` described, from the tensors received."""
-        per_group = len(tensors) // max(1, len(meta["groups"]))
-        groups = []
-        for number, (indices, latent_shape) in enumerate(meta["groups"]):
-            part = [t.to(self.device) for t in tensors[number * per_group : (number + 1) * per_group]]
-            groups.append((indices, activations_from(part, tuple(latent_shape))))
-        rows = tuple(BatchRow(str(sid), int(chunk), int(step)) for sid, chunk, step in meta["rows"])
-        payload = groups if meta["grouped"] else groups[0][1]
-        return Hidden(int(meta["blocks_done"]), rows, payload)
-
-    def select(self, hidden: Hidden, keep: list[int]) -> Hidden:
-        """The rows ``keep`` (indices into ``hidden.rows``, in order) of ``hidden``:
-        a later rank runs on without rows that failed or are not its to run."""
-        new_index = {old: new for new, old in enumerate(keep)}
-        rows = tuple(hidden.rows[i] for i in keep)
-        if not isinstance(hidden.tensors, list):  # a commit pass: one row
-            return Hidden(hidden.blocks_done, rows, hidden.tensors)
-        groups = []
-        for indices, activations in hidden.tensors:
-            kept = [i for i in indices if i in new_index]
-            if kept:
-                positions = [indices.index(i) for i in kept]
-                groups.append(([new_index[i] for i in kept], select_rows(activations, positions)))
-        return Hidden(hidden.blocks_done, rows, groups)
 
     def release(self, session: CausalWanSession) -> None:
         self._held.discard(session.session_id)
@@ -902,70 +786,6 @@ class CausalWanPipeline(CausalWanDecoding):
         for clean in session.cached_chunks:
             activations = self._embed(caches, clean, self._t_zero, conditioning)
             self._blocks(caches, activations, range(self.num_blocks), commit=True)
-
-
-def _cast(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Move ``model`` to ``device`` in ``dtype``, keeping the modules its class pins
-    to fp32 (RoPE tables, time embedder, norms) in fp32; on a CPU, every tensor
-    then sits in an allocation of its own (``_own_aligned_memory``)."""
-    model = model.to(device)
-    if dtype == torch.float32:
-        model = model.float()
-    else:
-        _to_dtype_keeping_pinned(model, dtype)
-    if device.type == "cpu":
-        _own_aligned_memory(model)
-    return model
-
-
-def _to_dtype_keeping_pinned(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-
-    def pinned(name: str) -> bool:  # diffusers' rule: any dotted part of the full name
-        return any(part in keep for part in name.split("."))
-
-    for name, parameter in model.named_parameters():
-        if not pinned(name):
-            parameter.data = parameter.data.to(dtype)
-    for module_name, module in model.named_modules():
-        for tensor_name, tensor in list(module.named_buffers(recurse=False)):
-            full = f"{module_name}.{tensor_name}" if module_name else tensor_name
-            if tensor.is_floating_point() and "freqs" not in tensor_name and not pinned(full):
-                module._buffers[tensor_name] = tensor.to(dtype)
-
-
-_CPU_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every new tensor
-
-
-def _own_aligned_memory(model: torch.nn.Module) -> int:
-    """Copy every CPU parameter and buffer of ``model`` that does not start on a
-    64-byte boundary into fresh memory; returns how many were copied.
-
-    ``from_pretrained`` (diffusers 0.42) leaves a loaded model's tensors as
-    zero-copy views into the memory-mapped safetensors file, at the file's
-    offsets, which are only 4- or 8-byte aligned. The CPU matrix-vector product
-    of a one-row ``Linear`` (the timestep embedding: one row per batch row)
-    sums in another order when its weight is misaligned, so the same weights
-    loaded from a directory gave the timestep embedding, hence every block's
-    modulation, a last-bit difference, and frames one grey level off the same
-    weights built in memory. Owned, aligned copies compute exactly as a built
-    model does. A tensor shared by several modules (tied weights) stays shared."""
-    copied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, copy); originals kept alive
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is None or tensor.device.type != "cpu":
-                    continue
-                if id(tensor) in copied:
-                    store[name] = copied[id(tensor)][1]
-                elif tensor.data_ptr() % _CPU_ALIGNMENT:
-                    if isinstance(tensor, torch.nn.Parameter):  # in place: every module holding it sees the copy
-                        tensor.data = tensor.data.clone(memory_format=torch.preserve_format)
-                        copied[id(tensor)] = (tensor, tensor)
-                    else:
-                        copied[id(tensor)] = (tensor, tensor.clone(memory_format=torch.preserve_format))
-                        store[name] = copied[id(tensor)][1]
-    return len(copied)
 
 
 def build(preset: str = "tiny", model_dir: str | None = None, device: str | None = None, **options: Any):
