@@ -3,7 +3,7 @@ its release only after every micro-step that carries it came back (an
 executor holds two: the one still running may be committing a chunk whose
 decode the loop has not heard of yet) and every decode of it did. In process:
 the loop, the control plane, the real runner over the stub, and an executor
-whose micro-steps finish when the test says."""
+whose micro-steps finish when the test says (``tests.unit.fakes.HeldExecutor``)."""
 
 from __future__ import annotations
 
@@ -11,50 +11,9 @@ from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
 from engine.messages import SessionDone, StartSession, StopSession
-from engine.plan import MicroStep, StepResult
+from tests.unit.fakes import HeldExecutor
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
-
-
-class HeldExecutor:
-    """Two micro-steps in flight at once, like the threaded executor; each runs
-    (the real runner) and comes back only when the test calls ``finish_oldest``."""
-
-    depth = 2
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.submitted: list[MicroStep] = []
-        self.waiting: list[MicroStep] = []
-        self.done: list[StepResult] = []
-
-    def submit(self, step: MicroStep) -> None:
-        self.submitted.append(step)
-        self.waiting.append(step)
-
-    def finish_oldest(self) -> MicroStep:
-        step = self.waiting.pop(0)
-        self.done.append(self.runner.execute(step))
-        return step
-
-    def results(self) -> list[StepResult]:
-        done, self.done = self.done, []
-        return done
-
-    def in_flight(self) -> int:
-        return len(self.waiting) + len(self.done)
-
-    def executing_s(self) -> float:
-        return 0.0
-
-    def held_sessions(self):
-        return self.runner.held_sessions()
-
-    def rank_figures(self):
-        return ()
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_stopped_session_is_released_only_after_its_micro_steps_in_flight_came_back():
@@ -62,7 +21,7 @@ def test_a_stopped_session_is_released_only_after_its_micro_steps_in_flight_came
     config = EngineConfig()
     runner = ModelRunner(StubPipeline())
     control = ControlPlane(config, runner.describe, sent.append)
-    executor = HeldExecutor(runner)
+    executor = HeldExecutor(runner, depth=2)  # two micro-steps in flight, like the threaded executor
     loop = EngineLoop(config, control, executor, sent.append, grouping=True, max_rows=1)
 
     def turn() -> None:  # one loop iteration, without its wait

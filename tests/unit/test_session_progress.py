@@ -4,7 +4,7 @@ end reason and frames done are derived from them; the control plane keeps the
 mailbox, the playhead and the stop flag, and answers where an interaction
 lands from the loop's record. In process: the loop, the control plane, the
 real runner over the stub, and an executor whose micro-steps and decodes
-finish when the test says."""
+finish when the test says (``tests.unit.fakes.HeldExecutor``)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from engine.messages import (
     StopSession,
     SubmitInteraction,
 )
-from engine.plan import ChunkOutput, DecodeResult, MicroStep, StepResult
+from engine.plan import ChunkOutput, DecodeResult
 from engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase, chunk_frames, first_frame
+from tests.unit.fakes import HeldExecutor
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
 
@@ -41,57 +42,6 @@ GEOMETRY = SessionGeometry(
 )
 
 
-class StepperExecutor:
-    """One micro-step in flight, run by the real runner (decodes deferred, as the
-    decode stage takes them) when the test calls ``finish``; each decode comes
-    back when the test calls ``decode`` (the real one) or ``answer``."""
-
-    depth = 1
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        runner.sessions.defer_decode = True
-        self.waiting: list[MicroStep] = []
-        self.done: list[StepResult | DecodeResult] = []
-        self.decodes: list[tuple[str, int]] = []  # committed, not decoded yet, in order
-
-    def submit(self, step: MicroStep) -> None:
-        self.waiting.append(step)
-
-    def finish(self) -> None:
-        result = self.runner.execute(self.waiting.pop(0))
-        self.done.append(result)
-        self.decodes.extend(result.decodes)
-
-    def decode(self) -> None:
-        self.done.append(self.runner.sessions.decode(*self.decodes.pop(0)))
-
-    def answer(self, result: DecodeResult) -> None:
-        """The oldest decode comes back as ``result`` (the decode stage's answer)."""
-        session_id, _ = self.decodes.pop(0)
-        self.runner.sessions.decode_returned(session_id)
-        self.done.append(result)
-
-    def results(self) -> list[StepResult | DecodeResult]:
-        done, self.done = self.done, []
-        return done
-
-    def in_flight(self) -> int:
-        return len(self.waiting) + sum(isinstance(r, StepResult) for r in self.done)
-
-    def executing_s(self) -> float:
-        return 0.0
-
-    def held_sessions(self):
-        return self.runner.held_sessions()
-
-    def rank_figures(self):
-        return ()
-
-    def close(self) -> None:
-        pass
-
-
 class Engine:
     def __init__(self) -> None:
         self.sent: list = []
@@ -99,7 +49,7 @@ class Engine:
         self.runner = ModelRunner(StubPipeline(frames_per_chunk=5, first_chunk_frames=3))
         self.control = ControlPlane(config, self.runner.describe, self.sent.append)
         self.runner.sessions.is_stopping = self.control.is_stopping
-        self.executor = StepperExecutor(self.runner)
+        self.executor = HeldExecutor(self.runner, defer_decodes=True)  # decodes as the decode stage takes them
         self.loop = EngineLoop(config, self.control, self.executor, self.sent.append, grouping=True, max_rows=1)
 
     def turn(self) -> None:
@@ -110,7 +60,7 @@ class Engine:
         self.loop.submit(playheads)
 
     def step(self) -> None:
-        self.executor.finish()
+        self.executor.finish_oldest()
         self.turn()
 
     def of(self, kind: type) -> list:
