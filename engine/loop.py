@@ -432,7 +432,8 @@ class EngineLoop:
     def engine_stats(self) -> EngineStats:
         figures = self.executor.rank_figures()
         if not figures:  # one rank: its busy time is the pipeline's, its wall the loop's busy time
-            figures = ((0, self.stats.pipeline_s, max(self.stats.busy_s, self.stats.pipeline_s), 0),)
+            wall_s = max(self.stats.busy_s, self.stats.pipeline_s)
+            figures = (RankFigures(rank=0, busy_s=self.stats.pipeline_s, wall_s=wall_s),)
         slo = self.slo
         return EngineStats(
             micro_steps=self.stats.iterations,
@@ -440,7 +441,7 @@ class EngineLoop:
             rows_per_micro_step=slo.rows if slo is not None else self.scheduler.max_rows,
             micro_step_s=(slo.ema_s or 0.0) if slo is not None else 0.0,
             slo_decisions=dict(slo.decisions) if slo is not None else {},
-            ranks=tuple(RankFigures(rank=r, busy_s=b, wall_s=w, decoded_chunks=d) for r, b, w, d in figures),
+            ranks=tuple(figures),
         )
 
     # ------------------------------------------------------------------

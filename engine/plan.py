@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.messages import SessionGeometry, StartSession, SubmitInput
+from engine.messages import RankFigures, SessionGeometry, StartSession, SubmitInput
 
 
 @dataclass(frozen=True)
@@ -216,9 +216,9 @@ class Executor(Protocol):
         """The runner's and the pipeline's held sessions, as of the latest micro-step."""
         ...
 
-    def rank_figures(self) -> tuple[tuple[int, float, float, int], ...]:
-        """Split over ranks: (rank, busy_s, wall_s, decoded chunks) of each rank,
-        cumulative; () with one rank."""
+    def rank_figures(self) -> tuple[RankFigures, ...]:
+        """Split over ranks: each rank's figures (busy and wall seconds, chunks
+        decoded), cumulative, rank 0 first; () with one rank."""
         ...
 
     def close(self) -> None:

@@ -31,6 +31,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
+
+from engine.messages import RankFigures
 from engine.plan import DecodeResult, MicroStep, StepResult
 from workers.decode_stage import DecodeStage
 from workers.ordered_thread import OrderedThread
@@ -118,12 +121,17 @@ class LocalExecutor:
         with self._lock:
             return self._held
 
-    def rank_figures(self) -> tuple[tuple[int, float, float, int], ...]:
+    def rank_figures(self) -> tuple[RankFigures, ...]:
+        """The ring runner's figures of each rank, with the chunks the decode
+        stage decoded on it; () with one rank."""
         figures = getattr(self._runner, "rank_figures", None)
         if figures is None:
             return ()
         decoded = getattr(self._decoder, "decodes", ())  # chunks decoded, per rank (none: decoded in micro-steps)
-        return tuple((rank, busy, wall, decoded[rank] if rank < len(decoded) else 0) for rank, busy, wall in figures())
+        return tuple(
+            msgspec.structs.replace(f, decoded_chunks=decoded[f.rank] if f.rank < len(decoded) else 0)
+            for f in figures()
+        )
 
     def close(self) -> None:
         if self._thread is not None:

@@ -39,7 +39,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.messages import RingHeader, RingItem, SessionGeometry, StartSession
+import msgspec
+
+from engine.messages import RankFigures, RingHeader, RingItem, SessionGeometry, StartSession
 from engine.plan import MicroStep, StepResult, StepRow
 from workers.parallel.link import Message, items_and_tensors
 from workers.pipelines.base import BatchRow, ChunkPipeline
@@ -109,11 +111,13 @@ class RingRunner:
         result.wall_s = wall
         return result
 
-    def rank_figures(self) -> tuple[tuple[int, float, float], ...]:
-        """(rank, busy_s, wall_s) of every rank: rank 0's own, the others' as the
-        latest message round the ring carried them (``RankGroup.figures``)."""
+    def rank_figures(self) -> tuple[RankFigures, ...]:
+        """Every rank's busy and wall seconds (``decoded_chunks`` 0: the decode
+        stage counts those): rank 0's own, the others' as the latest message
+        round the ring carried them (``RankGroup.figures``)."""
         others = sorted(self.group.figures.values(), key=lambda figures: figures.rank)
-        return ((0, self.busy_s, self.wall_s), *((f.rank, f.busy_s, f.wall_s) for f in others))
+        own = RankFigures(rank=0, busy_s=self.busy_s, wall_s=self.wall_s)
+        return (own, *(msgspec.structs.replace(f, decoded_chunks=0) for f in others))
 
     # -- the rows entering the ring --------------------------------------------
 
