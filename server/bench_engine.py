@@ -26,9 +26,10 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from engine.client import EngineClient
+from engine.client import EngineClient, SessionHandle
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,
@@ -44,6 +45,7 @@ from engine.messages import (
 )
 from engine.progress import Progress
 from server.benchstats import percentiles
+from server.dispatch import TypeDispatcher
 
 STEP_COUNTS = (1, 2, 3, 4)
 ZERO_STEP_CHUNKS = 300
@@ -134,46 +136,81 @@ async def _overhead(client: EngineClient, options: BenchOptions, step_ms: float,
     return figures
 
 
+class InteractionsRun:
+    """The interactions' session (``_interactions``): each result it yields goes
+    to its type's handler (``results``, a ``server.dispatch`` table: one entry
+    per result a session's handle yields), which says whether the run is over."""
+
+    def __init__(self, handle: SessionHandle, options: BenchOptions, rng: random.Random, chunk_s: float) -> None:
+        self.handle, self.options, self.rng, self.chunk_s = handle, options, rng, chunk_s
+        self.queued: dict[str, InteractionQueued] = {}
+        self.lags: list[int] = []
+        self.latencies: list[float] = []
+        self.at_boundary = 0
+        self.in_flight: asyncio.Task | None = None
+        self.results: TypeDispatcher[Awaitable[bool]] = TypeDispatcher(
+            "bench engine result",
+            {
+                ChunkReady: self._on_chunk,
+                InteractionQueued: self._on_queued,
+                InteractionApplied: self._on_applied,
+                InteractionRejected: self._on_not_applied,
+                InteractionSuperseded: self._on_not_applied,
+                SessionDone: self._on_end,
+                SessionFailed: self._on_end,
+            },
+        )
+
+    async def _send_later(self, event_id: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self.handle.interact(event_id, Interaction(prompt=f"prompt {event_id}"))
+
+    async def _on_chunk(self, message: ChunkReady) -> bool:
+        """A chunk came: the next interaction goes out at a random point of the next chunk."""
+        if self.in_flight is None and len(self.lags) < self.options.interactions:
+            event_id = f"e{len(self.lags) + 1}"
+            self.in_flight = asyncio.create_task(self._send_later(event_id, self.rng.uniform(0.0, self.chunk_s)))
+        return False
+
+    async def _on_queued(self, message: InteractionQueued) -> bool:
+        self.queued[message.event_id] = message
+        return False
+
+    async def _on_applied(self, message: InteractionApplied) -> bool:
+        """Its lag: the chunk it applied at less the one in progress when it was accepted."""
+        q = self.queued[message.event_id]
+        if q.in_progress_chunk_index is None:
+            self.at_boundary += 1
+            reference = q.expected_chunk_index - 1  # accepted between chunks: the last one done
+        else:
+            reference = q.in_progress_chunk_index
+        self.lags.append(message.generation_chunk_index - reference)
+        self.latencies.append(message.queued_to_applied_ms)
+        self.in_flight = None
+        if len(self.lags) == self.options.interactions:
+            await self.handle.stop()
+        return False
+
+    async def _on_not_applied(self, message: InteractionRejected | InteractionSuperseded) -> bool:
+        raise RuntimeError(f"interaction {message.event_id} did not apply: {message}")
+
+    async def _on_end(self, message: SessionDone | SessionFailed) -> bool:
+        return True
+
+
 async def _interactions(client: EngineClient, options: BenchOptions, rng: random.Random) -> dict:
     """Send one interaction at a time, at a random point of a chunk, and see
     where each lands; the next goes out once the previous one was applied."""
     chunk_s = 4 * options.step_ms / 1000.0
     handle = await client.start_session(StartSession(session_id="interactions", prompt="p0", num_inference_steps=4))
-    queued: dict[str, InteractionQueued] = {}
-    lags: list[int] = []
-    latencies: list[float] = []
-    at_boundary = 0
-    in_flight: asyncio.Task | None = None
-
-    async def send_later(event_id: str, delay: float) -> None:
-        await asyncio.sleep(delay)
-        await handle.interact(event_id, Interaction(prompt=f"prompt {event_id}"))
-
+    run = InteractionsRun(handle, options, rng, chunk_s)
     async for message in handle:
-        if isinstance(message, ChunkReady) and in_flight is None and len(lags) < options.interactions:
-            event_id = f"e{len(lags) + 1}"
-            in_flight = asyncio.create_task(send_later(event_id, rng.uniform(0.0, chunk_s)))
-        elif isinstance(message, InteractionQueued):
-            queued[message.event_id] = message
-        elif isinstance(message, InteractionApplied):
-            q = queued[message.event_id]
-            if q.in_progress_chunk_index is None:
-                at_boundary += 1
-                reference = q.expected_chunk_index - 1  # accepted between chunks: the last one done
-            else:
-                reference = q.in_progress_chunk_index
-            lags.append(message.generation_chunk_index - reference)
-            latencies.append(message.queued_to_applied_ms)
-            in_flight = None
-            if len(lags) == options.interactions:
-                await handle.stop()
-        elif isinstance(message, InteractionRejected | InteractionSuperseded):
-            raise RuntimeError(f"interaction {message.event_id} did not apply: {message}")
-        elif isinstance(message, SessionDone | SessionFailed):
+        if await run.results(message):
             break
+    lags, latencies = run.lags, run.latencies
     return {
         "n": len(lags),
-        "accepted_between_chunks": at_boundary,
+        "accepted_between_chunks": run.at_boundary,
         "queued_to_applied_ms": percentiles(latencies),
         "queued_to_applied_chunks": percentiles([ms / (chunk_s * 1000.0) for ms in latencies]),
         "lag_chunks": percentiles([float(x) for x in lags]),

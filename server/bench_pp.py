@@ -71,9 +71,20 @@ from dataclasses import dataclass
 
 from engine.client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
-from engine.messages import ChunkReady, EngineStats, SessionDone, SessionFailed, StartSession
+from engine.messages import (
+    ChunkReady,
+    EngineStats,
+    InteractionApplied,
+    InteractionQueued,
+    InteractionRejected,
+    InteractionSuperseded,
+    SessionDone,
+    SessionFailed,
+    StartSession,
+)
 from engine.progress import Progress
 from server import thread_cpu
+from server.dispatch import TypeDispatcher
 
 
 @dataclass(frozen=True)
@@ -223,18 +234,50 @@ async def run_config(options: PpBenchOptions, config: Config, chunks: int | None
     }
 
 
+class SessionRun:
+    """One session's results, each to its type's handler (``results``, a
+    ``server.dispatch`` table: one entry per result a session's handle
+    yields), which says whether the session is over: its chunks' frames
+    counted and their payloads kept; a failure raises, naming the session."""
+
+    def __init__(self, session_id: str, payloads: list[bytes]) -> None:
+        self.session_id = session_id
+        self.payloads = payloads
+        self.frames = 0
+        self.results: TypeDispatcher[bool] = TypeDispatcher(
+            "bench pp result",
+            {
+                ChunkReady: self._on_chunk,
+                SessionDone: self._on_done,
+                SessionFailed: self._on_failed,
+                InteractionQueued: self._on_interaction,
+                InteractionApplied: self._on_interaction,
+                InteractionRejected: self._on_interaction,
+                InteractionSuperseded: self._on_interaction,
+            },
+        )
+
+    def _on_chunk(self, message: ChunkReady) -> bool:
+        self.frames += message.num_frames
+        self.payloads.append(message.payload)
+        return False
+
+    def _on_done(self, message: SessionDone) -> bool:
+        return True
+
+    def _on_failed(self, message: SessionFailed) -> bool:
+        raise RuntimeError(f"session {self.session_id} did not complete: {message}")
+
+    def _on_interaction(self, message) -> bool:  # the bench sends none: nothing to do
+        return False
+
+
 async def _run(client: EngineClient, start: StartSession, payloads: list[bytes]) -> int:
     handle = await client.start_session(start)
-    frames = 0
-    while True:
-        message = await handle.next(600.0)
-        if isinstance(message, ChunkReady):
-            frames += message.num_frames
-            payloads.append(message.payload)
-        elif isinstance(message, SessionDone | SessionFailed):
-            if not isinstance(message, SessionDone):
-                raise RuntimeError(f"session {start.session_id} did not complete: {message}")
-            return frames
+    run = SessionRun(start.session_id, payloads)
+    while not run.results(await handle.next(600.0)):
+        pass
+    return run.frames
 
 
 def _figures(before: EngineStats | None, after: EngineStats | None) -> dict:
