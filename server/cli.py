@@ -232,11 +232,16 @@ def _max_lead(text: str) -> float | str | None:
     return seconds
 
 
+def _realtime_url(given: str) -> str:
+    """A bench's ``--url`` (http(s):// or ws(s)://, with or without the path) as the realtime socket's URL."""
+    url = given if given.endswith("/v1/realtime/video") else given.rstrip("/") + "/v1/realtime/video"
+    return url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+
+
 def _bench_realtime(args: argparse.Namespace) -> int:
     from server import bench_realtime
 
-    url = args.url if args.url.endswith("/v1/realtime/video") else args.url.rstrip("/") + "/v1/realtime/video"
-    url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    url = _realtime_url(args.url)
     options = bench_realtime.RealtimeBenchOptions(
         url=url,
         sessions=args.sessions,
@@ -252,8 +257,7 @@ def _bench_realtime(args: argparse.Namespace) -> int:
 def _bench_v2v(args: argparse.Namespace) -> int:
     from server import bench_v2v
 
-    url = args.url if args.url.endswith("/v1/realtime/video") else args.url.rstrip("/") + "/v1/realtime/video"
-    url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    url = _realtime_url(args.url)
     try:
         options = bench_v2v.V2vBenchOptions(
             url=url,
