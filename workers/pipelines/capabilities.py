@@ -62,7 +62,7 @@ class BatchedDecode(Protocol):
         frames in the same order, all or nothing (when it raises or is abandoned
         no session changed). The runner calls it for the chunks a forward
         commits together when it decodes in line, the decode stage for the
-        decodes waiting on a lane (``ModelRunner.decode_many``); each decodes
+        decodes waiting on a lane (``RunnerSessions.decode_many``); each decodes
         alone when it raises."""
         ...
 
