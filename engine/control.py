@@ -176,12 +176,6 @@ class ControlPlane:
         if len(self._sessions) >= self._config.max_sessions:
             limit = self._config.max_sessions
             return self._reject(sid, "server_full", f"server full: max_sessions={limit} are open")
-        if start.input is not None and self._config.pp > 1:
-            message = (
-                f"input: video to video runs on one rank; this server splits the model over {self._config.pp} "
-                "pipeline ranks (--pp)"
-            )
-            return self._reject(sid, "invalid_request", message)
         try:
             check_start(start)
             geometry = self._describe(start)

@@ -1,6 +1,6 @@
 """The control plane keeps a video-to-video session's input frames for their
 boundaries, in chunk order, and fails the session (``invalid_input``, naming
-the fault) for frames it does not take; pipeline ranks refuse an input at start."""
+the fault) for frames it does not take; under pipeline ranks as on one rank."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
-from engine.messages import SessionGeometry, SessionRejected, SessionStarted, StartSession, SubmitInput, VideoInput
+from engine.messages import SessionGeometry, SessionStarted, StartSession, SubmitInput, VideoInput
 
 GEOMETRY = SessionGeometry(
     width=6,
@@ -91,9 +91,11 @@ def test_frames_for_no_session_are_dropped():
     assert sent == [] and control.fault("s") is None
 
 
-def test_pipeline_ranks_refuse_an_input_at_start():
+def test_pipeline_ranks_take_an_input_at_start():
+    """The split pipeline decides (the ring runner's ``describe``): the control
+    plane admits an input under pipeline ranks as on one rank."""
     control, sent = _control(pp=2)
     control.handle(StartSession(session_id="s", prompt="p", input=INPUT))
-    assert isinstance(sent[0], SessionRejected) and sent[0].code == "invalid_request"
-    message = sent[0].message
-    assert message.startswith("input: video to video runs on one rank") and "2 pipeline ranks" in message
+    assert isinstance(sent[0], SessionStarted)
+    control.handle(_frames(0))
+    assert control.inputs_through("s") == 1 and control.fault("s") is None

@@ -77,6 +77,18 @@ class RingRunner:
     # -- engine.plan.Runner --------------------------------------------------
 
     def describe(self, start: StartSession) -> SessionGeometry:
+        """The pipeline's ``describe``. A start with an ``input`` (video to video)
+        needs the pipeline's ``video_input`` here as on one rank: this rank takes
+        each chunk's frames (``take_input``) and crosses its boundary, and the
+        chunk's latent goes on to the later ranks as the blocks' hidden states,
+        so they need nothing of the input. One that does not declare it is
+        refused, naming the pipeline and the ranks."""
+        if start.input is not None and not self.pipeline.capabilities.video_input:
+            name = getattr(self.pipeline, "name", type(self.pipeline).__name__)
+            raise ValueError(
+                f"input: the {name!r} pipeline split over {self.group.world} pipeline ranks takes no input video "
+                "(it does not declare video_input: the first rank's take_input before each boundary)"
+            )
         return self.sessions.describe(start)
 
     def held_sessions(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
