@@ -35,6 +35,16 @@ INPUT_KINDS = ("video",)
 INPUT_FORMATS = ("jpeg", "raw")
 """How an input stream's frames travel: JPEG images, or raw uint8 RGB."""
 
-MAX_INPUT_CHUNKS_AHEAD = 32
+MAX_INPUT_CHUNKS_AHEAD = 4
 """Video to video: the most chunks of input frames a session may have waiting for
-their boundaries; frames further ahead fail the session (``invalid_input``)."""
+their boundaries (the chunk about to begin and the three after it); frames
+further ahead fail the session (``invalid_input``).
+
+Why 4: a client of the engine needs no more. The API process hands a chunk's
+frames at most two chunks ahead of the chunks made (``server.video_input``'s
+``MAX_CHUNKS_AHEAD``: the one being made and the next, so the engine never
+waits for frames the server holds), and a chunk begun (its boundary taken)
+holds none: frames wait only for chunks not begun, so two would do; four
+leaves room for a client that sends a little ahead. Every chunk waiting is
+raw RGB in the worker's memory (at 832x480, 12 frames are 14 MiB): at the
+earlier bound of 32 a session could park about 440 MiB there."""

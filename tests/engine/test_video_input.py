@@ -197,3 +197,24 @@ async def test_a_stop_while_a_chunk_waits_for_its_frames_ends_the_session(make_e
     assert isinstance(result.end, SessionDone) and result.end.reason == "stopped" and result.end.chunks == 1
     after = await engine.probe()
     assert after.sessions == after.runner_sessions == after.pipeline_sessions == ()
+
+
+async def test_frames_more_than_the_chunks_that_may_wait_fail_the_session(make_engine):
+    """Chunk 0 is held mid-denoise (so chunk 1 is the one about to begin): the
+    frames of chunks 1 to 4 may wait, chunk 5's are a chunk too many."""
+    gate = make_gate(chunk=0, step=0)
+    engine = await make_engine(gates=[gate], **stub())
+    handle = await engine.start_session(video("s", 0.5))
+    await handle.send_input(0, camera(0))
+    await wait_reached(gate)
+    for index in range(1, 6):
+        await handle.send_input(index, camera(index))
+    gate.release.set()
+    result = await collect(handle)
+    assert isinstance(result.end, SessionFailed) and result.end.code == "invalid_input"
+    assert result.end.message == (
+        "session s: input frames for chunk 5 came 4 chunks ahead of the chunk about to begin (1); "
+        "at most 4 chunks of input may wait"
+    )
+    after = await engine.probe()
+    assert after.sessions == after.runner_sessions == after.pipeline_sessions == ()

@@ -8,6 +8,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.control import ControlPlane
+from engine.limits import MAX_INPUT_CHUNKS_AHEAD
 from engine.messages import SessionGeometry, SessionStarted, StartSession, SubmitInput, VideoInput
 
 GEOMETRY = SessionGeometry(
@@ -99,3 +100,19 @@ def test_pipeline_ranks_take_an_input_at_start():
     assert isinstance(sent[0], SessionStarted)
     control.handle(_frames(0))
     assert control.inputs_through("s") == 1 and control.fault("s") is None
+
+
+def test_frames_past_the_chunks_that_may_wait_fail_the_session():
+    """At most ``MAX_INPUT_CHUNKS_AHEAD`` chunks' frames wait, counted from the
+    chunk about to begin: the next one past them fails the session, naming it."""
+    control, _ = _control()
+    control.handle(StartSession(session_id="s", prompt="p", input=INPUT))
+    for index in range(MAX_INPUT_CHUNKS_AHEAD):
+        control.handle(_frames(index))
+    assert control.fault("s") is None and control.inputs_through("s") == MAX_INPUT_CHUNKS_AHEAD
+    control.handle(_frames(MAX_INPUT_CHUNKS_AHEAD))
+    said = (
+        "session s: input frames for chunk 4 came 4 chunks ahead of the chunk about to begin (0); "
+        "at most 4 chunks of input may wait"
+    )
+    assert MAX_INPUT_CHUNKS_AHEAD == 4 and control.fault("s") == ("invalid_input", said)
