@@ -223,7 +223,7 @@ def _build(
 
 def _versus(args: argparse.Namespace, progress: Progress) -> dict:
     """``--versus``: the variant against these options, side by side (``workers.bench_versus``)."""
-    from workers.bench_versus import versus
+    from workers.bench_versus import ALL, versus, versus_all
 
     def build(
         compile: bool = args.compile,
@@ -254,6 +254,10 @@ def _versus(args: argparse.Namespace, progress: Progress) -> dict:
         num_inference_steps=args.steps,
     )
     try:
+        if args.versus == ALL:
+            return versus_all(
+                build, start, args.chunks, args.rounds, cudnn_benchmark=args.cudnn_benchmark, progress=progress
+            )
         return versus(
             build,
             args.versus,
@@ -364,6 +368,17 @@ def one_session(
     return {"time_to_first_chunk_s": first, "fps": count / seconds}
 
 
+def _print_rounds(summary: dict) -> None:
+    """A ``--versus`` summary's rounds, a line each."""
+    for number, one in enumerate(summary["rounds"], 1):
+        print(
+            f"round {number} ({one['first']} first): default {one['default']['fps']:.1f} fps, "
+            f"first chunk {one['default']['time_to_first_chunk_s']:.3f} s; {summary['variant']} "
+            f"{one['variant']['fps']:.1f} fps, first chunk {one['variant']['time_to_first_chunk_s']:.3f} s "
+            f"({one['fps_ratio']:.2f}x)"
+        )
+
+
 def _profiler(device: torch.device) -> torch.profiler.profile:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -394,11 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (warm-up pays)")
     parser.add_argument("--profile", default=None, metavar="FILE", help="write a profiler table of one chunk")
     parser.add_argument("--sessions", type=int, default=1, help="also compare N sessions batched vs one row a forward")
-    from workers.bench_versus import VARIANTS  # it imports this module
+    from workers.bench_versus import ALL, VARIANTS  # it imports this module
 
     parser.add_argument(
         "--versus",
-        choices=VARIANTS,
+        choices=(*VARIANTS, ALL),
         default=None,
         help="instead: that setting against these options, in alternating rounds in one process",
     )
@@ -416,13 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         with Progress("bench pipeline", unit="chunk", quiet=args.json) as progress:
             summary = _versus(args, progress)
         if not args.json:
-            for number, one in enumerate(summary["rounds"], 1):
-                print(
-                    f"round {number} ({one['first']} first): default {one['default']['fps']:.1f} fps, "
-                    f"first chunk {one['default']['time_to_first_chunk_s']:.3f} s; {args.versus} "
-                    f"{one['variant']['fps']:.1f} fps, first chunk {one['variant']['time_to_first_chunk_s']:.3f} s "
-                    f"({one['fps_ratio']:.2f}x)"
-                )
+            each = summary["variants"].values() if args.versus == ALL else [summary]
+            for one_variant in each:
+                _print_rounds(one_variant)
+            for variant, why in summary.get("refused", {}).items():
+                print(f"{variant}: refused: {why}")
         print(json.dumps(summary))
         return 0
     with Progress("bench pipeline", unit="chunk", quiet=args.json) as progress:

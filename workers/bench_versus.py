@@ -33,12 +33,21 @@ Variants (``VARIANTS``):
   a full window are captured as CUDA graphs and replayed (``cuda_graphs``;
   ``workers.pipelines.step_graphs``). Only a full window's forwards are
   captured, so in each session the chunks that fill the window and the one
-  whose forward is captured (``untimed_chunks`` after the first) run
-  untimed, through both pipelines alike; the timed chunks follow them. On a
-  CPU there is nothing to capture: the variant runs ``cuda_graphs: "eager"``,
-  the same path replayed eagerly (its frames identical; its speed the cost
-  of the path's copies), and its settings say so. Each contender's
-  ``step_graphs`` counts the captures and replays.
+  the chunks that fill the window (``untimed_chunks`` after the first) run
+  untimed, through both pipelines alike; the timed chunks follow them. The
+  warm-up captured the graphs at the measured size and each round's session
+  takes them over with the cache the session before it left, so no capture
+  is timed (each round's ``step_graphs`` shows its captures: 0, and
+  replays). On a CPU there is nothing to capture: the variant runs
+  ``cuda_graphs: "eager"``, the same path replayed eagerly (its frames
+  identical; its speed the cost of the path's copies), and its settings say
+  so. Each contender's ``step_graphs`` counts the captures and replays since
+  it was built, and the caches kept.
+
+``all`` (``versus_all``) runs every variant in turn, each as above with
+pipelines of its own, and reports each one's summary; a variant this device
+or these options cannot run (``fp8`` on a CPU, ``vae-float32`` where the VAE
+is fp32 already) is listed under ``refused`` with the reason, not measured.
 
 Each round also compares the variant's frames with the default's (the same
 seed, prompt and noise): PSNR in dB and the mean absolute difference in
@@ -50,6 +59,7 @@ peak memory is reported too.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 from collections.abc import Callable, Iterator, Sequence
@@ -65,6 +75,7 @@ from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 
 VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder", "commit-from-last-step", "fp8", "cuda-graphs")
+ALL = "all"  # every variant in turn (``versus_all``)
 OPTIONS = {  # a variant that is a second pipeline: its options
     "compile": {"compile": True},
     "vae-float32": {"vae_dtype": "float32"},
@@ -131,7 +142,7 @@ def versus(
             "default": (default, cudnn_benchmark, start),
             variant: (build(**options), cudnn_benchmark, start),
         }
-    # cuda-graphs: the window filled and the capture made before the timed chunks
+    # cuda-graphs: the window filled before the timed chunks (its graphs were captured at warm-up)
     untimed = (default.sink_frames + default.window_frames) // default.latent_frames if variant == "cuda-graphs" else 0
     progress.expect(2 * rounds * (session_chunks(chunks) + untimed))
     progress.describe("warming up")
@@ -148,11 +159,13 @@ def versus(
         for name in order:
             pipeline, benchmark, session = contenders[name]
             frames[name] = []
+            graphs = pipeline.graph_figures()
             with _cudnn_benchmark(benchmark), _peak_memory(pipeline.device) as peak:
                 figures[name] = one_session(
                     pipeline, session, chunks, frames=frames[name], progress=progress, untimed=untimed
                 )
             figures[name]["peak_memory_bytes"] = peak()
+            figures[name]["step_graphs"] = _counted(graphs, pipeline.graph_figures())
         results.append(
             {
                 "first": order[0],
@@ -178,6 +191,48 @@ def versus(
         "median_fps_ratio": statistics.median(ratios),
         "tiny_decoder_weights": weights,
     }
+
+
+def versus_all(
+    build: Callable[..., CausalWanPipeline],
+    start: StartSession,
+    chunks: int,
+    rounds: int,
+    *,
+    cudnn_benchmark: bool = False,
+    progress: Progress | None = None,
+    variants: Sequence[str] = VARIANTS,
+) -> dict:
+    """``versus`` of each of ``variants`` in turn (each with pipelines of its
+    own, dropped before the next is built): every summary by variant, the
+    median ratios side by side, and the variants refused here with the reason
+    (the ``ValueError`` that refused them)."""
+    progress = progress or Progress.silent()
+    summaries, refused = {}, {}
+    for variant in variants:
+        progress.expect(0, done=0)
+        try:
+            summaries[variant] = versus(
+                build, variant, start, chunks, rounds, cudnn_benchmark=cudnn_benchmark, progress=progress
+            )
+        except ValueError as error:
+            refused[variant] = str(error)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {
+        "bench": "pipeline-versus-all",
+        "variants": summaries,
+        "median_fps_ratios": {variant: summary["median_fps_ratio"] for variant, summary in summaries.items()},
+        "refused": refused,
+    }
+
+
+def _counted(before: dict | None, after: dict | None) -> dict | None:
+    """What a session added to a pipeline's captured-step counts (None without captured steps)."""
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before[name] for name in ("captures", "replays", "fallbacks")}
 
 
 @contextlib.contextmanager
@@ -213,7 +268,7 @@ def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSe
         "commit_from_last_step": pipeline.commit_from_last_step,
         "quantize": pipeline.quantized,
         "cuda_graphs": pipeline.cuda_graphs,
-        "step_graphs": pipeline.step_graphs.figures() if pipeline.step_graphs is not None else None,
+        "step_graphs": pipeline.graph_figures(),
         "cudnn_benchmark": cudnn_benchmark,
         "decoder": start.decoder or pipeline.default_decoder,
     }

@@ -29,9 +29,9 @@ def test_warm_up_runs_its_chunks_then_holds_nothing():
     """Counted while ``warm_up`` runs, nothing called after it: one prompt
     encoded (left in the prompt cache), every forward of its chunks (each
     chunk: its denoise steps, then the commit) at the default size, first of
-    one session alone, then of ``max_batch_rows`` sessions in lockstep (each
-    denoise step one forward of all their rows, then one commit pass of
-    them all), each
+    ``max_batch_rows`` sessions in lockstep (each denoise step one forward of
+    all their rows, then one commit pass of them all), then of one session
+    alone, each
     chunk decoded (the lockstep sessions' chunks in one batch, so that the
     memory peak is a batched decode's too); then its sessions released, roped keys included."""
     warmed = build("tiny", device="cpu")
@@ -44,8 +44,8 @@ def test_warm_up_runs_its_chunks_then_holds_nothing():
     one, four = (1, 48, 24), (4, 48, 24)  # 64x64: 8x8 latents, 3 frames of 4x4 patches; 2 heads x 12
     alone = [one] * (steps + 1)
     batched = [four] * (steps + 1)  # the commit too: one pass of four rows
-    assert forwards == alone * warmed.warm_up_chunks + batched * warmed.warm_up_chunks
-    assert decoded == [(1, True), (1, False), (4, True), (4, False)]  # each stream's first chunk, then a cached one
+    assert forwards == batched * warmed.warm_up_chunks + alone * warmed.warm_up_chunks
+    assert decoded == [(4, True), (4, False), (1, True), (1, False)]  # each stream's first chunk, then a cached one
     assert warmed.held_sessions() == () and not warmed.context.roped.entries
 
 
@@ -68,3 +68,17 @@ def test_a_session_after_warm_up_equals_one_on_a_cold_pipeline():
 def test_the_stub_asks_for_no_warm_up():
     stub = StubPipeline()
     assert warm_up(stub) == 0.0 and WARM_UP_SESSION not in stub.held_sessions()
+
+
+def test_with_captured_steps_the_session_alone_runs_until_its_graphs_are_captured():
+    """``cuda_graphs`` (here its eager mode): the session alone runs
+    ``capture_chunks`` chunks, past the window's filling, so both its graphs
+    are captured; its cache is kept for the next session of the default size
+    (``tests/model/test_captured_step_graphs.py`` follows that session)."""
+    warmed = build("tiny", device="cpu", cuda_graphs="eager", max_batch_rows=1, sink_frames=3, window_frames=3)
+    _, forwards, decoded = _count_warm_up(warmed)
+    steps = warmed.describe(StartSession(session_id="x", prompt="x")).num_inference_steps
+    assert warmed.capture_chunks == 4 > warmed.warm_up_chunks  # 3 + 3 frames fill in two chunks of 3
+    assert len(forwards) == warmed.capture_chunks * (steps + 1) and len(decoded) == warmed.capture_chunks
+    assert warmed.step_graphs.captures == 2 and warmed.held_sessions() == ()
+    assert warmed.graph_figures()["kept_caches"] == 1

@@ -55,7 +55,7 @@ from workers.pipelines.base import (
 )
 from workers.pipelines.capabilities import Capabilities
 from workers.pipelines.causal_wan_decode import CausalWanDecoding
-from workers.pipelines.causal_wan_graphs import CapturedSteps
+from workers.pipelines.causal_wan_graphs import CapturedSteps, KeptCaches
 from workers.pipelines.causal_wan_ranks import CausalWanRanks
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.causal_wan_weights import cast, resolve_dtype
@@ -133,6 +133,7 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
         commit_from_last_step: bool = False,
         quantize: str | None = None,
         cuda_graphs: CudaGraphsOption = False,
+        kept_caches: int | None = None,
         name: str = "causal_wan",
     ) -> None:
         """``decoder``: what makes a session's frames unless it asks otherwise
@@ -150,7 +151,9 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
         ``cuda_graphs``: a single-row denoise forward over a full window is
         captured as a CUDA graph and replayed (``_captured_step``; refused on
         a CPU); ``"eager"``: the same path replayed eagerly, for tests
-        (``step_graphs_for``)."""
+        (``step_graphs_for``). ``kept_caches``: with ``cuda_graphs``, how many
+        released sessions' KV caches are kept, with their graphs, for the next
+        session of the same size (``causal_wan_graphs.KeptCaches``; default 1)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
@@ -214,6 +217,7 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
         self.max_size = max_size
         self.warm_up_chunks = warm_up_chunks  # the first chunk and a cached one: both kernel paths
         self.spatial = 8 * self.transformer.config.patch_size[1]  # VAE 8x, then the patch
+        self.kept = self._kept_caches(kept_caches)  # None: a released session's cache is freed
         self._t_zero = torch.zeros(1, device=self.device)  # the commit forward's timestep
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._held: set[str] = set()
@@ -229,6 +233,22 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
         self.chunks_in_flight: Callable[[str], int] = lambda prompt_change: 1
         """A session's ``lookahead`` from its ``prompt_change``: the engine's rule
         (``EngineConfig.lookahead``), set by the worker; 1 (exact) unless stream batch."""
+
+    def _kept_caches(self, most: int | None) -> KeptCaches | None:
+        """The pool of released sessions' caches (``kept_caches``): ``most`` of
+        them, and at most ``most`` default-size caches (KV stores and roped keys)
+        in bytes; None without captured steps, where there is no graph to keep."""
+        if most is not None and (most < 0 or self.step_graphs is None):
+            raise ValueError(f"kept_caches keeps caches for captured steps: needs cuda_graphs and >= 0, got {most}")
+        if self.step_graphs is None:
+            return None
+        config, (width, height) = self.transformer.config, self.default_size
+        tokens = (height // self.spatial) * (width // self.spatial)
+        frames = self.sink_frames + self.window_frames + self.latent_frames  # and the tail
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = 3 * frames * tokens * config.num_attention_heads * config.attention_head_dim * item
+        most = 1 if most is None else most
+        return KeptCaches(most, most * per_layer * self.num_blocks)
 
     def _tiny_decoder(self, weights: str | None) -> TinyStreamingDecoder | None:
         """The tiny decoder of ``weights`` (a file, or ``random``), on this device
@@ -375,7 +395,7 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
             session_id=start.session_id,
             start=start,
             geometry=geometry,
-            kv=SessionKVCache(
+            kv=self._session_cache(
                 layers=self.owned,
                 sink_frames=self.sink_frames,
                 window_frames=self.window_frames,
@@ -552,6 +572,10 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
         if blocks.start == 0:
             chunk = session.chunk_to_commit(chunk_index)
             chunk.committing = True
+            if self._commit_capturable(session, blocks):
+                self._captured_commit(session, chunk_index, chunk)
+                self.finish_commit(session, chunk_index)
+                return None
             rows = (BatchRow(sid, chunk_index, chunk.steps),)
             activations = self._embed(caches, chunk.clean, self._t_zero, chunk.conditioning, (chunk_index,))
         else:
@@ -619,9 +643,7 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
 
     def release(self, session: CausalWanSession) -> None:
         self._held.discard(session.session_id)
-        self.context.roped.forget(session.kv)
-        if self.step_graphs is not None:  # no graph outlives the buffers it reads
-            self.step_graphs.forget(session.kv.uid)
+        self._let_go(session)  # its cache kept for the next session of its size, or its graphs forgotten
         session.free()
 
     def held_sessions(self) -> tuple[str, ...]:
@@ -641,9 +663,11 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
         holds a single-row forward's activations of its own. On a CPU, where
         the state lives in host memory: the host's available memory (and its
         cgroup's room) less this process's transient peak and a margin
-        (``workers.host_memory``)."""
+        (``workers.host_memory``). Either way less what the kept caches may
+        still take (``kept_room``: a released session's cache kept for the
+        next session of its size holds memory no session's state counts)."""
         if self.device.type != "cuda":
-            return host_session_budget()
+            return max(0, host_session_budget() - self.kept_room())
         free, _ = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
         unused = torch.cuda.memory_reserved(self.device) - allocated
@@ -652,7 +676,7 @@ class CausalWanPipeline(CapturedSteps, CausalWanRanks, CausalWanDecoding):
         transient = max(0, peak - g.state_bytes * self.max_batch_rows)
         if self.cuda_graphs is True:  # at most one single-row forward's activations, in the graphs' pool
             transient *= 2
-        return max(0, free + unused - transient - 2**30)
+        return max(0, free + unused - transient - 2**30 - self.kept_room())
 
     def synchronize(self) -> None:
         """Wait until the device has finished its queued work (timing: benchmarks)."""

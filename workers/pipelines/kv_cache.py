@@ -64,6 +64,10 @@ class SessionKVCache:
         self.tokens_per_frame = tokens_per_frame
         shape = (batch, (self.capacity + tail_frames) * tokens_per_frame, heads, head_dim)
         self.layers = range(layers) if isinstance(layers, int) else layers
+        self.layout = self.layout_of(
+            layers, sink_frames, window_frames, tokens_per_frame, heads, head_dim, batch, dtype, device, tail_frames
+        )
+        """What a cache of these stores is: a released session's cache serves another of the same layout."""
         self.keys = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.layers}
         self.values = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.layers}
         self.uid = next(_uids)  # unique for the process's lifetime (unlike id())
@@ -72,6 +76,24 @@ class SessionKVCache:
         self.committed_frames = 0  # frames ever committed
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._provisional: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # chunk -> layer -> k, v
+
+    @staticmethod
+    def layout_of(
+        layers: range | int,
+        sink_frames: int,
+        window_frames: int,
+        tokens_per_frame: int,
+        heads: int,
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tail_frames: int = 0,
+    ) -> tuple:
+        """The ``layout`` of a cache made with these arguments (the constructor's)."""
+        layers = range(layers) if isinstance(layers, int) else layers
+        spans = (sink_frames, window_frames, tail_frames, tokens_per_frame, heads, head_dim, batch)
+        return (tuple(layers), spans, dtype, torch.device(device))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The held (un-roped) keys and values of ``layer``, in time order."""
@@ -156,6 +178,25 @@ class SessionKVCache:
         self._staged.clear()
         self._provisional.clear()
         self.version += 1
+
+    def take_staged(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The staged keys and values, in layer order, no longer staged (a
+        captured commit pass hands them out of its graph, then ``stage``s them)."""
+        staged = [self._staged[layer] for layer in self.layers if layer in self._staged]
+        self._staged.clear()
+        return staged
+
+    def recycle(self) -> None:
+        """Hold nothing, as a new cache of the same layout does: a released
+        session's stores kept for the next session (their addresses stay, what
+        they held is never read again: every read stops at ``frames``)."""
+        self.reset()
+        self.committed_frames = 0
+
+    @classmethod
+    def empty(cls, device: torch.device) -> SessionKVCache:
+        """A cache of no layers (what a released session holds once its stores went to another)."""
+        return cls(0, 0, 1, 1, 1, 1, 1, torch.float32, device)
 
     def free(self) -> None:
         """Drop the tensors (the session is released); ``nbytes`` is 0 after."""

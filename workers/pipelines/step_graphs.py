@@ -12,27 +12,33 @@ one per ``StepKey``:
 - its roped-key buffers (``RopedKeys.workspace``, by their ``serial``): the
   graph reads the held keys there and writes the chunk's after them;
 - the frames the cache holds: the RoPE positions and the attention span;
-- the latent's and the conditioning's shapes and the dtype.
+- the latent's and the conditioning's shapes and the dtype;
+- its kind: ``denoise`` (the output is the prediction) or ``commit`` (the
+  chunk's clean pass, whose output is every layer's keys and values).
 
 A key is captured on its ``after_uses``-th use (its first uses run eagerly:
 the shapes of a window still filling are each used for one chunk only, and a
 capture costs a forward); the graphs kept are bounded (``most``, least
-recently used dropped first), and ``forget`` drops a released session's.
-Whatever is not captured runs eagerly (``fallbacks``).
+recently used dropped first), and ``forget`` drops a cache's (one let go
+for good: a released session's cache kept for the next session keeps its
+graphs, ``causal_wan_graphs.KeptCaches``). Whatever is not captured runs
+eagerly (``fallbacks``).
 
 Before each replay the caller refreshes what the graph reads but does not
 compute (the held keys roped for the cache's current version), copies the
 inputs into the graph's static ones (``run``), and takes a copy of the output
-(the next replay overwrites it). Only single-row denoise forwards over every
-block are captured; commits, batched rows, stream batch and pipeline ranks
-run eagerly. The capture itself is ``Capture``'s: ``CudaGraphCapture`` on a
+(the next replay overwrites it; a caller that uses it at once may take the
+graph's own, ``copy=False``). Only single-row forwards over every block are
+captured; batched rows, stream batch and pipeline ranks run eagerly. The
+capture itself is ``Capture``'s: ``CudaGraphCapture`` on a
 GPU; ``EagerReplay`` runs the same function over the same static buffers
 (CPU: how the keying and the buffers are tested).
 
 Wired by the pipeline option ``cuda_graphs`` (``step_graphs_for``):
-``CausalWanPipeline.forward`` routes through ``run`` the forwards whose
-shapes and buffers are static (one row, the session's window full, every
-block, nothing staged or provisional); everything else stays eager.
+``CausalWanPipeline.forward`` and ``commit`` route through ``run`` the
+forwards whose shapes and buffers are static (one row, the session's window
+full, every block, nothing staged or provisional: ``causal_wan_graphs``);
+everything else stays eager.
 ``cuda_graphs: "eager"`` selects ``EagerReplay``: the same static-buffer
 path with no capture, on any device (tests, debugging).
 """
@@ -48,7 +54,8 @@ import torch
 
 from workers.pipelines.base import abandon_when
 
-Replay = Callable[[], torch.Tensor]
+Output = torch.Tensor | tuple[torch.Tensor, ...]
+Replay = Callable[[], Output]
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class StepKey:
     latent_shape: tuple[int, ...]
     text_shape: tuple[int, ...]
     dtype: str
+    kind: str = "denoise"  # or "commit": the chunk's clean pass, whose output is its keys and values
 
 
 class Capture(Protocol):
@@ -98,7 +106,7 @@ class CudaGraphCapture:
         ):
             output = function()
 
-        def replay() -> torch.Tensor:
+        def replay() -> Output:
             graph.replay()
             return output
 
@@ -138,11 +146,14 @@ class StepGraphs:
         self,
         key: StepKey,
         inputs: Mapping[str, torch.Tensor],
-        forward: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
-    ) -> torch.Tensor:
-        """``forward(inputs)``: eagerly while ``key`` is not captured, then by
-        replaying its capture with ``inputs`` copied into its static ones. The
-        result is the caller's (a copy when replayed)."""
+        forward: Callable[[Mapping[str, torch.Tensor]], Output],
+        copy: bool = True,
+    ) -> Output:
+        """``forward(inputs)`` (a tensor or a tuple of them): eagerly while
+        ``key`` is not captured, then by replaying its capture with ``inputs``
+        copied into its static ones. The result is the caller's: a copy when
+        replayed, unless ``copy`` is false (then the graph's own output, which
+        its next replay overwrites: the caller is done with it before)."""
         captured = self.graphs.get(key)
         if captured is None:
             self.uses[key] += 1
@@ -161,7 +172,10 @@ class StepGraphs:
             for name, tensor in inputs.items():
                 captured.inputs[name].copy_(tensor)
         self.replays += 1
-        return captured.replay().clone()
+        output = captured.replay()
+        if not copy:
+            return output
+        return output.clone() if isinstance(output, torch.Tensor) else tuple(t.clone() for t in output)
 
     def forget(self, cache: int) -> None:
         """Drop every graph and count of the cache ``cache`` (its session is released)."""

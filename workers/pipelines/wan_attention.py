@@ -112,9 +112,20 @@ class RopedKeys:
             self.workspace(cache, layer, height, width)
         return self.entries[cache.uid].serial
 
-    def forget(self, cache: SessionKVCache) -> None:
-        """Drop what is held for ``cache`` (its session is being released)."""
-        self.entries.pop(cache.uid, None)
+    def forget(self, cache: SessionKVCache) -> _RopedEntry | None:
+        """Drop what is held for ``cache`` (its session is being released);
+        returns it (None when nothing was), to be ``adopt``ed again with the
+        cache (a released session's cache kept for the next session)."""
+        return self.entries.pop(cache.uid, None)
+
+    def adopt(self, entry: _RopedEntry) -> None:
+        """Hold ``entry`` (what ``forget`` gave back) for its cache again: the
+        same buffers, so the same ``serial``; roped afresh at its next read."""
+        entry.version, entry.filled, entry.cos_sin = -1, set(), None
+        self.entries[entry.cache.uid] = entry
+        self.entries.move_to_end(entry.cache.uid)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
 
 
 _serials = itertools.count()
@@ -128,6 +139,9 @@ class _RopedEntry:
     filled: set[int] = field(default_factory=set)  # layers whose held keys are roped for ``version``
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
     serial: int = field(default_factory=lambda: next(_serials))  # names these buffers for their lifetime
+
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
 
     @property
     def stale(self) -> bool:
