@@ -95,11 +95,11 @@ def test_a_session_after_a_release_takes_the_cache_and_graphs_over_and_makes_a_f
 
 
 def test_kept_caches_are_bounded_counted_in_the_budget_and_serve_only_their_size(monkeypatch):
-    import workers.pipelines.causal_wan as causal_wan
+    import workers.pipelines.causal_wan_geometry as geometry
 
     pipeline = build("tiny", device="cpu", warm_up_chunks=0, cuda_graphs="eager", kept_caches=1, **SPAN)
     kept, graphs = pipeline.kept, pipeline.step_graphs
-    monkeypatch.setattr(causal_wan, "host_session_budget", lambda: 10**9)
+    monkeypatch.setattr(geometry, "host_session_budget", lambda: 10**9)
     assert kept.most == 1 and kept.most_bytes > 0 and pipeline.session_memory_budget() == 10**9 - kept.most_bytes
 
     driver = ChunkDriver(pipeline, max_rows=1)
