@@ -11,9 +11,14 @@ The model, per frame area (pixels = width x height) and denoise steps:
     seconds per chunk = steps x step_s(pixels) + chunk_s(pixels)
 
 ``step_s`` is one denoise step's forward and sampler step, ``chunk_s`` what a
-chunk costs beyond them (its boundary, the commit pass, the decode). Each is
-measured at a few frame areas (``ChunkCostSample``) and interpolated between
-them on log-log axes (a power law per segment: fixed overheads make the
+chunk costs beyond them (its boundary, the commit pass, the decode). A session
+with an input (video to video) costs its input frames' encode on top,
+``encode_s(pixels)`` a chunk (``estimate(..., encode=True)``): the VAE
+encoder's time, measured at start where the other costs are
+(``workers.calibrate``: the default frame's, scaled by area to the other frames
+measured, the encoder's convolutions costing in proportion to the pixels), 0
+for a pipeline that takes no input. Each is measured at a few frame areas
+(``ChunkCostSample``) and interpolated between them on log-log axes (a power law per segment: fixed overheads make the
 exponent small at small frames, attention, quadratic in tokens, makes it grow
 at large ones). Beyond the largest measured area the last segment's exponent
 carries on, never below 1 (a frame's cost grows at least linearly once the
@@ -46,18 +51,21 @@ class ChunkCostModel:
     def __init__(self, samples: Iterable[ChunkCostSample] = ()) -> None:
         self.samples: tuple[ChunkCostSample, ...] = tuple(sorted(samples, key=lambda s: s.pixels))
         self._observed: dict[int, tuple[float, float]] = {}  # pixels -> smoothed (step_s, chunk_s)
+        self._observed_encode: dict[int, float] = {}  # pixels -> smoothed encode_s (input sessions' chunks)
         self._lock = threading.Lock()
 
-    def estimate(self, width: int, height: int, steps: int) -> float | None:
+    def estimate(self, width: int, height: int, steps: int, encode: bool = False) -> float | None:
         """Seconds a chunk of ``width`` x ``height`` at ``steps`` denoise steps costs
-        (observed at this area if a chunk was, else the measured model); None when
-        nothing was measured at all."""
-        return self.area_cost(width * height, steps)
+        (observed at this area if a chunk was, else the measured model), with
+        ``encode`` its input frames' encode too (a session with an input); None
+        when nothing was measured at all."""
+        return self.area_cost(width * height, steps, encode)
 
-    def area_cost(self, pixels: int, steps: int) -> float | None:
+    def area_cost(self, pixels: int, steps: int, encode: bool = False) -> float | None:
         """``estimate`` by frame area: seconds a chunk of ``pixels`` costs."""
         with self._lock:
             observed = self._observed.get(pixels)
+            observed_encode = self._observed_encode.get(pixels)
         if observed is not None:
             step_s, chunk_s = observed
         elif self.samples:
@@ -65,18 +73,35 @@ class ChunkCostModel:
             chunk_s = _interpolate(self.samples, pixels, lambda s: s.chunk_s)
         else:
             return None
-        return steps * step_s + chunk_s
+        if not encode:
+            return steps * step_s + chunk_s
+        if observed_encode is None:
+            measured = any(s.encode_s > 0 for s in self.samples)
+            observed_encode = _interpolate(self.samples, pixels, lambda s: s.encode_s) if measured else 0.0
+        return steps * step_s + chunk_s + observed_encode
 
     def observe(self, chunk: ChunkReady) -> None:
         """Fold a chunk the worker made into the estimate at its frame area. The
         first chunk of a session is skipped: it opens the session and attends to
-        an empty cache, so it is cheaper than the chunks that follow."""
+        an empty cache, so it is cheaper than the chunks that follow. Its input
+        frames' encode (``ChunkTiming.encode_ms``, part of ``boundary_ms``) goes
+        to the encode's estimate, not the chunk's: a session without an input
+        does not pay it. A chunk of no denoise step gives its encode only."""
         timing = chunk.timing
-        if chunk.generation_chunk_index == 0 or timing.steps < 1:
+        if chunk.generation_chunk_index == 0:
+            return
+        pixels = chunk.width * chunk.height
+        if timing.encode_ms > 0:
+            encode_s = timing.encode_ms / 1000
+            with self._lock:
+                old_encode = self._observed_encode.get(pixels)
+                if old_encode is not None:
+                    encode_s = old_encode + OBSERVED_WEIGHT * (encode_s - old_encode)
+                self._observed_encode[pixels] = encode_s
+        if timing.steps < 1:
             return
         step_s = timing.denoise_ms / 1000 / timing.steps
-        chunk_s = (timing.boundary_ms + timing.decode_ms) / 1000
-        pixels = chunk.width * chunk.height
+        chunk_s = (timing.boundary_ms - timing.encode_ms + timing.decode_ms) / 1000
         with self._lock:
             old = self._observed.get(pixels)
             if old is not None:

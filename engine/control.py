@@ -329,7 +329,8 @@ class ControlPlane:
         return f"width x height: {w}x{h} is {w * h} pixels; this server takes at most {self._max_pixels} ({why})"
 
     def _load(self, start: StartSession, geometry: SessionGeometry) -> SessionLoad:
-        cost = self._costs.estimate(geometry.width, geometry.height, geometry.num_inference_steps)
+        encode = start.input is not None  # video to video: its frames' encode too (at strength 1 an upper bound)
+        cost = self._costs.estimate(geometry.width, geometry.height, geometry.num_inference_steps, encode)
         return SessionLoad(cost or 0.0, chunk_media_s(geometry), paced=start.max_lead_seconds is not None)
 
     def _over_load(self, start: StartSession, geometry: SessionGeometry) -> str | None:

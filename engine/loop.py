@@ -510,6 +510,7 @@ class EngineLoop:
         if chunk is None:
             return
         chunk.boundary_ms += row.boundary_ms
+        chunk.encode_ms += row.encode_ms
         if row.cancelled:
             return  # its session is stopping: the chunk is discarded with it
         chunk.batch_rows = max(chunk.batch_rows, row.batch_rows)
@@ -582,6 +583,7 @@ class EngineLoop:
                     batch_rows=max(1, chunk.batch_rows),
                     batch_exact=chunk.batch_exact,
                     chunks_in_flight=chunk.chunks_in_flight,
+                    encode_ms=chunk.encode_ms,
                 ),
                 payload=output.payload,
             )

@@ -108,12 +108,16 @@ class ChunkCostSample(msgspec.Struct, frozen=True, kw_only=True):
     pixels: int  # width x height
     step_s: float  # one denoise step: the forward and the sampler step
     chunk_s: float  # the rest of a chunk: its boundary, the commit pass and the decode
+    encode_s: float = 0.0
+    """Video to video: a (later) chunk's input frames through the VAE encoder
+    (``take_input``), which a session with an input costs on top; 0 where not
+    measured (the pipeline takes no input)."""
 
 
 class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
     """Worker-side cost of one chunk, measured around the pipeline calls."""
 
-    boundary_ms: float  # open (first chunk), prompt encode and the boundary stage
+    boundary_ms: float  # open (first chunk), prompt encode, the input frames' encode and the boundary stage
     denoise_ms: float  # every forward (its share of a batched one) and sampler step of the chunk
     decode_ms: float  # the commit pass and the decode
     steps: int  # denoise steps the chunk ran
@@ -128,6 +132,7 @@ class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
     """The session's chunks in flight when this one began, itself included: more
     than 1 is stream batch, where the chunk attends to its predecessors'
     provisional keys as far as they had got, which depends on scheduling."""
+    encode_ms: float = 0.0  # video to video: of ``boundary_ms``, the input frames' encode (``take_input``)
 
 
 # --------------------------------------------------------------------------

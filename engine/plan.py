@@ -119,7 +119,8 @@ class RowResult:
     stepped: bool = False  # its denoise step ran
     committed: bool = False  # its chunk's last step ran and the chunk is in the cache (decode follows)
     chunk: ChunkOutput | None = None  # its chunk's frames, when decoded in this micro-step
-    boundary_ms: float = 0.0  # open and boundary calls
+    boundary_ms: float = 0.0  # open and boundary calls (the input frames' encode included)
+    encode_ms: float = 0.0  # video to video: of ``boundary_ms``, the input frames' encode (``take_input``)
     denoise_ms: float = 0.0  # its share of the forward, and its sampler update
     decode_ms: float = 0.0  # commit and decode
     cancelled: bool = False  # its session was stopping: the step did not run, or was abandoned part-way

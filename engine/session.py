@@ -95,6 +95,7 @@ class ChunkInFlight:
     planned: int = 0  # rows (steps, then the commit pass) handed to the executor
     done: int = 0  # denoise steps whose result came back
     boundary_ms: float = 0.0
+    encode_ms: float = 0.0  # video to video: of ``boundary_ms``, its input frames' encode
     denoise_ms: float = 0.0
     commit_ms: float = 0.0  # the commit pass (and the decode, when it ran in the same micro-step)
     micro_steps: list[int] = field(default_factory=list)  # number of the micro-step of each step run

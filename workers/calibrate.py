@@ -28,6 +28,17 @@ areas of the default frame's shape, for ``engine.chunk_cost.ChunkCostModel``:
    then, only what admission by chunk cost needs): the cost model gets its
    slope from the cheaper side.
 
+4. Video to video (a pipeline that declares ``video_input``): a session of
+   the default frame with an input (strength ``ENCODE_STRENGTH``: its frames
+   encoded, one denoise step) for two chunks; the second's ``take_input``
+   (a later chunk's frames through the streaming VAE encoder) is the
+   encode's cost, ``ChunkCostSample.encode_s``, scaled by area to the other
+   frames measured (the encoder is convolutions: its cost follows the
+   pixels). A session with an input pays it on top of its chunks
+   (``ChunkCostModel.estimate(..., encode=True)``); 0 where the pipeline
+   takes no input, or refuses this one (``describe``: a model whose VAE has
+   no encoder).
+
 A frame is measured only where a session of it, and as much again for the
 forward's activations, fits in what the pipeline says sessions may hold
 (``session_memory_budget``): a GPU too small for a larger frame starts
@@ -63,8 +74,11 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+import numpy as np
+
 from engine.chunk_cost import ChunkCostModel, chunk_media_s, realtime_pixels
-from engine.messages import ChunkCostSample, SessionGeometry, StartSession
+from engine.messages import ChunkCostSample, SessionGeometry, StartSession, VideoInput
 from workers.chunk_driver import ChunkDriver
 from workers.pipelines.base import ChunkPipeline
 from workers.runner import StageCall
@@ -77,6 +91,8 @@ PROBES = 3
 REPEATS = 3
 """Measurements of every frame; each figure is their median."""
 AGREE = 0.1
+ENCODE_STRENGTH = 0.5
+"""The input's strength when the encode is measured: one denoise step of four, frames encoded."""
 """Measurements of a frame this close (relative) end it early (``_repeated``)."""
 STEP_STAGES = ("forward", "sampler_step")  # a denoise step
 SKIPPED_STAGES = ("open", "encode_prompt")  # once per session, not per chunk
@@ -160,10 +176,16 @@ def calibrate(
                     break
         else:  # not derived, the answer is the default (over the limit already) or nothing larger fits:
             probe(full.pixels // 4)  # a smaller frame's cost gives the model its slope, cheaper than a larger one
+        encode_s = timer.measure_encode(defaults) if timer is not None else 0.0
     finally:
         if timer is not None:
             timer.close()
-    ordered = tuple(sorted((_median(samples) for samples in measured.values()), key=lambda s: s.pixels))
+    ordered = tuple(
+        sorted(
+            (_with_encode(_median(samples), encode_s, full.pixels) for samples in measured.values()),
+            key=lambda s: s.pixels,
+        )
+    )
     if not derive_bound:
         return Calibration(ordered, None, time.perf_counter() - began, None, repeats)
     decided = realtime_pixels(model(), defaults, load_limit, largest)
@@ -251,6 +273,11 @@ def _frame(defaults: SessionGeometry, pixels: int, multiple: int, max_size: int)
     return side(defaults.width), side(defaults.height)
 
 
+def _with_encode(sample: ChunkCostSample, encode_s: float, pixels: int) -> ChunkCostSample:
+    """``sample`` with the encode measured at ``pixels`` (``encode_s``), scaled to its area."""
+    return msgspec.structs.replace(sample, encode_s=encode_s * sample.pixels / pixels)
+
+
 def _scaled(sample: ChunkCostSample, fill: tuple[float, float]) -> ChunkCostSample:
     return ChunkCostSample(
         width=sample.width,
@@ -290,6 +317,40 @@ class _ChunkTimer:
         finally:
             self._driver.release(CALIBRATION_SESSION)
         return tuple(timed)
+
+    def measure_encode(self, defaults: SessionGeometry) -> float:
+        """Seconds a later chunk's input frames take through the encoder at the
+        default frame (``take_input`` of a session's second chunk, its encoder's
+        cache warm); 0 where the pipeline takes no input or refuses this one."""
+        if not self._pipeline.capabilities.video_input:
+            return 0.0
+        width, height = defaults.width, defaults.height
+        given = VideoInput(strength=ENCODE_STRENGTH, format="raw", width=width, height=height, fps=defaults.fps)
+        start = StartSession(
+            session_id=CALIBRATION_SESSION, prompt="calibration", width=width, height=height, input=given
+        )
+        try:
+            self._pipeline.describe(start)
+        except ValueError as error:
+            log.info("calibration: the input frames' encode not measured (%s)", error)
+            return 0.0
+        frames = [
+            np.zeros((count, height, width, 3), dtype=np.uint8)
+            for count in (defaults.first_chunk_frames, defaults.frames_per_chunk)
+        ]
+        try:
+            self._driver.open(start)
+            self._driver.run([CALIBRATION_SESSION], 1, inputs={CALIBRATION_SESSION: frames[:1]})
+            self._calls.clear()
+            self._driver.run([CALIBRATION_SESSION], 1, inputs={CALIBRATION_SESSION: frames[1:]})
+        except Exception as error:  # the sessions will say it: text to video need not wait on it
+            log.warning(
+                "calibration: the input frames' encode failed (%s: %s); not counted", type(error).__name__, error
+            )
+            return 0.0
+        finally:
+            self._driver.release(CALIBRATION_SESSION)
+        return sum(call.ms for call in self._calls if call.stage == "take_input") / 1000
 
     def _sample(self, width: int, height: int, steps: int) -> ChunkCostSample:
         seconds: dict[str, float] = defaultdict(float)

@@ -325,7 +325,9 @@ class RunnerSessions:
             data = bytearray(given.frames)  # writable: a pipeline may hand it to torch as it is
             frames = np.frombuffer(data, dtype=np.uint8).reshape(given.count, given.height, given.width, 3)
             taken = self.rows.call(result, sid, index, "take_input", self.pipeline.take_input, session, index, frames)
-            result.row(sid, index).boundary_ms += taken.ms
+            out = result.row(sid, index)
+            out.boundary_ms += taken.ms
+            out.encode_ms += taken.ms  # counted apart too: the chunk-cost model charges it to input sessions only
             if not isinstance(taken, Ok):
                 return
         crossed = self.rows.call(

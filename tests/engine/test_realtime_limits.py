@@ -41,6 +41,9 @@ async def test_a_cpu_worker_derives_its_largest_realtime_frame_and_a_memory_budg
     costs = ready.chunk_costs
     pixels = [cost.pixels for cost in costs]
     assert all(cost.step_s > 0 and cost.chunk_s > 0 for cost in costs)
+    # video to video: a chunk's input frames through the encoder, measured at the default, scaled by area
+    assert all(cost.encode_s > 0 for cost in costs)
+    assert all(math.isclose(c.encode_s / c.pixels, costs[0].encode_s / costs[0].pixels) for c in costs)
     assert limits.max_pixels_derived and 64 * 64 <= limits.max_pixels <= 1280 * 1280
     if pixels[0] == 32 * 32:
         assert pixels == [32 * 32, 64 * 64] and limits.max_pixels == 64 * 64

@@ -8,12 +8,14 @@ import pytest
 from engine.chunk_cost import ChunkCostModel, SessionLoad, realtime_load, realtime_pixels
 from engine.config import EngineConfig
 from engine.control import ControlPlane
-from engine.messages import ChunkCostSample, ChunkReady, ChunkTiming, SessionGeometry, StartSession
+from engine.messages import ChunkCostSample, ChunkReady, ChunkTiming, SessionGeometry, StartSession, VideoInput
 from workers.pipelines.stub import StubPipeline
 
 
-def sample(side: int, step_s: float, chunk_s: float) -> ChunkCostSample:
-    return ChunkCostSample(width=side, height=side, pixels=side * side, step_s=step_s, chunk_s=chunk_s)
+def sample(side: int, step_s: float, chunk_s: float, encode_s: float = 0.0) -> ChunkCostSample:
+    return ChunkCostSample(
+        width=side, height=side, pixels=side * side, step_s=step_s, chunk_s=chunk_s, encode_s=encode_s
+    )
 
 
 def geometry(side: int = 64, fps: float = 16.0, frames: int = 12, steps: int = 4) -> SessionGeometry:
@@ -29,8 +31,17 @@ def geometry(side: int = 64, fps: float = 16.0, frames: int = 12, steps: int = 4
     )
 
 
-def chunk(side: int, index: int, denoise_ms: float, decode_ms: float, steps: int = 4) -> ChunkReady:
-    timing = ChunkTiming(boundary_ms=0.0, denoise_ms=denoise_ms, decode_ms=decode_ms, steps=steps, runner_calls=())
+def chunk(
+    side: int, index: int, denoise_ms: float, decode_ms: float, steps: int = 4, encode_ms: float = 0.0
+) -> ChunkReady:
+    timing = ChunkTiming(
+        boundary_ms=encode_ms,
+        denoise_ms=denoise_ms,
+        decode_ms=decode_ms,
+        steps=steps,
+        runner_calls=(),
+        encode_ms=encode_ms,
+    )
     return ChunkReady(
         session_id="s",
         generation_chunk_index=index,
@@ -90,6 +101,27 @@ def test_an_observed_chunk_replaces_the_model_at_its_size_smoothed():
     model.observe(chunk(64, 2, denoise_ms=80.0, decode_ms=20.0))
     assert model.estimate(64, 64, 4) == pytest.approx(0.05 + 0.3 * 0.05)
     assert model.estimate(128, 128, 4) == pytest.approx(0.056)  # other sizes: the model
+
+
+def test_an_input_sessions_chunk_counts_its_encode_and_a_text_sessions_does_not():
+    model = ChunkCostModel([sample(32, 0.01, 0.1, encode_s=0.05), sample(64, 0.04, 0.4, encode_s=0.2)])
+    assert model.estimate(32, 32, 2) == pytest.approx(0.12)
+    assert model.estimate(32, 32, 2, encode=True) == pytest.approx(0.17)
+    assert model.estimate(45, 45, 2, encode=True) - model.estimate(45, 45, 2) == pytest.approx(0.05 * 45**2 / 32**2)
+    unmeasured = ChunkCostModel([sample(32, 0.01, 0.1)])  # a pipeline that takes no input: nothing to add
+    assert unmeasured.estimate(32, 32, 2, encode=True) == unmeasured.estimate(32, 32, 2)
+
+
+def test_an_observed_encode_is_the_encodes_not_the_chunks():
+    """A chunk of an input session reports its encode within its boundary time:
+    the encode's estimate takes it, the chunk's (every session's) does not."""
+    model = ChunkCostModel([sample(32, 0.01, 0.1, encode_s=0.05)])
+    model.observe(chunk(32, 1, denoise_ms=40.0, decode_ms=100.0, encode_ms=300.0))
+    assert model.estimate(32, 32, 4) == pytest.approx(0.04 + 0.1)
+    assert model.estimate(32, 32, 4, encode=True) == pytest.approx(0.04 + 0.1 + 0.3)
+    model.observe(chunk(32, 2, denoise_ms=0.0, decode_ms=100.0, steps=0, encode_ms=100.0))  # strength 0
+    assert model.estimate(32, 32, 4) == pytest.approx(0.04 + 0.1)
+    assert model.estimate(32, 32, 4, encode=True) == pytest.approx(0.14 + 0.3 + 0.3 * (0.1 - 0.3))
 
 
 def test_an_unmeasured_pipeline_learns_from_its_chunks():
@@ -166,6 +198,22 @@ def test_a_session_that_would_break_the_paced_sessions_deadlines_is_refused():
     small = paced("small", width=16, height=16)  # a quarter of the area: 0.1 more
     plane.handle(small)
     assert type(sent[-1]).__name__ == "SessionStarted"
+
+
+def test_an_input_sessions_encode_counts_for_admission():
+    """A 32x32 stub chunk costs 0.1 s, its input frames' encode 0.05 s more: two
+    text sessions need 0.8 of the worker, a text one and a video-to-video one 1.0."""
+    costs = ChunkCostModel([sample(32, 0.0, 0.1, encode_s=0.05)])
+    given = VideoInput(strength=0.5, format="raw", width=32, height=32, fps=16.0)
+    plane, sent = control(costs)
+    plane.handle(paced("a", width=32, height=32))
+    plane.handle(paced("b", width=32, height=32))
+    assert [type(m).__name__ for m in sent] == ["SessionStarted"] * 2
+    plane, sent = control(costs)
+    plane.handle(paced("a", width=32, height=32))
+    plane.handle(paced("v", input=given))
+    assert [type(m).__name__ for m in sent] == ["SessionStarted", "SessionRejected"]
+    assert "a 32x32 chunk takes about 0.150 s of the worker" in sent[1].message
 
 
 def test_a_session_alone_and_unpaced_sessions_alone_are_admitted():
