@@ -9,7 +9,9 @@ prompt once its first chunk is in and is stopped once the chunk the prompt
 landed on is out. Where the configuration is exact (no stream batch) every
 frame is bit for bit what one rank deciding everything in line makes; where
 it is not, the first chunk still is, and the live prompt waited behind no
-more chunks than the session may have in flight, as the answer says.
+more chunks than the session may have in flight, as the answer says. Two
+configurations of two ranks also take a video-to-video session's input
+frames, against one rank.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -29,6 +32,7 @@ from engine.messages import (
     ScheduledInteraction,
     SessionDone,
     StartSession,
+    VideoInput,
 )
 from tests.conftest import PINNED_LIMITS
 from tests.support import Collected, collect, read_until
@@ -199,3 +203,44 @@ async def check_mode(mode: Mode, config: EngineConfig, reference: EngineClient, 
         assert live.chunks[landed].timing.chunks_in_flight == applied.chunks_in_flight
         assert payloads(scheduled)[0] == payloads(expected)[0]
         assert payloads(live)[0] == payloads(replay)[0]
+
+
+INPUT_MODES = [  # the placements test_pp_video_input.py does not start: decodes on rank 0's lanes, and stream batch
+    Mode(pp=2, overlap_decode=True, pp_decode="first"),
+    Mode(pp=2, overlap_decode=True, stream_batch=True, pp_decode="spread"),
+]
+
+
+async def run_input(engine: EngineClient, sid: str, chunks: int = 3) -> Collected:
+    """A video-to-video session (strength 0.85: two steps of four), every chunk's
+    frames sent at once (random, the same for every run)."""
+    given = VideoInput(strength=0.85, format="raw", fps=16.0, **SIZE)
+    handle = await engine.start_session(
+        StartSession(session_id=sid, prompt="a river", seed=13, input=given, num_chunks=chunks)
+    )
+    g = handle.geometry
+    for index in range(chunks):
+        count = g.first_chunk_frames if index == 0 else g.frames_per_chunk
+        frames = np.random.default_rng([13, index]).integers(0, 256, (count, g.height, g.width, 3), dtype=np.uint8)
+        await handle.send_input(index, frames)
+    return await collect(handle, timeout=120)
+
+
+@SHARED
+@pytest.mark.parametrize("mode", INPUT_MODES, ids=lambda mode: mode.name)
+async def test_a_configuration_takes_an_input_as_one_rank_does(mode: Mode, reference: EngineClient):
+    """Exact: every chunk one rank's; stream batch: the first."""
+    engine = EngineClient(mode.config())
+    await engine.start()
+    try:
+        got = await run_input(engine, f"{mode.name}-v")
+    finally:
+        await engine.shutdown()
+    expected = await run_input(reference, f"{mode.name}-v-ref")
+    for result in (got, expected):
+        assert isinstance(result.end, SessionDone) and result.end.reason == "completed", result.end
+        assert [c.generation_chunk_index for c in result.chunks] == [0, 1, 2]
+    if mode.exact:
+        assert payloads(got) == payloads(expected)
+    else:
+        assert payloads(got)[0] == payloads(expected)[0]
