@@ -34,6 +34,9 @@ COPY requirements-cpu.lock requirements-cuda.lock ./
 COPY engine ./engine
 COPY workers ./workers
 COPY server ./server
+COPY cli ./cli
+COPY bench ./bench
+COPY training ./training
 RUN make install && chown -R rtvideo:rtvideo /app \
  && mkdir /data && chown rtvideo:rtvideo /data
 USER rtvideo

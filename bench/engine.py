@@ -29,7 +29,8 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from engine.client import EngineClient, SessionHandle
+from bench.stats import percentiles
+from engine.client.engine_client import EngineClient, SessionHandle
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,
@@ -44,7 +45,6 @@ from engine.messages import (
     StartSession,
 )
 from engine.progress import Progress
-from server.benchstats import percentiles
 from server.dispatch import TypeDispatcher
 
 STEP_COUNTS = (1, 2, 3, 4)

@@ -222,8 +222,8 @@ def _build(
 
 
 def _versus(args: argparse.Namespace, progress: Progress) -> dict:
-    """``--versus``: the variant against these options, side by side (``workers.bench_versus``)."""
-    from workers.bench_versus import ALL, versus, versus_all
+    """``--versus``: the variant against these options, side by side (``bench.versus``)."""
+    from bench.versus import ALL, versus, versus_all
 
     def build(
         compile: bool = args.compile,
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (warm-up pays)")
     parser.add_argument("--profile", default=None, metavar="FILE", help="write a profiler table of one chunk")
     parser.add_argument("--sessions", type=int, default=1, help="also compare N sessions batched vs one row a forward")
-    from workers.bench_versus import ALL, VARIANTS  # it imports this module
+    from bench.versus import ALL, VARIANTS  # it imports this module
 
     parser.add_argument(
         "--versus",

@@ -1,6 +1,6 @@
 """The bundled page's playback buffer policy, mirrored, and a simulated player.
 
-Pure Python, no I/O: ``rtvideo bench realtime`` (``server/bench_realtime.py``)
+Pure Python, no I/O: ``rtvideo bench realtime`` (``bench/realtime.py``)
 plays each of its sessions through ``SimulatedPlayer`` so that it can say what
 a viewer of the page would see: key-to-pixel (a new prompt sent, to the first
 frame of the chunk it applied at on screen) and underruns (playback that ran

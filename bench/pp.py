@@ -69,7 +69,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from engine.client import EngineClient
+from bench import thread_cpu
+from engine.client.engine_client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,
@@ -83,7 +84,6 @@ from engine.messages import (
     StartSession,
 )
 from engine.progress import Progress
-from server import thread_cpu
 from server.dispatch import TypeDispatcher
 
 
@@ -296,7 +296,7 @@ def _figures(before: EngineStats | None, after: EngineStats | None) -> dict:
 
 
 def _cpu(before: thread_cpu.Sample, after: thread_cpu.Sample, ranks: list[int], wall: float) -> dict | None:
-    """Where the run's CPU went (``server.thread_cpu``; None where it cannot be
+    """Where the run's CPU went (``bench.thread_cpu``; None where it cannot be
     read): each rank's threads' CPU seconds by name, this process's (the
     client, receiving the chunks), their total, and the cores that total kept
     busy over the wall time."""

@@ -4,7 +4,7 @@ Each session sends ``session.start`` (``num_chunks`` chunks, fmp4), sends a
 new prompt at a random moment (seeded by the session's index) within the
 chunk period after its ``interact_at`` chunk has arrived, and again every
 ``interact_every`` chunks after that when that is set, and reads to the end.
-Each session is watched by a simulated viewer (``server/playback.py``): a
+Each session is watched by a simulated viewer (``bench/playback.py``): a
 playhead that starts with the first chunk, plays in real time, stalls when it
 catches up with what arrived, and reports itself every 0.25 s for pacing under
 the bundled page's buffer policy (``max_lead_seconds`` ``"adaptive"``, the
@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 
 from websockets.asyncio.client import ClientConnection, connect
 
+from bench.playback import REPORT_EVERY_S, START_S, LeadPolicy, SimulatedPlayer
+from bench.stats import percentiles
 from engine.progress import Progress
-from server.benchstats import percentiles
-from server.playback import REPORT_EVERY_S, START_S, LeadPolicy, SimulatedPlayer
 
 ADAPTIVE = "adaptive"
 

@@ -1,6 +1,6 @@
 """Where a benchmark's CPU went: each thread's CPU seconds, read from ``/proc``.
 
-API process (benchmarks), no torch. ``sample(pids)`` reads the user and system
+The benchmarks' process, no torch. ``sample(pids)`` reads the user and system
 time of every thread of the given processes (Linux: ``/proc/PID/task/TID/stat``;
 elsewhere an empty sample); ``spent(before, after)`` is what each thread used
 between two samples, summed by thread name (``workers.os_threads`` names the

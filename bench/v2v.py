@@ -38,8 +38,8 @@ import av
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 
+from bench.stats import percentiles
 from engine.progress import Progress
-from server.benchstats import percentiles
 
 HEADER = struct.Struct(">IQ")  # frame index, capture time in microseconds (docs/PROTOCOL.md, "Video input")
 FORMATS = ("jpeg", "raw")

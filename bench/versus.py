@@ -68,9 +68,9 @@ import msgspec
 import numpy as np
 import torch
 
+from bench.pipeline import one_session, session_chunks
 from engine.messages import StartSession
 from engine.progress import Progress
-from workers.bench_pipeline import one_session, session_chunks
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 

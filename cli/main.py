@@ -1,8 +1,10 @@
-"""The ``rtvideo`` command line: ``serve`` and ``bench``.
+"""The ``rtvideo`` command line: ``serve``, ``bench``, ``convert`` and the demo model's commands.
 
 Every option of ``serve`` is a field of ``ServerSettings`` and can also be set
 from the environment as ``RTVIDEO_<FIELD>`` (flags win); this module is the
-one place that reads the environment.
+one place that reads the environment. A command imports what it runs when it
+runs, so ``rtvideo serve`` loads the server alone: no torch, nothing of
+``workers``, ``bench`` or ``training`` (``tests/unit/test_import_direction.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import ast
 import difflib
 import errno
 import functools
-import importlib
 import inspect
 import json
 import os
@@ -33,7 +34,7 @@ compose file's model folder. Any other unknown one draws a warning at start."""
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from server import bench_engine
+    from bench import engine as bench_engine
 
     options = bench_engine.BenchOptions(
         step_ms=args.step_ms,
@@ -239,7 +240,7 @@ def _realtime_url(given: str) -> str:
 
 
 def _bench_realtime(args: argparse.Namespace) -> int:
-    from server import bench_realtime
+    from bench import realtime as bench_realtime
 
     url = _realtime_url(args.url)
     options = bench_realtime.RealtimeBenchOptions(
@@ -255,7 +256,7 @@ def _bench_realtime(args: argparse.Namespace) -> int:
 
 
 def _bench_v2v(args: argparse.Namespace) -> int:
-    from server import bench_v2v
+    from bench import v2v as bench_v2v
 
     url = _realtime_url(args.url)
     try:
@@ -277,7 +278,7 @@ def _bench_v2v(args: argparse.Namespace) -> int:
 
 
 def _bench_pp(args: argparse.Namespace) -> int:
-    from server import bench_pp
+    from bench import pp as bench_pp
 
     options = bench_pp.PpBenchOptions(
         model=args.model, chunks=args.chunks, size=args.size, steps=args.steps, repeats=args.repeats
@@ -290,29 +291,33 @@ def _bench_pp(args: argparse.Namespace) -> int:
 
 
 def _bench_pipeline(args: argparse.Namespace) -> int:
-    # By name, like convert: it runs the model in this process.
-    return importlib.import_module("workers.bench_pipeline").main(args.rest)
+    from bench import pipeline  # it runs the model (torch) in this process; it parses its own options
+
+    return pipeline.main(args.rest)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    # By name: conversion needs torch, which the API side of the CLI never imports.
-    convert = importlib.import_module("workers.convert")
+    from workers import convert  # conversion needs torch, imported for this command only
+
     return convert.main(args.rest)
 
 
 def _train_demo(args: argparse.Namespace) -> int:
-    # By name: training runs the model (torch) in this process; workers.demo.train parses its own options.
-    return importlib.import_module("workers.demo.train").main(args.rest)
+    from training.demo import train  # training runs the model (torch) in this process; it parses its own options
+
+    return train.main(args.rest)
 
 
 def _eval_demo(args: argparse.Namespace) -> int:
-    # By name, like train-demo: the evaluation runs the served pipeline in this process.
-    return importlib.import_module("workers.demo.evaluate").main(args.rest)
+    from training.demo import evaluate  # the evaluation runs the served pipeline in this process
+
+    return evaluate.main(args.rest)
 
 
 def _refine_demo_decoder(args: argparse.Namespace) -> int:
-    # By name, like train-demo: the refiner trains (torch) in this process.
-    return importlib.import_module("workers.demo.refine").main(args.rest)
+    from training.demo import refine  # the refiner trains (torch) in this process
+
+    return refine.main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,3 +1,11 @@
-"""The model-agnostic engine core: wire types, configuration, the control plane
-and mailboxes, the scheduler, the engine loop, and the async ``EngineClient``.
-Pure Python: imports neither ``server`` nor ``workers`` nor torch."""
+"""The model-agnostic engine. Pure Python: imports neither ``server`` nor ``workers`` nor torch.
+
+Both processes share the wire types (``messages``, encoded by ``transport``),
+the configuration (``config``), the request limits (``limits``) and the long
+commands' progress bars (``progress``). The core runs in worker rank 0: the
+control plane (``control``, fed by the ``receiver`` thread; ``validation``,
+``mailbox``), each session's state (``session``), the schedulers
+(``scheduler``, ``stream_batch``, ``slo``, ``pacing``), the chunk cost model
+(``chunk_cost``), the micro-step plans and the executor protocol (``plan``)
+and the loop (``loop``). The API process's side is ``engine.client``
+(``EngineClient``), which the core never imports."""

@@ -150,7 +150,7 @@ class EngineConfig:
     ``LOG_LEVELS``); ``debug`` adds the traceback to the line that says where a
     pipeline call that failed a session raised (``workers.runner``)."""
     wedged_after_s: float = 10.0
-    """The heartbeat's floor (``engine.heartbeat``): a worker whose loop has answered
+    """The heartbeat's floor (``engine.client.heartbeat``): a worker whose loop has answered
     no probe for this long, or whose one forward has run past
     max(this, 10 x the slowest chunk measured at its size), is killed, its sessions
     fail with ``worker_wedged`` and a fresh one starts (``max_worker_restarts``)."""
@@ -200,7 +200,7 @@ class EngineConfig:
         """What a worker of this configuration imports before it can build its
         pipeline: the entry point's module and, for a model (not the stub), the
         causal Wan pipeline with diffusers. Preloaded once by the server that forks
-        workers (``engine.client``), so a (re)started worker imports nothing of it."""
+        workers (``engine.client.engine_client``), so a (re)started worker imports nothing of it."""
         entry = self.worker_entry.partition(":")[0]
         return (entry,) if self.pipeline.name == "stub" else (entry, "workers.pipelines.causal_wan")
 

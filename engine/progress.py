@@ -2,9 +2,9 @@
 (``bench engine``, ``pipeline``, ``pp``, ``realtime``), ``train-demo``,
 ``eval-demo``, ``refine-demo-decoder`` and ``convert``.
 
-Pure Python (tqdm), here because the commands of both sides use it: the API
-side's benchmarks (``server.bench_*``) and the worker side's in-process
-commands (``workers.demo.*``, ``workers.bench_pipeline``, ``workers.convert``).
+Pure Python (tqdm), here because commands of both sides use it: the
+benchmarks (``bench``), the demo model's training (``training.demo``) and
+the checkpoint converter (``workers.convert``).
 A bar is drawn on stderr, and only where stderr is a terminal and the command
 was not asked for its JSON alone (``--json``): piped output, logs, CI and the
 tests see exactly what they saw without it, and stdout, whose last line is a

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.client import EngineClient, EngineDeadError, EngineRestartingError, EngineStartupError
+from engine.client.engine_client import EngineClient, EngineDeadError, EngineRestartingError, EngineStartupError
 from engine.config import EngineConfig, PipelineSpec
 from server.auth import is_authorized
 from server.drain import Drainer

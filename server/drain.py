@@ -24,7 +24,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.client import EngineClient, EngineDeadError, UnknownSessionError
+from engine.client.engine_client import EngineClient, EngineDeadError, UnknownSessionError
 
 log = logging.getLogger(__name__)
 

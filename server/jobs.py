@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.client import (
+from engine.client.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineRestartingError,

@@ -55,7 +55,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from engine.client import EngineClient, EngineDeadError, SessionHandle, UnknownSessionError
+from engine.client.engine_client import EngineClient, EngineDeadError, SessionHandle, UnknownSessionError
 from engine.messages import (
     ChunkReady,
     Interaction,

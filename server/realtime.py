@@ -57,7 +57,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from engine.client import (
+from engine.client.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineRestartingError,

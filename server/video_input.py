@@ -46,7 +46,7 @@ from typing import Protocol
 import av
 import numpy as np
 
-from engine.client import EngineError
+from engine.client.engine_client import EngineError
 from engine.messages import SessionGeometry, VideoInput
 from server.metrics import Metrics
 
@@ -228,7 +228,7 @@ class FrameGatherer:
 
 
 class InputSink(Protocol):
-    """Where a session's input goes: ``engine.client.SessionHandle``."""
+    """Where a session's input goes: ``engine.client.engine_client.SessionHandle``."""
 
     geometry: SessionGeometry
 

@@ -35,7 +35,7 @@ from fractions import Fraction
 import av
 import numpy as np
 
-from engine.client import EngineError
+from engine.client.engine_client import EngineError
 from server.schemas import RequestError
 from server.video_input import MAX_CHUNKS_AHEAD, InputSink, chunk_frames
 

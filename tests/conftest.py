@@ -15,7 +15,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
-from engine.client import EngineClient
+from engine.client.engine_client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 
 ENGINE_KEYS = {

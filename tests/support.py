@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.client import SessionHandle
+from engine.client.engine_client import SessionHandle
 from engine.messages import ChunkReady, ResultMessage, SessionDone, SessionFailed
 from workers.pipelines.conditioning import blend
 from workers.pipelines.stub import StubGate, conditioning_row, embed
 
 SPAWN = multiprocessing.get_context("spawn")
 ROOT = Path(__file__).resolve().parents[1]
-RTVIDEO = (sys.executable, "-m", "server.cli")
+RTVIDEO = (sys.executable, "-m", "cli")
 """The ``rtvideo`` command, as this interpreter runs it from ``ROOT``."""
 
 

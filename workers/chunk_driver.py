@@ -1,7 +1,7 @@
 """One chunk driver: sessions through ``ModelRunner.execute``, micro-step by
 micro-step, the way the worker runs them, for callers in the worker's own
 process that have no engine loop: the warm-up (``workers.warmup``), the
-pipeline bench (``workers.bench_pipeline``) and the model tests.
+pipeline bench (``bench.pipeline``) and the model tests.
 
 It plans as the engine loop does (``engine.plan``): a micro-step opens
 sessions, crosses a session's chunk boundary together with its chunk's first

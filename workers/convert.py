@@ -1,7 +1,7 @@
 """``rtvideo convert``: a Self-Forcing / CausVid checkpoint into a diffusers ``transformer/`` folder,
 and a tiny decoder's weights into ``tiny_decoder/``.
 
-Runs in its own process (the CLI dispatches here by name). The checkpoint is
+Runs in the process of its command (the CLI imports it for ``convert`` only). The checkpoint is
 read with ``weights_only=True`` (no code is unpickled). Steps: take the
 generator (``generator_ema`` by default), strip wrapper prefixes (``model.``,
 ``_orig_mod.``, FSDP's), rename from the original Wan layout with diffusers'

@@ -1,4 +1,4 @@
-"""Entry point of a worker process (spawned by ``engine.client.EngineClient``).
+"""Entry point of a worker process (spawned by ``engine.client.engine_client.EngineClient``).
 
 Rank 0 builds its pipeline, warms it up (``workers.warmup``), settles the
 device memory its sessions may hold, with ``EngineConfig.pp`` > 1 splits the

@@ -17,14 +17,14 @@ Liveness, both ways:
   context) is then started on fresh sockets, at most ``max_worker_restarts``
   times per ``worker_restart_window_s``, a start that fails counting as one;
   past that the engine stays dead. A fork server that dies takes its worker
-  with it (``engine.spawned_worker``: the worker is killed, its sessions
+  with it (``engine.client.spawned_worker``: the worker is killed, its sessions
   fail) and the next start makes a new fork server;
 - the worker holds the read end of a pipe whose write end only this process
   has; when this process dies, however it dies, the worker sees EOF and exits;
 - a worker that is alive but wedged (stopped, deadlocked, or one forward far
   past what its chunks have cost) is found by a heartbeat: the client probes
   the worker's loop every ``Heartbeat.interval_s`` and, once a probe has gone
-  unanswered or a forward has run past its deadline (``engine.heartbeat``),
+  unanswered or a forward has run past its deadline (``engine.client.heartbeat``),
   kills the worker; its sessions get ``SessionFailed(code="worker_wedged")``
   and a fresh worker starts under the same restart budget. Health checks
   read what the heartbeat last learned (``heartbeat``), never waiting on the
@@ -37,7 +37,7 @@ client binds the pipes on TCP and waits for its rank 0 to connect and say
 takes its READY as from a spawned worker. Its exit is learned from its last
 word (``WorkerExiting``) or found by the heartbeat (a group that dies without
 a word looks wedged), and killing it is asking it to exit (``Terminate``);
-``engine.launched_worker``. A "restart" is waiting, under the same budget,
+``engine.client.launched_worker``. A "restart" is waiting, under the same budget,
 for the group the launcher starts next.
 """
 
@@ -56,9 +56,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from engine.client.heartbeat import Heartbeat
+from engine.client.launched_worker import LaunchedWorker
+from engine.client.spawned_worker import SpawnedWorker, fork_server_pid
 from engine.config import EngineConfig, config_to_wire
-from engine.heartbeat import Heartbeat
-from engine.launched_worker import LaunchedWorker
 from engine.messages import (
     AttachWorker,
     ChunkReady,
@@ -86,7 +87,6 @@ from engine.messages import (
     WorkerReady,
     WorkerStartupFailed,
 )
-from engine.spawned_worker import SpawnedWorker, fork_server_pid
 from engine.transport import Endpoints, decode_result, encode_control
 
 log = logging.getLogger(__name__)

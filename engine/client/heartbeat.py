@@ -5,7 +5,7 @@ the worker's loop every ``interval_s`` and tells a ``Heartbeat`` what it sent
 (``sent``), what came back (``answered``) and what each chunk cost
 (``observe``); ``verdict`` then says whether the worker is wedged. The client
 kills a wedged worker: its sessions fail with ``worker_wedged`` and a fresh
-worker starts under the restart budget (``engine.client``).
+worker starts under the restart budget (``engine.client.engine_client``).
 
 Two ways to be wedged, one knob (``floor_s``: ``EngineConfig.wedged_after_s``,
 ``rtvideo serve --worker-wedged-after-s``):

@@ -16,8 +16,8 @@ import torch
 
 from tests.e2e.client import Chunk, Realtime, assert_applied_as_promised, interaction, open_realtime
 from tests.e2e.conftest import start_server, stop_server, train_tiny_demo
+from training.demo.classify import classify, dominant_colour
 from workers.cpu_threads import candidates
-from workers.demo.classify import classify, dominant_colour
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.conftest import ROOT
-from workers.demo.classify import dominant_colour
+from training.demo.classify import dominant_colour
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 README = (ROOT / "README.md").read_text()

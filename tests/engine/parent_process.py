@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from engine.client import EngineClient
+from engine.client.engine_client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import ChunkReady, StartSession
 

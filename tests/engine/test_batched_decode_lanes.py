@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.client import EngineClient
+from engine.client.engine_client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import ChunkReady, SessionDone, StartSession
 from tests.conftest import PINNED_LIMITS

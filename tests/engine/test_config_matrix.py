@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from engine.client import EngineClient
+from engine.client.engine_client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.client import EngineClient, EngineDeadError, EngineStartupError, UnknownSessionError
+from engine.client.engine_client import EngineClient, EngineDeadError, EngineStartupError, UnknownSessionError
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.heartbeat import FACTOR
+from engine.client.heartbeat import FACTOR
 from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from tests.support import Collected, collect, make_gate, read_until, wait_reached
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.client import EngineClient
+from engine.client.engine_client import EngineClient
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,

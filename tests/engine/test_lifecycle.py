@@ -72,7 +72,7 @@ async def test_shutdown_ends_open_sessions_with_done_shutdown(make_engine):
 
 
 async def test_shutdown_kills_a_worker_that_does_not_exit_in_time():
-    from engine.client import EngineClient
+    from engine.client.engine_client import EngineClient
     from engine.config import EngineConfig, PipelineSpec
 
     gate = make_gate(chunk=0, step=0)

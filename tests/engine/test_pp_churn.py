@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from engine.client import EngineClient, SessionHandle
+from engine.client.engine_client import EngineClient, SessionHandle
 from engine.messages import (
     ChunkReady,
     Interaction,

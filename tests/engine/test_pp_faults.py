@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.client import EngineClient, EngineStartupError
+from engine.client.engine_client import EngineClient, EngineStartupError
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     Interaction,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from engine.client import EngineClient, SessionHandle, SessionRejectedError
+from engine.client.engine_client import EngineClient, SessionHandle, SessionRejectedError
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import (
     ChunkReady,

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine.client import EngineClient, SessionRejectedError
+from engine.client.engine_client import EngineClient, SessionRejectedError
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import ChunkReady, StartSession
 from tests.support import Collected, collect, read_until

@@ -13,7 +13,7 @@ import time
 import pytest
 import zmq
 
-from engine.client import EngineClient, EngineDeadError
+from engine.client.engine_client import EngineClient, EngineDeadError
 from engine.config import EngineConfig, PipelineSpec
 from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from tests.conftest import PINNED_LIMITS

@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.client import SessionRejectedError
+from engine.client.engine_client import SessionRejectedError
 from engine.limits import MAX_TRANSITION_CHUNKS
 from engine.messages import (
     ChunkReady,

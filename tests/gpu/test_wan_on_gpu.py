@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_wan_1_3b_pipeline_on_gpu(capsys):
-    from workers.bench_pipeline import run
+    from bench.pipeline import run
 
     summary = run("wan2.1-1.3b", 832, 480, chunks=6, steps=4, device="cuda")
     print(json.dumps(summary))
@@ -98,7 +98,7 @@ def test_tiny_fp32_on_gpu_tracks_the_cpu():
 
 
 async def test_a_worker_process_serves_the_tiny_preset_on_gpu():
-    from engine.client import EngineClient
+    from engine.client.engine_client import EngineClient
     from engine.config import EngineConfig, PipelineSpec
     from engine.messages import SessionDone, StartSession
     from tests.support import collect

@@ -74,7 +74,7 @@ def test_a_mismatched_checkpoint_is_refused_naming_keys(tmp_path):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "convert",
             str(tmp_path / "broken.pt"),
             str(tmp_path / "out"),
@@ -115,7 +115,7 @@ def test_convert_records_the_trained_attention_span_in_rtvideo_json(tmp_path):
     assert written == {"text_length": 512, "default_size": [832, 480], "sink_frames": 3, "window_frames": 15}
 
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "convert", str(tmp_path / "self_forcing_dmd.pt"), str(tmp_path / "other")]
+        [sys.executable, "-m", "cli", "convert", str(tmp_path / "self_forcing_dmd.pt"), str(tmp_path / "other")]
         + ["--config", "tiny", "--sink-frames", "0", "--window-frames", "12"],
         cwd=ROOT,
         capture_output=True,
@@ -147,7 +147,7 @@ def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_
     save_directory(build_tiny(), model)
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "server.cli", "convert", *args]
+        command = [sys.executable, "-m", "cli", "convert", *args]
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
     result = run("--tiny-decoder", str(tmp_path / "taew2_1.safetensors"), str(model))

@@ -1,5 +1,5 @@
 """The demo codec's causal refiner (``workers.demo.codec``, trained by
-``workers.demo.refine``): a streamed decode through the served pipeline's
+``training.demo.refine``): a streamed decode through the served pipeline's
 ``StreamingDecoder`` equals a one-shot decode, an untrained refiner decodes as
 the linear inverse does, and training puts back the motion inside a latent
 frame that the linear inverse loses."""
@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from workers.demo import WEIGHTS, metrics
+from training.demo import metrics
+from training.demo.metrics import _distance, circular_centroid, foreground
+from training.demo.refine import main as refine_main
+from training.demo.refine import refined_copy, streamed_decode, train
+from workers.demo import WEIGHTS
 from workers.demo.codec import LinearVideoCodec
-from workers.demo.metrics import _distance, circular_centroid, foreground
-from workers.demo.refine import main as refine_main
-from workers.demo.refine import refined_copy, streamed_decode, train
 from workers.pipelines.vae_stream import StreamingDecoder
 
 

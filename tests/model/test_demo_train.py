@@ -13,12 +13,12 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from engine.messages import StartSession
+from training.demo import scenes
+from training.demo.evaluate import evaluate
+from training.demo.objective import TeacherForcing
+from training.demo.train import BEFORE_FIELD, TINY, Trainer, draw_self_context
 from workers.chunk_driver import ChunkDriver
-from workers.demo import scenes
 from workers.demo.codec import LinearVideoCodec
-from workers.demo.evaluate import evaluate
-from workers.demo.objective import TeacherForcing
-from workers.demo.train import BEFORE_FIELD, TINY, Trainer, draw_self_context
 from workers.pipelines.base import BatchRow, StepBatch
 from workers.pipelines.causal_wan import build
 from workers.pipelines.presets import load_directory

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
+from training.demo.evaluate import evaluate
 from workers.demo import WEIGHTS
-from workers.demo.evaluate import evaluate
 
 TOLERANCE = 0.05  # a fraction may move by this much: a reading or two flipped by float rounding on another CPU
 ARGUMENTS = ("trials", "chunks", "switch_at", "long_streams", "long_chunks", "seed", "rows")

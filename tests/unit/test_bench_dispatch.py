@@ -11,9 +11,9 @@ from typing import get_args
 
 import pytest
 
+from bench.engine import BenchOptions, InteractionsRun
+from bench.pp import SessionRun
 from engine import messages as m
-from server.bench_engine import BenchOptions, InteractionsRun
-from server.bench_pp import SessionRun
 
 # What a session's handle yields: every result naming a session but the answer to its start.
 SESSION_RESULTS = {t for t in get_args(m.ResultMessage) if "session_id" in t.__struct_fields__} - {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli import build_parser, settings_from
+from cli.main import build_parser, settings_from
 
 
 def parse(*argv: str):
@@ -41,7 +41,7 @@ def test_bad_values_exit_naming_the_option(argv, env, names):
 
 
 def test_a_variable_that_names_no_setting_is_warned_of_with_the_closest_one():
-    from server.cli import unknown_variables
+    from cli.main import unknown_variables
 
     environ = {"RTVIDEO_MAX_SESION": "3", "RTVIDEO_PORT": "90", "RTVIDEO_LOCK": "cpu", "PATH": "/", "RTVIDEO_XYZZY": ""}
     assert unknown_variables(environ) == [
@@ -51,8 +51,8 @@ def test_a_variable_that_names_no_setting_is_warned_of_with_the_closest_one():
 
 
 def test_a_model_that_is_neither_a_preset_nor_a_model_directory_is_refused_in_one_line(tmp_path):
+    from cli.main import check_model
     from engine.config import MODEL_DIR_PARTS, MODEL_PRESETS
-    from server.cli import check_model
     from workers.pipelines import REGISTRY  # torch-free: the worker's names, read lazily
 
     assert set(MODEL_PRESETS) <= set(REGISTRY)
@@ -111,7 +111,7 @@ def test_frame_area_and_realtime_load_reach_the_engine_and_none_turns_the_check_
 def test_serve_help_explains_every_option():
     from dataclasses import fields
 
-    from server.cli import build_parser, field_docs
+    from cli.main import build_parser, field_docs
     from server.settings import ServerSettings
 
     docs = field_docs(ServerSettings)
@@ -241,7 +241,7 @@ def test_the_api_process_logs_its_own_lines_at_the_level_and_other_libraries_onl
     try:
         logging.config.dictConfig(logging_config("debug"))
         logging.getLogger("server.live_session").debug("session s1 resumed")
-        logging.getLogger("engine.client").info("worker is ready")
+        logging.getLogger("engine.client.engine_client").info("worker is ready")
         logging.getLogger("httpx").info("a dependency's detail")
         logging.getLogger("httpx").warning("a dependency's warning")
         logging.config.dictConfig(logging_config("warning"))

@@ -10,10 +10,10 @@ import functools
 import numpy as np
 import pytest
 
-from workers.demo import scenes
-from workers.demo.classify import classify, dominant_colour
-from workers.demo.evaluate import evaluate, judge_ground_truth
-from workers.demo.metrics import (
+from training.demo import scenes
+from training.demo.classify import classify, dominant_colour
+from training.demo.evaluate import evaluate, judge_ground_truth
+from training.demo.metrics import (
     BARS,
     JUMP_PX,
     StreamJudge,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from workers.demo import scenes
-from workers.demo.classify import classify
+from training.demo import scenes
+from training.demo.classify import classify
+from training.demo.train import TINY, fit_codec
 from workers.demo.codec import LinearVideoCodec
-from workers.demo.train import TINY, fit_codec
 
 SIZE = 64
 

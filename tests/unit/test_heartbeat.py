@@ -3,7 +3,7 @@ floor, and one forward against a deadline derived from measured chunks."""
 
 from __future__ import annotations
 
-from engine.heartbeat import FACTOR, Heartbeat
+from engine.client.heartbeat import FACTOR, Heartbeat
 from engine.messages import ProbeReply
 
 

@@ -1,8 +1,18 @@
-"""The house's import direction: server -> engine <- workers; torch only in workers."""
+"""The house's import direction, by process: server -> engine <- workers; the tools on top.
+
+- ``server/`` (the API process) and ``engine/client/`` (the engine's API side)
+  import no torch and nothing of ``workers``, ``bench``, ``training`` or ``cli``;
+- the engine core (``engine/`` outside ``engine/client/``, in worker rank 0)
+  imports neither ``engine.client`` nor ``server``, nor torch;
+- ``workers/`` imports nothing of ``server`` or the tools;
+- ``bench/``, ``training/`` and ``cli/`` are tools: they may import the rest,
+  ``cli`` everything, and nothing imports ``cli``.
+"""
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,37 +20,89 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TORCH = ("torch", "diffusers", "transformers")
+TOOLS = ("bench", "training", "cli")
 FORBIDDEN = {
-    "engine": {"server", "workers", "torch", "diffusers", "transformers"},
-    "server": {"workers", "torch", "diffusers", "transformers"},
-    "workers": {"server"},
+    "server": ("workers", *TOOLS, *TORCH),
+    "engine/client": ("server", "workers", *TOOLS, *TORCH),
+    "engine": ("engine.client", "server", "workers", *TOOLS, *TORCH),
+    "workers": ("server", "engine.client", *TOOLS),
+    "bench": ("cli", "training"),
+    "training": ("server", "engine.client", "bench", "cli"),
 }
+"""Each folder's ``.py`` files (``engine``: those outside ``engine/client/``) and
+the modules they may not import: a name and everything under it."""
 
 
-def imported_roots(path: Path) -> set[str]:
-    roots = set()
+def imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of the file (a function's lazy imports too)."""
+    names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
-    return roots
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_no_module_imports_against_the_direction(package):
+def sources(folder: str) -> list[Path]:
+    paths = sorted((ROOT / folder).rglob("*.py"))
+    if folder == "engine":
+        paths = [p for p in paths if (ROOT / "engine" / "client") not in p.parents]
+    assert paths, f"no Python files under {folder}/"
+    return paths
+
+
+def against(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_no_module_imports_against_the_direction(folder):
+    offenders = {str(p.relative_to(ROOT)): against(imported(p), FORBIDDEN[folder]) for p in sources(folder)}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_nothing_imports_the_command_line():
+    folders = ("server", "engine", "workers", "bench", "training")
     offenders = {
-        str(path.relative_to(ROOT)): sorted(imported_roots(path) & FORBIDDEN[package])
-        for path in (ROOT / package).rglob("*.py")
+        str(p.relative_to(ROOT)): against(imported(p), ("cli",)) for folder in folders for p in sources(folder)
     }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_the_api_side_loads_without_torch_or_workers():
-    code = (
-        "import sys, engine.client, engine.loop, server.cli, server.app;"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'workers')];"
-        "print(bad); sys.exit(1 if bad else 0)"
+def test_the_check_sees_an_import_against_the_direction(tmp_path):
+    """The scan finds a lazy import of the engine's API side inside a function (it can fail)."""
+    module = tmp_path / "core.py"
+    module.write_text("def f():\n    from engine.client.heartbeat import Heartbeat\n    import torch.nn\n")
+    found = against(imported(module), FORBIDDEN["engine"])
+    assert found == ["engine.client.heartbeat", "engine.client.heartbeat.Heartbeat", "torch.nn"]
+
+
+NOT_ON_THE_API_SIDE = (*TORCH, "workers", "bench", "training")
+API_SIDE_LOADS = f"""
+import sys
+import cli.main, engine.client.engine_client, server.app
+try:
+    cli.main.main(["serve", "--model", "/nonexistent/model"])  # every import of serve, then the model check
+except SystemExit as stop:
+    assert "no such directory" in str(stop), stop
+else:
+    raise AssertionError("rtvideo serve started without a model")
+assert "server.app" in sys.modules and "uvicorn" in sys.modules, sorted(sys.modules)
+bad = sorted({{m.split(".")[0] for m in sys.modules}}.intersection({NOT_ON_THE_API_SIDE!r}))
+print("loaded:", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_the_api_side_and_rtvideo_serve_load_no_torch():
+    """In a fresh interpreter: the server's app, the engine client and what
+    ``rtvideo serve`` imports before it starts (run up to its model check)
+    load no torch and nothing of ``workers``, ``bench`` or ``training``."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RTVIDEO_")}
+    result = subprocess.run(
+        [sys.executable, "-c", API_SIDE_LOADS], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

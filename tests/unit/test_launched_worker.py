@@ -1,14 +1,14 @@
 """What the API process needs to attach a worker group started by a launcher:
 its configuration as plain data, the TCP pipes, and the stand-in for a child
-process handle (``engine.launched_worker``)."""
+process handle (``engine.client.launched_worker``)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from engine.client.launched_worker import LaunchedWorker
 from engine.config import EngineConfig, PipelineSpec, config_from_wire, config_to_wire
-from engine.launched_worker import LaunchedWorker
 from engine.messages import AttachWorker, Terminate, WorkerHello
 from engine.transport import Endpoints, decode_control, encode_control
 

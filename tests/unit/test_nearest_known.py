@@ -3,7 +3,7 @@ other prompt as the one it shares the most words with: a pure, deterministic rul
 
 from __future__ import annotations
 
-from workers.demo.scenes import CAPTIONS
+from training.demo.scenes import CAPTIONS
 from workers.pipelines.conditioning import nearest_known
 
 

@@ -1,4 +1,4 @@
-"""The page's playback buffer policy, as ``server/playback.py`` mirrors it, and the
+"""The page's playback buffer policy, as ``bench/playback.py`` mirrors it, and the
 simulated viewer ``rtvideo bench realtime`` plays each session through.
 
 The policy's constants are read from the page itself (``server/static/index.html``,
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from server import playback
-from server.playback import LeadPolicy, SimulatedPlayer
+from bench import playback
+from bench.playback import LeadPolicy, SimulatedPlayer
 
 PAGE = Path(__file__).resolve().parents[2] / "server" / "static" / "index.html"
 

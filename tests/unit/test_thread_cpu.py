@@ -1,4 +1,4 @@
-"""``server.thread_cpu``: the benchmarks' per-thread CPU, read from ``/proc``."""
+"""``bench.thread_cpu``: the benchmarks' per-thread CPU, read from ``/proc``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from server import thread_cpu
+from bench import thread_cpu
 from workers.os_threads import name_this_thread
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.demo.scenes import BACKGROUND, COLOURS, SHAPES, Attributes, shape_alpha
+from training.demo.scenes import BACKGROUND, COLOURS, SHAPES, Attributes, shape_alpha
 
 FOREGROUND_LEVEL = 60  # grey levels above the background's brightest channel
 MIN_PIXELS = 4  # fewer foreground pixels than this: no object in the frame

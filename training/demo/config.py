@@ -1,6 +1,6 @@
 """The demo model's training configuration: what ``rtvideo train-demo`` trains.
 
-Worker side (read by ``train``; the UMT5 config needs ``transformers``). One
+Torch side, training only (read by ``train``; the UMT5 config needs ``transformers``). One
 ``TrainConfig`` per run, recorded in ``OUT/train.json`` and checked against a
 resumed run's; ``TINY`` is the seconds-long configuration the tests train.
 """

@@ -1,6 +1,6 @@
 """``rtvideo eval-demo``: does each chunk a demo model serves show what its prompt says?
 
-Worker side, in process: the model directory is loaded by the serving loader
+Torch side, in the command's process: the model directory is loaded by the serving loader
 and run through the served pipeline (``CausalWanPipeline``) by ``ChunkDriver``,
 micro-step by micro-step through ``ModelRunner`` as the worker runs it, several
 sessions a forward (``--rows``) as the worker batches them. The streams
@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.progress import Progress
-from workers.demo import WEIGHTS, metrics
-from workers.demo.metrics import StreamJudge, Trial
+from training.demo import metrics
+from training.demo.metrics import StreamJudge, Trial
+from workers.demo import WEIGHTS
 
 
 def _groups(trials: list[Trial], rows: int) -> list[list[Trial]]:

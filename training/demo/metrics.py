@@ -1,6 +1,6 @@
 """The demo model's evaluation measures and bars, from chunks of raw RGB frames.
 
-Pure numpy (worker side, no model here): ``evaluate`` feeds it the served
+Pure numpy (no model here): ``evaluate`` feeds it the served
 pipeline's chunks, the tests feed it ground-truth chunks rendered by
 ``scenes``. A ``Trial`` is one stream and the caption in force at each of its
 chunks; a ``StreamJudge`` reads the stream's chunks in order; ``summarize``
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from workers.demo import scenes
-from workers.demo.classify import circular_centroid, classify, foreground
+from training.demo import scenes
+from training.demo.classify import circular_centroid, classify, foreground
 
 JUMP_PX = 3.0  # a centroid moving more than this between consecutive frames jumped (the object moves 1 px)
 BARS: dict[str, float] = {

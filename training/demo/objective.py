@@ -1,6 +1,6 @@
 """Block-causal teacher forcing: the demo model's training forward and loss.
 
-Worker side. What serving does, chunk by chunk (``CausalWanPipeline``): chunk
+Torch side, training only. What serving does, chunk by chunk (``CausalWanPipeline``): chunk
 k is denoised attending to the KV cache of the clean chunks before it
 (committed at t = 0, each under its own caption) and to itself at the step's
 noise level; the sampler takes ``x0 = x_t - sigma * v``. Training computes

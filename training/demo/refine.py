@@ -1,6 +1,6 @@
 """``rtvideo refine-demo-decoder``: train the demo codec's causal refiner.
 
-Worker side (torch). The demo model's latents are a fixed projection of 8x8
+Training (torch), in the command's process. The demo model's latents are a fixed projection of 8x8
 blocks of 4 frames (``workers.demo.codec``), whose linear inverse loses most
 of the motion inside a block. The refiner (``CausalRefiner``) learns to put it
 back from the latent frame and the one before it. It is trained here by
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from engine.progress import Progress
-from workers.demo import WEIGHTS, scenes
+from training.demo import scenes
+from workers.demo import WEIGHTS
 from workers.demo.codec import LinearVideoCodec
 
 SIZE = 64

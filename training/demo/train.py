@@ -1,6 +1,6 @@
 """``rtvideo train-demo``: train the demo model, resumably, into a servable model directory.
 
-Runs in its own process (the CLI dispatches here by name), on a CPU or a GPU.
+Runs in the process of its command (the CLI imports it for ``train-demo`` only), on a CPU or a GPU.
 Everything is a function of the seed: the codec is fitted to clips
 of the seed's ``CODEC_FIT`` stream, step ``s`` trains on clips ``clip_for(seed, s * batch
 + i)`` with noise and noise levels drawn from a generator seeded by (seed, s),
@@ -50,10 +50,10 @@ from diffusers import WanTransformer3DModel
 from transformers import ByT5Tokenizer, UMT5EncoderModel
 
 from engine.progress import Progress
-from workers.demo import scenes
+from training.demo import scenes
+from training.demo.config import BEFORE_FIELD, TINY, TrainConfig
+from training.demo.objective import TeacherForcing
 from workers.demo.codec import LinearVideoCodec
-from workers.demo.config import BEFORE_FIELD, TINY, TrainConfig
-from workers.demo.objective import TeacherForcing
 from workers.pipelines.causal_wan import self_forcing_timesteps
 from workers.pipelines.presets import Components, save_directory, write_rtvideo_json
 

@@ -22,7 +22,7 @@ The linear inverse of the projection keeps what 16 components hold of motion
 inside a block of 4 frames, and that is little: decoded, an object moving
 1 px a frame moves about 0.5 px a frame inside a latent frame and jumps
 2.5 px to the next. With ``refiner_width`` > 0 the decoder adds a learned
-correction (``CausalRefiner``, trained by ``workers.demo.refine``): a small
+correction (``CausalRefiner``, trained by ``training.demo.refine``): a small
 convolutional net that sees the latent frame and the one before it (where the
 object was 4 frames earlier: its velocity) and corrects the linear blocks. The
 encoder, and so the latent space the transformer works in, stays the
