@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 
+from bench import pipeline as bench_pipeline
+from bench import versus as bench_versus
 from engine.messages import StartSession
-from workers import bench_pipeline, bench_versus
 
 
 def _build(**options):
