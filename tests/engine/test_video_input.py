@@ -209,8 +209,14 @@ async def test_frames_more_than_the_chunks_that_may_wait_fail_the_session(make_e
     await wait_reached(gate)
     for index in range(1, 6):
         await handle.send_input(index, camera(index))
+    # The control receiver takes messages in order and acknowledges an interaction
+    # at once: its acknowledgement means the frames before it were judged while
+    # chunk 0 was still held.
+    await handle.interact("e", Interaction(prompt="a blue whale"))
+    result = Collected()
+    await read_until(handle, InteractionQueued, result)
     gate.release.set()
-    result = await collect(handle)
+    await collect(handle, result)
     assert isinstance(result.end, SessionFailed) and result.end.code == "invalid_input"
     assert result.end.message == (
         "session s: input frames for chunk 5 came 4 chunks ahead of the chunk about to begin (1); "
