@@ -40,7 +40,9 @@ import json
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -101,6 +103,43 @@ class SessionResult:
     error: str | None = None
 
 
+def session_socket(url: str, api_key: str | None) -> connect:
+    """A realtime socket to ``url`` (``async with``), with no limit on a
+    message's size, sending ``api_key`` as a bearer token when there is one."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return connect(url, max_size=None, additional_headers=headers)
+
+
+def session_start(prompt: str, index: int, chunks: int, max_lead_seconds: float | None, **fields: Any) -> dict:
+    """The ``session.start`` of a bench's session ``index``: its own prompt
+    (``prompt #index``) and seed (``index``), ``chunks`` chunks as fmp4, and
+    ``fields`` besides."""
+    return {
+        "type": "session.start",
+        "prompt": f"{prompt} #{index}",
+        "seed": index,
+        "num_chunks": chunks,
+        "format": "fmp4",
+        "max_lead_seconds": max_lead_seconds,
+        **fields,
+    }
+
+
+async def session_events(ws: ClientConnection) -> AsyncIterator[tuple[str, dict, float]]:
+    """The JSON events a realtime socket sends, each as its type, the event and
+    when it was read (``time.perf_counter``), up to and including
+    ``session.done``; binary messages (the media) are skipped. A socket that
+    closes before ``session.done`` raises ``ConnectionClosed`` from here."""
+    while True:
+        message = await ws.recv()
+        if isinstance(message, bytes):
+            continue
+        event = json.loads(message)
+        yield event["type"], event, time.perf_counter()
+        if event["type"] == "session.done":
+            return
+
+
 async def _report(ws: ClientConnection, player: SimulatedPlayer) -> None:
     """Every ``REPORT_EVERY_S`` once playback started: the playhead, as the policy reports it."""
     while True:
@@ -124,30 +163,16 @@ async def _session(options: RealtimeBenchOptions, index: int, progress: Progress
     result = SessionResult()
     player = SimulatedPlayer(options.policy())
     moments = random.Random(index)  # when within a chunk period each prompt is sent: seeded, so runs compare
-    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else None
     tasks: set[asyncio.Task] = set()
-    async with connect(options.url, max_size=None, additional_headers=headers) as ws:
-        start = {
-            "type": "session.start",
-            "prompt": f"{options.prompt} #{index}",
-            "seed": index,
-            "num_chunks": options.chunks,
-            "format": "fmp4",
-            "max_lead_seconds": options.budget(),
-        }
+    async with session_socket(options.url, options.api_key) as ws:
+        start = session_start(options.prompt, index, options.chunks, options.budget())
         result.started = time.perf_counter()
         await ws.send(json.dumps(start))
         fps, period = 16.0, 0.75
         if options.max_lead_seconds is not None:
             tasks.add(asyncio.create_task(_report(ws, player)))
         try:
-            while True:
-                message = await ws.recv()
-                if isinstance(message, bytes):
-                    continue
-                event = json.loads(message)
-                kind = event["type"]
-                now = time.perf_counter()
+            async for kind, event, now in session_events(ws):
                 if kind == "video.start":
                     fps = event["config"]["fps"]
                     period = event["config"]["frames_per_chunk"] / fps
@@ -171,7 +196,6 @@ async def _session(options: RealtimeBenchOptions, index: int, progress: Progress
                     result.error = f"{event['code']}: {event['message']}"
                 elif kind == "session.done":
                     player.finish(now)
-                    break
         finally:
             for task in tasks:
                 task.cancel()

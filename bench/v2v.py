@@ -36,8 +36,9 @@ from fractions import Fraction
 
 import av
 import numpy as np
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 
+from bench.realtime import session_events, session_socket, session_start
 from bench.stats import percentiles
 from engine.progress import Progress
 
@@ -158,36 +159,22 @@ async def _session(
     options: V2vBenchOptions, shape: InputShape, images: list[bytes], index: int, progress: Progress
 ) -> SessionResult:
     result = SessionResult()
-    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else None
     sender: asyncio.Task | None = None
     event_id = f"bench-v2v-{index}-{uuid.uuid4().hex[:8]}"
-    async with connect(options.url, max_size=None, additional_headers=headers) as ws:
-        start = {
-            "type": "session.start",
-            "prompt": f"{options.prompt} #{index}",
-            "seed": index,
-            "num_chunks": options.chunks,
-            "format": "fmp4",
-            "max_lead_seconds": None,
-            "input": {
-                "kind": "video",
-                "strength": options.strength,
-                "format": options.format,
-                "width": shape.width,
-                "height": shape.height,
-                "fps": shape.fps,
-            },
+    async with session_socket(options.url, options.api_key) as ws:
+        video = {
+            "kind": "video",
+            "strength": options.strength,
+            "format": options.format,
+            "width": shape.width,
+            "height": shape.height,
+            "fps": shape.fps,
         }
+        start = session_start(options.prompt, index, options.chunks, None, input=video)
         result.started = time.perf_counter()
         await ws.send(json.dumps(start))
         try:
-            while True:
-                message = await ws.recv()
-                if isinstance(message, bytes):
-                    continue
-                event = json.loads(message)
-                kind = event["type"]
-                now = time.perf_counter()
+            async for kind, event, now in session_events(ws):
                 if kind == "video.start":
                     sender = asyncio.create_task(_send_frames(ws, images, shape.fps, result))
                 elif kind == "video.chunk_metadata":
@@ -207,8 +194,6 @@ async def _session(
                         await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
                 elif kind == "error" and event.get("fatal"):
                     result.error = f"{event['code']}: {event['message']}"
-                elif kind == "session.done":
-                    break
         finally:
             if sender is not None:
                 sender.cancel()
