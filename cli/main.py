@@ -320,6 +320,19 @@ def _refine_demo_decoder(args: argparse.Namespace) -> int:
     return refine.main(args.rest)
 
 
+def _server_bench(benches: argparse._SubParsersAction, name: str, about: str, sessions: int) -> argparse.ArgumentParser:
+    """The parser of ``bench NAME``, a bench of WebSocket sessions against a running
+    server, with the options every such bench takes: the server, how many
+    sessions and chunks, its API key and ``--json``."""
+    bench = benches.add_parser(name, help=about)
+    bench.add_argument("--url", default="ws://127.0.0.1:8000", help="the server (http(s):// or ws(s)://)")
+    bench.add_argument("--sessions", type=int, default=sessions, help=f"concurrent sessions (default {sessions})")
+    bench.add_argument("--chunks", type=int, default=12, help="chunks per session (default 12)")
+    bench.add_argument("--api-key", default=None)
+    bench.add_argument("--json", action="store_true", help="print only the JSON summary")
+    return bench
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtvideo", description="Realtime video generation server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -371,10 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     pipeline = benches.add_parser("pipeline", help="the causal Wan pipeline's cost per chunk", add_help=False)
     pipeline.set_defaults(func=_bench_pipeline, passthrough=True)
-    realtime = benches.add_parser("realtime", help="K concurrent WebSocket sessions against a running server")
-    realtime.add_argument("--url", default="ws://127.0.0.1:8000", help="the server (http(s):// or ws(s)://)")
-    realtime.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
-    realtime.add_argument("--chunks", type=int, default=12, help="chunks per session (default 12)")
+    realtime = _server_bench(benches, "realtime", "K concurrent WebSocket sessions against a running server", 4)
     realtime.add_argument(
         "--interact-at", type=int, default=3, help="send a new prompt within a chunk period after this chunk"
     )
@@ -387,21 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="adaptive",
         help="pacing: 'adaptive' (the page's buffer policy, the default), a fixed budget in seconds, or 'off'",
     )
-    realtime.add_argument("--api-key", default=None)
-    realtime.add_argument("--json", action="store_true", help="print only the JSON summary")
     realtime.set_defaults(func=_bench_realtime)
-    v2v = benches.add_parser("v2v", help="K concurrent video-to-video sessions (frames in, restyled chunks out)")
-    v2v.add_argument("--url", default="ws://127.0.0.1:8000", help="the server (http(s):// or ws(s)://)")
-    v2v.add_argument("--sessions", type=int, default=1, help="concurrent sessions (default 1)")
-    v2v.add_argument("--chunks", type=int, default=12, help="chunks per session (default 12)")
+    v2v = _server_bench(benches, "v2v", "K concurrent video-to-video sessions (frames in, restyled chunks out)", 1)
     v2v.add_argument("--strength", type=float, default=0.6, help="input.strength, 0-1 (default 0.6)")
     v2v.add_argument("--format", choices=("jpeg", "raw"), default="jpeg", help="how input frames travel")
     v2v.add_argument("--width", type=int, default=None, help="input width (default: the model's)")
     v2v.add_argument("--height", type=int, default=None, help="input height (default: the model's)")
     v2v.add_argument("--fps", type=float, default=None, help="input frame rate (default: the model's)")
     v2v.add_argument("--interact-at", type=int, default=3, help="send a new prompt once this chunk arrived")
-    v2v.add_argument("--api-key", default=None)
-    v2v.add_argument("--json", action="store_true", help="print only the JSON summary")
     v2v.set_defaults(func=_bench_v2v)
     pp = benches.add_parser("pp", help="temporal pipeline parallelism: 1 vs 2 ranks, 1 and 4 sessions, batching")
     pp.add_argument("--model", default="tiny", help="tiny, or a model directory")
