@@ -1,10 +1,11 @@
 """Helpers shared by the test tiers: reading stub frames back, collecting a
-session's results, gates that hold a stub pipeline mid-chunk, and running an
-``rtvideo`` command as a user does."""
+session's results, gates that hold a stub pipeline mid-chunk, a video file
+made of given frames, and running an ``rtvideo`` command as a user does."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import multiprocessing
 import socket
@@ -121,6 +122,24 @@ def free_ports(count: int) -> int:
                 sock.close()
         return port
     raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def video_file(frames: list[np.ndarray], fps: int, codec: str = "ffv1", container: str = "matroska") -> bytes:
+    """``frames`` (uint8 RGB, one size) as a video file at ``fps``: lossless
+    (ffv1, RGB, in Matroska) unless told."""
+    import av  # PyAV: only the tests that make a video load it
+
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as muxer:
+        stream = muxer.add_stream(codec, rate=fps)
+        stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]
+        stream.pix_fmt = "bgr0" if codec == "ffv1" else "yuv420p"
+        for image in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                muxer.mux(packet)
+        for packet in stream.encode():
+            muxer.mux(packet)
+    return out.getvalue()
 
 
 def run_rtvideo(*argv: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:

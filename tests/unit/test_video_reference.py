@@ -6,9 +6,7 @@ last filled out with the video's last frame (``ReferenceFeeder``)."""
 from __future__ import annotations
 
 import asyncio
-import io
 
-import av
 import numpy as np
 import pytest
 
@@ -16,23 +14,9 @@ from engine.messages import SessionGeometry
 from server.schemas import RequestError
 from server.video_input import MAX_CHUNKS_AHEAD
 from server.video_reference import ReferenceFeeder, ReferenceVideo
+from tests.support import video_file
 
 W, H = 16, 12
-
-
-def video_file(frames: list[np.ndarray], fps: int, codec: str = "ffv1", container: str = "matroska") -> bytes:
-    """``frames`` as a video file: lossless (ffv1, RGB) unless told."""
-    out = io.BytesIO()
-    with av.open(out, "w", format=container) as muxer:
-        stream = muxer.add_stream(codec, rate=fps)
-        stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]
-        stream.pix_fmt = "bgr0" if codec == "ffv1" else "yuv420p"
-        for image in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                muxer.mux(packet)
-        for packet in stream.encode():
-            muxer.mux(packet)
-    return out.getvalue()
 
 
 def picture(index: int) -> np.ndarray:
