@@ -34,15 +34,11 @@ the chunks in flight, one chunk's worth each.
 
 from __future__ import annotations
 
-import inspect
 import itertools
-from typing import Any
 
 import torch
 
 _uids = itertools.count()
-_SPANS = ("sink_frames", "window_frames", "tail_frames", "tokens_per_frame", "heads", "head_dim", "batch")
-"""The constructor's arguments that size a cache's stores, in a ``layout``'s order."""
 
 
 class SessionKVCache:
@@ -81,16 +77,23 @@ class SessionKVCache:
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._provisional: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # chunk -> layer -> k, v
 
-    @classmethod
-    def layout_of(cls, *args: Any, **kwargs: Any) -> tuple:
-        """The ``layout`` of a cache made with these arguments (the constructor's,
-        bound as it binds them: a ``TypeError`` for ones it would refuse),
-        without making one."""
-        given = inspect.signature(cls).bind(*args, **kwargs)
-        given.apply_defaults()
-        spec = given.arguments
-        layers = range(spec["layers"]) if isinstance(spec["layers"], int) else spec["layers"]
-        return (tuple(layers), tuple(spec[name] for name in _SPANS), spec["dtype"], torch.device(spec["device"]))
+    @staticmethod
+    def layout_of(
+        layers: range | int,
+        sink_frames: int,
+        window_frames: int,
+        tokens_per_frame: int,
+        heads: int,
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tail_frames: int = 0,
+    ) -> tuple:
+        """The ``layout`` of a cache made with these arguments (the constructor's)."""
+        layers = range(layers) if isinstance(layers, int) else layers
+        spans = (sink_frames, window_frames, tail_frames, tokens_per_frame, heads, head_dim, batch)
+        return (tuple(layers), spans, dtype, torch.device(device))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The held (un-roped) keys and values of ``layer``, in time order."""
