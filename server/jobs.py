@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,6 +43,7 @@ from engine.client.engine_client import (
 from engine.messages import (
     ChunkReady,
     InteractionApplied,
+    InteractionQueued,
     InteractionRejected,
     InteractionSuperseded,
     SessionDone,
@@ -49,6 +51,7 @@ from engine.messages import (
     StartSession,
     VideoInput,
 )
+from server.dispatch import TypeDispatcher
 from server.drain import Drainer
 from server.job_store import INTERRUPTED, INTERRUPTED_MESSAGE, JobStore, StoredJob, UnknownCursorError
 from server.metrics import Metrics
@@ -92,6 +95,18 @@ class Job:
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once its end is in the store
     reference: ReferenceVideo | None = None  # its input video (video to video), checked; None: from the prompt
+    # Where a scheduled prompt landed, by the outcome's type: one entry per outcome (``record``).
+    _outcomes: TypeDispatcher[dict[str, Any]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._outcomes = TypeDispatcher(
+            "Job outcome",
+            {
+                InteractionApplied: self._applied,
+                InteractionSuperseded: self._superseded,
+                InteractionRejected: self._rejected,
+            },
+        )
 
     def public(self, final: bool = False) -> VideoObject:
         """The job as the API answers it (``VideoObject``, the schema /openapi.json
@@ -135,26 +150,103 @@ class Job:
             inference_time_s=self.compute_ms / 1000.0,
             exact=self.inexact_reason is None,
             inexact_reason=self.inexact_reason,
+            input_strength=None if c.input is None else c.input["strength"],
         )
 
     def body(self, final: bool = False) -> dict[str, Any]:
         """``public()`` as the store keeps it (JSON)."""
         return self.public(final).model_dump(mode="json")
 
-    def record(self, message: Any) -> None:
-        """Where a scheduled prompt landed (applied: chunk, first frame, media time) or why not."""
-        if isinstance(message, InteractionApplied):
-            self.outcomes[message.event_id] = {
-                "status": "applied",
-                "generation_chunk_index": message.generation_chunk_index,
-                "first_frame_index": message.first_frame_index,
-                "media_start_seconds": message.media_start_seconds,
-            }
-        elif isinstance(message, InteractionSuperseded):
-            self.outcomes[message.event_id] = {"status": "superseded", "by_event_id": message.by_event_id}
-        elif isinstance(message, InteractionRejected):
-            error = {"code": message.code, "message": message.message}
-            self.outcomes[message.event_id] = {"status": "rejected", "error": error}
+    def record(self, message: InteractionApplied | InteractionSuperseded | InteractionRejected) -> None:
+        """Where a scheduled prompt landed (applied: chunk, first frame, media time) or
+        why not, by the outcome's type; ``UnhandledMessageError`` for any other type."""
+        self.outcomes[message.event_id] = self._outcomes(message)
+
+    def fail(self, code: str, message: str) -> None:
+        """The job failed: ``code`` and ``message`` are its ``error``."""
+        self.status = "failed"
+        self.error = {"code": code, "message": message}
+
+    @staticmethod
+    def _applied(message: InteractionApplied) -> dict[str, Any]:
+        return {
+            "status": "applied",
+            "generation_chunk_index": message.generation_chunk_index,
+            "first_frame_index": message.first_frame_index,
+            "media_start_seconds": message.media_start_seconds,
+        }
+
+    @staticmethod
+    def _superseded(message: InteractionSuperseded) -> dict[str, Any]:
+        return {"status": "superseded", "by_event_id": message.by_event_id}
+
+    @staticmethod
+    def _rejected(message: InteractionRejected) -> dict[str, Any]:
+        return {"status": "rejected", "error": {"code": message.code, "message": message.message}}
+
+
+class JobRun:
+    """A job's engine session as it runs: each result it yields (``result``), by
+    its type, to the job, its video file in the ``store`` and /metrics (through
+    ``output``, as a realtime session's). ``feeder``: its input video's, told
+    each chunk made. A type that is no session result raises
+    ``UnhandledMessageError`` naming it (the job then fails, ``internal_error``)."""
+
+    def __init__(self, job: Job, output: SessionOutput, store: JobStore, feeder: ReferenceFeeder | None) -> None:
+        self.job = job
+        self.output = output
+        self.store = store
+        self.feeder = feeder
+        # What a session's handle yields, by type: one entry per result.
+        self._results: TypeDispatcher[Awaitable[None]] = TypeDispatcher(
+            "JobRun result",
+            {
+                ChunkReady: self._on_chunk,
+                InteractionQueued: self._on_queued,
+                InteractionApplied: self._on_outcome,
+                InteractionSuperseded: self._on_outcome,
+                InteractionRejected: self._on_outcome,
+                SessionDone: self._on_done,
+                SessionFailed: self._on_failed,
+            },
+        )
+
+    async def result(self, message: Any) -> None:
+        """One engine result of the job's session, by its type (``_results``)."""
+        await self._results(message)
+
+    async def _on_chunk(self, message: ChunkReady) -> None:
+        """Encode the chunk and append it to the job's file (none past ``num_frames``)."""
+        if self.feeder is not None:
+            self.feeder.made(message.generation_chunk_index)
+        chunk = await self.output.chunk(message)
+        if chunk is not None:
+            job = self.job
+            await self.store.append(job.id, chunk.payload)
+            job.chunks_done += 1
+            job.compute_ms = self.output.compute_ms
+            job.inexact_reason = self.output.inexact_reason
+
+    async def _on_queued(self, message: InteractionQueued) -> None:
+        self.output.count(message)  # on /metrics as a realtime session's would be
+
+    async def _on_outcome(self, message: InteractionApplied | InteractionSuperseded | InteractionRejected) -> None:
+        self.output.count(message)
+        self.job.record(message)
+
+    async def _on_done(self, message: SessionDone) -> None:
+        self.output.count(message)
+        if message.reason == "completed":
+            self.job.status = "completed"
+        elif message.reason in ("shutdown", "parent_exited"):  # the server drained or stops
+            self.job.fail(INTERRUPTED, INTERRUPTED_MESSAGE)
+        else:
+            self.job.status = "cancelled"
+
+    async def _on_failed(self, message: SessionFailed) -> None:
+        self.output.count(message)
+        log.warning("job %s failed: %s: %s", self.job.id, message.code, message.message)
+        self.job.fail(message.code, message.message)
 
 
 class JobsFullError(Exception):
@@ -396,15 +488,15 @@ class JobManager:
             await self._generate(job, start, handle)
         except asyncio.CancelledError:
             if self._closing:
-                self._fail(job, INTERRUPTED, INTERRUPTED_MESSAGE)
+                job.fail(INTERRUPTED, INTERRUPTED_MESSAGE)
             else:
                 job.status = "cancelled"
             raise
         except EngineDeadError as error:
-            self._fail(job, "engine_unavailable", str(error))
+            job.fail("engine_unavailable", str(error))
         except Exception as error:  # an encoder, disk or server bug fails this job, not the server
             log.exception("job %s failed", job.id)
-            self._fail(job, "internal_error", f"{type(error).__name__}: {error}")
+            job.fail("internal_error", f"{type(error).__name__}: {error}")
         finally:
             job.waiting = False
             job.completed_at = job.completed_at or time.time()
@@ -427,50 +519,29 @@ class JobManager:
                 async with self.capacity, asyncio.timeout(CAPACITY_RETRY_S):
                     await self.capacity.wait()
             if self.drainer.draining:
-                return self._fail(job, INTERRUPTED, INTERRUPTED_MESSAGE)
+                return job.fail(INTERRUPTED, INTERRUPTED_MESSAGE)
             try:
                 handle = await self.engine.start_session(start)
             except SessionRejectedError as error:
                 if error.code != "server_full":
-                    return self._fail(job, error.code, error.message)
+                    return job.fail(error.code, error.message)
             except EngineRestartingError:
                 pass  # a queued job outlives a worker restart: try again once it is up
         job.waiting = False
         job.status = "in_progress"
         await self.store.update(job.id, job.body())
-        output = SessionOutput(job.id, job.config, self.metrics)
         feeder = feeding = None
         if job.reference is not None:
             feeder = ReferenceFeeder(job.reference, handle, job.config.num_chunks)
             feeding = asyncio.create_task(self._feed(job, feeder), name=f"job-input-{job.id}")
+        run = JobRun(job, SessionOutput(job.id, job.config, self.metrics), self.store, feeder)
         try:
             async with asyncio.timeout(self.settings.max_session_seconds):
                 async for message in handle:
-                    if isinstance(message, ChunkReady):
-                        if feeder is not None:
-                            feeder.made(message.generation_chunk_index)
-                        chunk = await output.chunk(message)
-                        if chunk is not None:
-                            await self.store.append(job.id, chunk.payload)
-                            job.chunks_done += 1
-                            job.compute_ms = output.compute_ms
-                            job.inexact_reason = output.inexact_reason
-                    else:
-                        output.count(message)  # on /metrics as a realtime session's would be
-                        job.record(message)
-                    if isinstance(message, SessionDone):
-                        if message.reason == "completed":
-                            job.status = "completed"
-                        elif message.reason in ("shutdown", "parent_exited"):  # the server drained or stops
-                            self._fail(job, INTERRUPTED, INTERRUPTED_MESSAGE)
-                        else:
-                            job.status = "cancelled"
-                    elif isinstance(message, SessionFailed):
-                        log.warning("job %s failed: %s: %s", job.id, message.code, message.message)
-                        self._fail(job, message.code, message.message)
+                    await run.result(message)
         except TimeoutError:
             await self.engine.stop(job.id, "max_duration")
-            self._fail(job, "max_duration", f"the job ran longer than {self.settings.max_session_seconds:g} s")
+            job.fail("max_duration", f"the job ran longer than {self.settings.max_session_seconds:g} s")
         finally:
             if feeding is not None:
                 feeding.cancel()
@@ -489,11 +560,6 @@ class JobManager:
             await feeder.run()
         except Exception:
             log.exception("job %s: its input video failed", job.id)
-
-    @staticmethod
-    def _fail(job: Job, code: str, message: str) -> None:
-        job.status = "failed"
-        job.error = {"code": code, "message": message}
 
     async def _soonest_expiry_s(self) -> float:
         """Seconds until a kept job expires (a fair Retry-After when the store is full)."""

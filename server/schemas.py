@@ -380,6 +380,18 @@ class VideoObject(_Answer):
     other sessions' rows, or with stream batch (inexact_reason says which)."""
     inexact_reason: str | None
     """Why exact is false; null when it is true."""
+    input_strength: float | None
+    """A job made from an input_reference: its input_strength (0.5 when the request
+    gave none); null for a job made from its prompt alone."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_input_strength(cls, data: Any) -> Any:
+        """A job stored by an earlier server, which did not report input_strength,
+        reads null rather than failing to load."""
+        if isinstance(data, dict) and "input_strength" not in data:
+            return {**data, "input_strength": None}
+        return data
 
 
 class VideoList(_Answer):

@@ -8,6 +8,7 @@ frames refused by name while the session goes on."""
 from __future__ import annotations
 
 import io
+import time
 
 import av
 import httpx
@@ -372,6 +373,25 @@ def test_a_still_image_stands_for_every_frame_of_a_job(server):
     assert np.abs(frames[0].astype(int) - image).mean() < 8  # the JPEG's own loss
     default = post_job(server, file=jpeg(image))  # no length: a job's default, 4 s
     assert default.status_code == 202 and default.json()["num_frames"] == 64, default.text
+
+
+def completed(server, video_id: str, within: float = 30.0) -> dict:
+    """The job's object once it reads completed (from the store), polled as a client does."""
+    deadline = time.monotonic() + within
+    while (job := httpx.get(f"{server.http}/v1/videos/{video_id}").json())["status"] != "completed":
+        assert job["status"] in ("queued", "in_progress") and time.monotonic() < deadline, job
+        time.sleep(0.02)
+    return job
+
+
+def test_a_jobs_video_object_reports_its_input_strength(server):
+    """The strength the job's input video was restyled at: the request's input_strength,
+    0.5 when it gives none; null for a job made from its prompt alone."""
+    source = video_file([picture(i) for i in range(8)], 16)
+    jobs = [post_job(server, file=source, input_strength="0.25"), post_job(server, file=source), post_job(server)]
+    assert [job.status_code for job in jobs] == [202, 202, 202], [job.text for job in jobs]
+    assert [job.json()["input_strength"] for job in jobs] == [0.25, 0.5, None]
+    assert [completed(server, job.json()["id"])["input_strength"] for job in jobs] == [0.25, 0.5, None]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks its videos API deprecated

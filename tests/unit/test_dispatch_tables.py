@@ -16,11 +16,12 @@ from pydantic import BaseModel
 
 from engine import messages as m
 from server.dispatch import TypeDispatcher, UnhandledMessageError
+from server.jobs import Job, JobRun
 from server.live_session import LiveSession
 from server.metrics import Metrics
 from server.output import SessionOutput
 from server.realtime import Close, Event, RealtimeConnection
-from server.schemas import CLIENT_EVENT_TYPES, ClientEvent, SessionResumeEvent, SessionStartEvent
+from server.schemas import CLIENT_EVENT_TYPES, ClientEvent, JobRequest, SessionResumeEvent, SessionStartEvent
 from server.session_registry import SessionRegistry
 from server.settings import ServerSettings
 from tests.unit.test_live_session_limits import CONFIG, Engine, Handle, Viewer, end, session_with
@@ -30,7 +31,17 @@ from tests.unit.test_live_session_limits import CONFIG, Engine, Handle, Viewer, 
 START_ANSWERS = {m.SessionStarted, m.SessionRejected}
 SESSION_RESULTS = {t for t in get_args(m.ResultMessage) if "session_id" in t.__struct_fields__} - START_ANSWERS
 NON_MEDIA_RESULTS = SESSION_RESULTS - {m.ChunkReady}
+# Where an interaction landed, or why not: the results about one interaction but its answer (queued).
+INTERACTION_OUTCOMES = {t for t in SESSION_RESULTS if "event_id" in t.__struct_fields__} - {m.InteractionQueued}
 CLIENT_EVENTS = set(get_args(get_args(ClientEvent)[0]))
+
+
+def job() -> Job:
+    return Job("video_1", JobRequest(prompt="p"), CONFIG, ttl_s=60.0)
+
+
+def job_run() -> JobRun:
+    return JobRun(job(), SessionOutput("video_1", CONFIG, Metrics(lambda: True)), store=None, feeder=None)
 
 
 def connection(role: str) -> RealtimeConnection:
@@ -60,6 +71,7 @@ class SessionFooEvent(BaseModel):
 
 def test_the_families_are_what_the_wire_modules_declare():
     assert m.ChunkReady in SESSION_RESULTS and m.SessionDone in NON_MEDIA_RESULTS and len(NON_MEDIA_RESULTS) == 6
+    assert INTERACTION_OUTCOMES == {m.InteractionApplied, m.InteractionSuperseded, m.InteractionRejected}
     literals = {get_args(event.model_fields["type"].annotation)[0] for event in CLIENT_EVENTS}
     assert literals == set(CLIENT_EVENT_TYPES)  # what the parser takes is what the tables handle
 
@@ -74,6 +86,14 @@ def test_every_non_media_result_has_an_event_and_a_count():
     output = SessionOutput("rtv-1", CONFIG, Metrics(lambda: True))
     assert output._events.types == NON_MEDIA_RESULTS
     assert output._counts.types == NON_MEDIA_RESULTS
+
+
+def test_every_session_result_has_a_job_run_handler():
+    assert job_run()._results.types == SESSION_RESULTS
+
+
+def test_every_interaction_outcome_has_a_job_record():
+    assert job()._outcomes.types == INTERACTION_OUTCOMES
 
 
 def test_every_client_event_has_a_handler_in_each_role():
@@ -103,6 +123,55 @@ def test_session_output_refuses_a_result_it_has_no_event_for_by_name():
         output.event(rejected)
     with pytest.raises(UnhandledMessageError, match="SessionOutput.event: no handler for a SessionRejected message"):
         output._events(rejected)
+
+
+async def test_a_job_run_records_each_outcome_and_names_a_type_it_has_no_handler_for():
+    run = job_run()
+    applied = m.InteractionApplied(
+        session_id="video_1", event_id="scheduled-0", generation_chunk_index=2, first_frame_index=10,
+        media_start_seconds=0.625, queued_to_applied_ms=0.0, transition_chunks=0,
+    )  # fmt: skip
+    await run.result(applied)
+    await run.result(m.InteractionSuperseded(session_id="video_1", event_id="scheduled-1", by_event_id="scheduled-2"))
+    rejected = m.InteractionRejected(
+        session_id="video_1", event_id="scheduled-2", code="interaction_too_late", message="late"
+    )
+    await run.result(rejected)
+    assert run.job.outcomes == {
+        "scheduled-0": {"status": "applied", "generation_chunk_index": 2, "first_frame_index": 10,
+                        "media_start_seconds": 0.625},
+        "scheduled-1": {"status": "superseded", "by_event_id": "scheduled-2"},
+        "scheduled-2": {"status": "rejected", "error": {"code": "interaction_too_late", "message": "late"}},
+    }  # fmt: skip
+    with pytest.raises(UnhandledMessageError, match="JobRun result: no handler for a SessionRejected message"):
+        await run.result(m.SessionRejected(session_id="video_1", code="server_full", message="full"))
+    with pytest.raises(UnhandledMessageError, match="Job outcome: no handler for a InteractionQueued message"):
+        run.job.record(m.InteractionQueued(session_id="video_1", event_id="e", in_progress_chunk_index=None,
+                                           expected_chunk_index=0, duplicate=False))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reason", "status", "error"),
+    [
+        ("completed", "completed", None),
+        ("cancelled", "cancelled", None),
+        ("shutdown", "failed", "interrupted_by_restart"),
+        ("parent_exited", "failed", "interrupted_by_restart"),
+    ],
+)
+async def test_a_jobs_end_is_its_sessions(reason, status, error):
+    run = job_run()
+    done = m.SessionDone(
+        session_id="video_1", chunks=0, frames=0, stopped=reason != "completed", reason=reason, applied=()
+    )
+    await run.result(done)
+    assert run.job.status == status and (run.job.error or {}).get("code") == error
+
+
+async def test_a_failed_session_fails_its_job_with_its_code():
+    run = job_run()
+    await run.result(m.SessionFailed(session_id="video_1", code="pipeline_error", message="boom"))
+    assert (run.job.status, run.job.error) == ("failed", {"code": "pipeline_error", "message": "boom"})
 
 
 class EndingHandle(Handle):
