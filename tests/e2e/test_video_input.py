@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.client import Realtime, input_frame, interaction, open_realtime
+from tests.support import video_file
 
 W, H, FPS = 32, 24, 16.0
 PER = 4  # the stub's frames a chunk (the first chunk's too)
@@ -321,20 +322,6 @@ async def test_a_session_whose_frames_do_not_come_fails_with_input_timeout(make_
 
 
 # -- request mode: POST /v1/videos with the file input_reference ---------------------
-
-
-def video_file(frames: list[np.ndarray], fps: int) -> bytes:
-    """``frames`` as a lossless video file (ffv1 RGB in Matroska)."""
-    out = io.BytesIO()
-    with av.open(out, "w", format="matroska") as muxer:
-        stream = muxer.add_stream("ffv1", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames[0].shape[1], frames[0].shape[0], "bgr0"
-        for image in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                muxer.mux(packet)
-        for packet in stream.encode():
-            muxer.mux(packet)
-    return out.getvalue()
 
 
 FORM = {"prompt": "a watercolour", "format": "raw", "width": str(W), "height": str(H), "fps": "16"}
