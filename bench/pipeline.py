@@ -10,12 +10,20 @@ the split between the boundary and denoise steps, the commit forward and the
 VAE decode, and generated frames per second against playback (``fps``). ``--preset wan2.1-1.3b`` builds the real 1.3B
 transformer with random weights (a GPU machine's measurement; bf16).
 ``--profile FILE`` writes a torch profiler table of one steady chunk.
-``--sessions N`` builds the pipeline for N rows a forward (``max_batch_rows``,
-so the warm-up runs a batched forward of N rows too), then runs N sessions
-side by side, one row per forward and all N rows per forward, and reports
-both throughputs. ``decode_overlap`` compares, side by side in the same run,
-the decode in line and on the decode stage (a thread of its own while the
-next chunk denoises): time to the first chunk and frames per second.
+``--sessions N[,N...]`` builds the pipeline for the most of them rows a
+forward (``max_batch_rows``, so the warm-up runs a batched forward of that
+many rows too), then for each count runs that many sessions side by side,
+one row per forward and all of them per forward, and reports both
+throughputs (``side_by_side``, one entry a count). ``--with SETTING[,...]``
+applies speed settings (``bench.settings``: the names ``--versus`` takes) to
+the measured configuration: the run, the sessions side by side and both
+sides of ``--versus``; the summary names them (``with``). A setting the
+pipeline refuses on this device is refused here, naming it and why. With
+captured steps (``cuda-graphs``) each session's chunks that fill the window
+and capture run untimed (``untimed_chunks``, after its first), so the
+figures are the replays'. ``decode_overlap`` compares, side by side in the
+same run, the decode in line and on the decode stage (a thread of its own
+while the next chunk denoises): time to the first chunk and frames per second.
 The last line printed is one JSON object.
 """
 
@@ -27,12 +35,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import msgspec
 import torch
 
+from bench.settings import parse_with, pipeline_options, refusal
 from engine.messages import StartSession
 from engine.progress import Progress
 from workers.chunk_driver import ChunkDriver
@@ -83,16 +93,30 @@ def run(
     warm: bool = True,
     profile: str | None = None,
     compile: bool = False,
-    sessions: int = 1,
+    sessions: int | Sequence[int] = 1,
+    with_settings: Sequence[str] = (),
+    tiny_decoder: str | None = None,
     progress: Progress | None = None,
 ) -> dict:
-    """The summary (module docstring); ``progress`` counts every chunk made (``run_chunks``)."""
+    """The summary (module docstring); ``progress`` counts every chunk made
+    (``run_chunks``). ``with_settings``: ``bench.settings`` names
+    (``cudnn-benchmark`` switches cuDNN's algorithm timing on for the
+    process); ``tiny_decoder``: the tiny decoder's weights file."""
     progress = progress or Progress.silent()
-    progress.expect(run_chunks(chunks, sessions))
+    counts = [sessions] if isinstance(sessions, int) else list(sessions)
+    if "cudnn-benchmark" in with_settings:
+        torch.backends.cudnn.benchmark = True
     progress.describe("building the pipeline")
     built = time.perf_counter()
-    pipeline = _build(preset, device, dtype, vae_dtype, warm, compile, sessions)
+    components = _components(preset, device)
+    options = {"vae_dtype": vae_dtype, "compile": compile, **pipeline_options(with_settings)}
+    if tiny_decoder is not None:
+        options["tiny_decoder"] = tiny_decoder
+    weights = tiny_decoder_weights(components, options)
+    pipeline = _pipeline(components, device, dtype, warm=warm, sessions=max(counts), **options)
     build_s = time.perf_counter() - built
+    settle = untimed_chunks(pipeline)
+    progress.expect(run_chunks(chunks, counts, untimed=settle))
     progress.describe("warming up")
     warm_up_s = warm_up(pipeline, width, height)  # at the measured size
     progress.describe("one session")
@@ -107,8 +131,8 @@ def run(
     [state] = driver.open(start)
     rows = []
     first_chunk_s = None
-    for chunk in range(chunks):
-        profiled = profile is not None and chunk == min(2, chunks - 1)
+    for chunk in range(chunks + settle):
+        profiled = profile is not None and chunk == min(settle + 2, chunks + settle - 1)
         calls.clear()
         with _profiler(pipeline.device) if profiled else contextlib.nullcontext() as profiler:
             t0 = _synchronized(pipeline)
@@ -131,37 +155,47 @@ def run(
                 "total_ms": total_ms,
             }
         )
-    steady = rows[1:] or rows
+    steady = rows[1 + settle :] or rows
     frames = sum(r["frames"] for r in steady)
     seconds = sum(r["total_ms"] for r in steady) / 1e3
     geometry = state.geometry
     driver.release("bench")
-    side_by_side = None
-    if sessions > 1:
-        progress.describe(f"{sessions} sessions")
-        one_row = _sessions_fps(pipeline, start, sessions, chunks, batched=False, progress=progress)
-        batched = _sessions_fps(pipeline, start, sessions, chunks, batched=True, progress=progress)
-        side_by_side = {
-            "sessions": sessions,
-            "one_row_fps": one_row,
-            "batched_fps": batched,
-            "batched_over_one_row": batched / one_row,
-        }
+    side_by_side = []
+    for count in (count for count in counts if count > 1):
+        progress.describe(f"{count} sessions")
+        one_row = _sessions_fps(pipeline, start, count, chunks, batched=False, progress=progress, untimed=settle)
+        batched = _sessions_fps(pipeline, start, count, chunks, batched=True, progress=progress, untimed=settle)
+        side_by_side.append(
+            {
+                "sessions": count,
+                "one_row_fps": one_row,
+                "batched_fps": batched,
+                "batched_over_one_row": batched / one_row,
+            }
+        )
     progress.describe("decode overlap")
-    overlap = _decode_overlap(pipeline, start, chunks, progress=progress)
+    overlap = _decode_overlap(pipeline, start, chunks, progress=progress, untimed=settle)
     return {
         "bench": "pipeline",
         "preset": preset,
         "device": str(pipeline.device),
+        "with": list(with_settings),
         "dtype": str(pipeline.dtype).replace("torch.", ""),
         "vae_dtype": str(pipeline.vae_dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "compiled": compile,
+        "compiled": pipeline.compiled,
+        "decoder": pipeline.default_decoder,
+        "tiny_decoder_weights": weights,
+        "commit_from_last_step": pipeline.commit_from_last_step,
+        "quantize": pipeline.quantized,
+        "cuda_graphs": pipeline.cuda_graphs,
+        "step_graphs": pipeline.graph_figures(),  # captures, replays and fallbacks since it was built
         "width": geometry.width,
         "height": geometry.height,
         "steps": geometry.num_inference_steps,
         "chunks": chunks,
+        "untimed_chunks": settle,
         "build_s": build_s,
         "warm_up_s": warm_up_s,
         "time_to_first_chunk_s": first_chunk_s,
@@ -175,17 +209,20 @@ def run(
         "generated_fps": frames / seconds,
         "playback_fps": geometry.fps,
         "realtime_factor": frames / seconds / geometry.fps,
-        "side_by_side": side_by_side,
+        "side_by_side": side_by_side or None,
         "decode_overlap": overlap,
     }
 
 
-def run_chunks(chunks: int, sessions: int = 1, rounds: int = OVERLAP_ROUNDS) -> int:
-    """The chunks ``run`` makes: ``chunks`` of one session, with ``sessions`` above 1
-    that many sessions' twice (one row a forward, then batched), and the decode
-    overlap's two modes in each of ``rounds`` rounds, ``session_chunks`` each."""
-    side_by_side = 2 * sessions * session_chunks(chunks) if sessions > 1 else 0
-    return chunks + side_by_side + 2 * rounds * session_chunks(chunks)
+def run_chunks(chunks: int, sessions: int | Sequence[int] = 1, rounds: int = OVERLAP_ROUNDS, untimed: int = 0) -> int:
+    """The chunks ``run`` makes: ``chunks`` of one session, with each count of
+    ``sessions`` above 1 that many sessions' twice (one row a forward, then
+    batched), and the decode overlap's two modes in each of ``rounds`` rounds,
+    ``session_chunks`` each; every session ``untimed`` more."""
+    counts = [sessions] if isinstance(sessions, int) else sessions
+    each = session_chunks(chunks) + untimed
+    side_by_side = sum(2 * count * each for count in counts if count > 1)
+    return chunks + untimed + side_by_side + 2 * rounds * each
 
 
 def session_chunks(chunks: int) -> int:
@@ -193,58 +230,71 @@ def session_chunks(chunks: int) -> int:
     return 1 + max(1, chunks - 1)
 
 
+def untimed_chunks(pipeline: CausalWanPipeline) -> int:
+    """The chunks after a session's first that ``run`` leaves out of its
+    figures: with captured steps, those until a fresh cache's denoise and
+    commit graphs are captured (``capture_chunks``); else none."""
+    return max(0, pipeline.capture_chunks - 1)
+
+
+def tiny_decoder_weights(components: Components, options: dict) -> str | None:
+    """Whose weights the tiny decoder of a pipeline of ``options`` has where its
+    sessions decode with it by default: ``given`` (a file named, or the model
+    directory's), else ``random`` (``_pipeline`` draws them); None where they do not."""
+    if options.get("decoder") != "tiny":
+        return None
+    return "given" if options.get("tiny_decoder") or components.tiny_decoder else "random"
+
+
 def _build(
     preset: str,
     device: str | None,
     dtype: str | None,
-    vae_dtype: str | None,
+    vae_dtype: str | None = None,
     warm: bool = True,
-    compile: bool = False,
     sessions: int = 1,
-    tiny_decoder: str | None = None,
-    commit_from_last_step: bool = False,
-    quantize: str | None = None,
-    cuda_graphs: bool | str = False,
+    **options,
 ) -> CausalWanPipeline:
+    """The preset's pipeline with these pipeline options (``_pipeline``)."""
+    return _pipeline(
+        _components(preset, device), device, dtype, warm=warm, sessions=sessions, vae_dtype=vae_dtype, **options
+    )
+
+
+def _pipeline(
+    components: Components, device: str | None, dtype: str | None, *, warm: bool = True, sessions: int = 1, **options
+) -> CausalWanPipeline:
+    """The pipeline of ``components`` for ``sessions`` rows a forward; ``options``
+    are its own (``vae_dtype``, ``compile``, ``decoder``, ...). Sessions that
+    decode with the tiny decoder by default get random weights for it where
+    none are named or in the model directory (``tiny_decoder_weights``)."""
+    if tiny_decoder_weights(components, options) == "random":
+        options = {**options, "tiny_decoder": "random"}
     return CausalWanPipeline(
-        _components(preset, device),
+        components,
         device=device,
         dtype=dtype,
-        vae_dtype=vae_dtype,
         warm_up_chunks=2 if warm else 0,
-        compile=compile,
         max_batch_rows=sessions,
-        tiny_decoder=tiny_decoder,
-        commit_from_last_step=commit_from_last_step,
-        quantize=quantize,
-        cuda_graphs=cuda_graphs,
+        **options,
     )
 
 
 def _versus(args: argparse.Namespace, progress: Progress) -> dict:
-    """``--versus``: the variant against these options, side by side (``bench.versus``)."""
+    """``--versus``: the variant against these options, side by side (``bench.versus``),
+    both sides with ``--with``'s settings."""
     from bench.versus import ALL, versus, versus_all
 
-    def build(
-        compile: bool = args.compile,
-        vae_dtype: str | None = args.vae_dtype,
-        tiny_decoder: str | None = None,
-        commit_from_last_step: bool = False,
-        quantize: str | None = None,
-        cuda_graphs: bool | str = False,
-    ) -> CausalWanPipeline:
-        tiny_decoder = args.tiny_decoder or tiny_decoder
-        return _build(
-            args.preset,
-            args.device,
-            args.dtype,
-            vae_dtype,
-            compile=compile,
-            tiny_decoder=tiny_decoder,
-            commit_from_last_step=commit_from_last_step,
-            quantize=quantize,
-            cuda_graphs=cuda_graphs,
-        )
+    given = {"vae_dtype": args.vae_dtype, "compile": args.compile, **pipeline_options(args.with_settings)}
+    weights = {}
+
+    def build(**options) -> CausalWanPipeline:
+        options = {**given, **options}
+        if args.tiny_decoder:
+            options["tiny_decoder"] = args.tiny_decoder
+        components = _components(args.preset, args.device)
+        weights.setdefault("with", tiny_decoder_weights(components, options) if "decoder" in given else None)
+        return _pipeline(components, args.device, args.dtype, **options)
 
     start = StartSession(
         session_id="versus",
@@ -253,22 +303,16 @@ def _versus(args: argparse.Namespace, progress: Progress) -> dict:
         height=args.height,
         num_inference_steps=args.steps,
     )
+    common = {"cudnn_benchmark": args.cudnn_benchmark, "given": args.with_settings, "progress": progress}
     try:
         if args.versus == ALL:
-            return versus_all(
-                build, start, args.chunks, args.rounds, cudnn_benchmark=args.cudnn_benchmark, progress=progress
-            )
-        return versus(
-            build,
-            args.versus,
-            start,
-            args.chunks,
-            args.rounds,
-            cudnn_benchmark=args.cudnn_benchmark,
-            progress=progress,
-        )
-    except ValueError as error:  # a comparison that would measure nothing, named
+            summary = versus_all(build, start, args.chunks, args.rounds, **common)
+        else:
+            summary = versus(build, args.versus, start, args.chunks, args.rounds, **common)
+    except ValueError as error:  # a comparison that would measure nothing, or one refused here, named
         raise SystemExit(f"--versus {args.versus}: {error}") from None
+    summary["with_tiny_decoder_weights"] = weights.get("with")
+    return summary
 
 
 def _wait_around_split(pipeline: CausalWanPipeline, stage: str) -> None:
@@ -291,16 +335,17 @@ def _sessions_fps(
     chunks: int,
     batched: bool,
     progress: Progress | None = None,
+    untimed: int = 0,
 ) -> float:
     """Frames per second generated by ``count`` sessions stepped together, each
     step one forward over all rows (``batched``) or one forward per row; the
-    first chunk is not timed."""
+    first chunk and ``untimed`` more are not timed."""
     progress = progress or Progress.silent()
     driver = ChunkDriver(pipeline, max_rows=count if batched else 1)
     ids = [f"side-{i}" for i in range(count)]
     driver.open(*(msgspec.structs.replace(start, session_id=sid, seed=i) for i, sid in enumerate(ids)))
-    driver.run(ids)  # the first chunk
-    progress.advance(count)
+    driver.run(ids, 1 + untimed)  # the first chunk, and the untimed ones
+    progress.advance(count * (1 + untimed))
     began = _synchronized(pipeline)
     made = driver.run(ids, max(1, chunks - 1))
     seconds = _synchronized(pipeline) - began
@@ -315,16 +360,17 @@ def _decode_overlap(
     chunks: int,
     rounds: int = OVERLAP_ROUNDS,
     progress: Progress | None = None,
+    untimed: int = 0,
 ) -> dict:
     """One session with the decode in line (after the commit, in the same
     micro-step) and on the decode stage (a thread of its own, while the next
     chunk denoises), alternated ``rounds`` times, the best of each counted:
     time to the first chunk (open to its frames) and frames per second over
-    the chunks after it."""
+    the chunks after it and ``untimed`` more (``one_session``)."""
     best: dict[str, dict] = {}
     for _ in range(rounds):
         for mode, overlap in (("in_line", False), ("overlapped", True)):
-            figures = one_session(pipeline, start, chunks, overlap_decode=overlap, progress=progress)
+            figures = one_session(pipeline, start, chunks, overlap_decode=overlap, progress=progress, untimed=untimed)
             kept = best.setdefault(mode, figures)
             kept["time_to_first_chunk_s"] = min(kept["time_to_first_chunk_s"], figures["time_to_first_chunk_s"])
             kept["fps"] = max(kept["fps"], figures["fps"])
@@ -392,6 +438,25 @@ def _write_profile(profiler: torch.profiler.profile, device: torch.device, path:
         out.write(profiler.key_averages().table(sort_by=sort_by, row_limit=40))
 
 
+def _session_counts(text: str) -> tuple[int, ...]:
+    """``--sessions``' value: counts of sessions, each at least 1."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], counts of sessions, got {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts of sessions must be >= 1, got {text!r}")
+    return counts
+
+
+def _with_settings(text: str) -> tuple[str, ...]:
+    """``--with``'s value (``bench.settings.parse_with``), an argparse error when wrong."""
+    try:
+        return parse_with(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rtvideo bench pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help="tiny | demo | wan2.1-1.3b | a model directory")
@@ -408,8 +473,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (warm-up pays)")
     parser.add_argument("--profile", default=None, metavar="FILE", help="write a profiler table of one chunk")
-    parser.add_argument("--sessions", type=int, default=1, help="also compare N sessions batched vs one row a forward")
+    parser.add_argument(
+        "--sessions",
+        type=_session_counts,
+        default=(1,),
+        metavar="N[,N...]",
+        help="also compare N sessions batched vs one row a forward, for each N",
+    )
     from bench.versus import ALL, VARIANTS  # it imports this module
+
+    parser.add_argument(
+        "--with",
+        dest="with_settings",
+        type=_with_settings,
+        default=(),
+        metavar="SETTING[,SETTING...]",
+        help=f"run the measured configuration (both sides of --versus) with these: {', '.join(VARIANTS)}",
+    )
 
     parser.add_argument(
         "--versus",
@@ -422,11 +502,17 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny-decoder",
         default=None,
         metavar="FILE",
-        help="--versus tiny-decoder: its weights (default: the model directory's, else random weights)",
+        help="the tiny decoder's weights (--with or --versus tiny-decoder; default: the model directory's, "
+        "else random weights)",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
     args = parser.parse_args(argv)
+    args.cudnn_benchmark = args.cudnn_benchmark or "cudnn-benchmark" in args.with_settings
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for setting in args.with_settings:
+        if (why := refusal(setting, device)) is not None:
+            raise SystemExit(f"rtvideo bench pipeline: --with {setting} is refused on {device}: {why}")
     if args.versus is not None:
         with Progress("bench pipeline", unit="chunk", quiet=args.json) as progress:
             summary = _versus(args, progress)
@@ -452,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             profile=args.profile,
             compile=args.compile,
             sessions=args.sessions,
+            with_settings=args.with_settings,
+            tiny_decoder=args.tiny_decoder,
             progress=progress,
         )
     if not args.json:
@@ -463,8 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             f"commit {p['commit_ms']:.1f} ms, decode {p['decode_ms']:.1f} ms; "
             f"{summary['generated_fps']:.1f} fps generated vs {summary['playback_fps']:g} playback"
         )
-        if summary["side_by_side"]:
-            side = summary["side_by_side"]
+        for side in summary["side_by_side"] or []:
             print(
                 f"{side['sessions']} sessions: {side['one_row_fps']:.1f} fps one row a forward, "
                 f"{side['batched_fps']:.1f} fps batched ({side['batched_over_one_row']:.2f}x)"

@@ -32,9 +32,9 @@ Variants (``VARIANTS``):
 - ``cuda-graphs``: a second pipeline whose single-row denoise forwards over
   a full window are captured as CUDA graphs and replayed (``cuda_graphs``;
   ``workers.pipelines.step_graphs``). Only a full window's forwards are
-  captured, so in each session the chunks that fill the window and the one
-  the chunks that fill the window (``untimed_chunks`` after the first) run
-  untimed, through both pipelines alike; the timed chunks follow them. The
+  captured, so in each session the chunks that fill the window
+  (``untimed_chunks`` after the first) run untimed, through both pipelines
+  alike; the timed chunks follow them. The
   warm-up captured the graphs at the measured size and each round's session
   takes them over with the cache the session before it left, so no capture
   is timed (each round's ``step_graphs`` shows its captures: 0, and
@@ -43,11 +43,26 @@ Variants (``VARIANTS``):
   identical; its speed the cost of the path's copies), and its settings say
   so. Each contender's ``step_graphs`` counts the captures and replays since
   it was built, and the caches kept.
+- ``combined``: a second pipeline with ``bench.settings.FASTEST`` together
+  (the tiny decoder, captured steps and FP8; why these: ``bench.settings``),
+  timed as ``cuda-graphs`` is, after the window is full; its quality figure
+  is the three's cost at once. Refused where any part is (on a CPU: FP8 and
+  CUDA graphs both, each reason given): unlike ``cuda-graphs`` alone it has
+  no eager stand-in, since it is a speed figure or nothing.
+
+Each variant's pipeline options come from ``bench.settings.SETTINGS``, the
+table ``--with`` reads too. ``given`` (``--with``): settings both sides run
+with (already in ``build``'s options), so that ``--with tiny-decoder
+--versus cuda-graphs`` measures captured steps on top of the tiny decoder; a
+variant that is, or has a part that is, one of them is refused (both sides
+would run it). With captured steps on either side the window is filled
+untimed, as for ``cuda-graphs``.
 
 ``all`` (``versus_all``) runs every variant in turn, each as above with
 pipelines of its own, and reports each one's summary; a variant this device
-or these options cannot run (``fp8`` on a CPU, ``vae-float32`` where the VAE
-is fp32 already) is listed under ``refused`` with the reason, not measured.
+or these options cannot run (``fp8`` and ``combined`` on a CPU, ``vae-float32``
+where the VAE is fp32 already, one given by ``--with``) is listed under
+``refused`` with the reason, not measured.
 
 Each round also compares the variant's frames with the default's (the same
 seed, prompt and noise): PSNR in dB and the mean absolute difference in
@@ -69,19 +84,14 @@ import numpy as np
 import torch
 
 from bench.pipeline import one_session, session_chunks
+from bench.settings import COMBINED, SETTINGS, parts, pipeline_options, refusal
 from engine.messages import StartSession
 from engine.progress import Progress
 from workers.pipelines.causal_wan import CausalWanPipeline
 from workers.warmup import warm_up
 
-VARIANTS = ("compile", "cudnn-benchmark", "vae-float32", "tiny-decoder", "commit-from-last-step", "fp8", "cuda-graphs")
+VARIANTS = (*SETTINGS, COMBINED)
 ALL = "all"  # every variant in turn (``versus_all``)
-OPTIONS = {  # a variant that is a second pipeline: its options
-    "compile": {"compile": True},
-    "vae-float32": {"vae_dtype": "float32"},
-    "commit-from-last-step": {"commit_from_last_step": True},
-    "fp8": {"quantize": "fp8"},
-}
 
 
 @contextlib.contextmanager
@@ -102,9 +112,11 @@ def versus(
     rounds: int,
     *,
     cudnn_benchmark: bool = False,
+    given: Sequence[str] = (),
     progress: Progress | None = None,
 ) -> dict:
-    """``build(**options)`` makes a pipeline (the default with no options); the
+    """``build(**options)`` makes a pipeline (the default with no options, but
+    ``given``'s settings, which it applies itself: module docstring); the
     two pipelines (or one, for ``cudnn-benchmark``) are warmed up at
     ``start``'s size, then ``rounds`` alternating rounds of one session of
     ``chunks`` chunks each. Both run with cuDNN's algorithm timing as
@@ -117,33 +129,46 @@ def versus(
         raise ValueError(f"chunks must be >= 2 (the first chunk is timed apart), got {chunks}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    twice = [setting for setting in parts(variant) if setting in given]
+    if twice:
+        named = ",".join(twice)
+        raise ValueError(f"{named} is on both sides already (--with {named}): there would be nothing to compare")
     if variant == "cudnn-benchmark" and cudnn_benchmark:
         raise ValueError("the default it is measured against has cuDNN's algorithm timing on already")
     progress = progress or Progress.silent()
     progress.describe("building the pipelines")
     default = build()
+    if variant == COMBINED:
+        reasons = [why for setting in parts(variant) if (why := refusal(setting, default.device))]
+        if reasons:
+            raise ValueError("; ".join(reasons))
     if variant == "compile" and default.compiled:
         raise ValueError("the default it is measured against is compiled already")
     if variant == "vae-float32" and default.vae_dtype == torch.float32:
         raise ValueError("the default pipeline's VAE is fp32 already (--dtype bfloat16 makes it bf16)")
-    weights = None
-    if variant == "tiny-decoder" and "tiny" not in default.decoders:
-        default, weights = build(tiny_decoder="random"), "random"
-    elif variant == "tiny-decoder":
-        weights = "given"
+    weights = None  # the tiny decoder's, where the variant has it
+    if "tiny-decoder" in parts(variant):
+        weights = "given" if "tiny" in default.decoders else "random"
     tiny = msgspec.structs.replace(start, decoder="tiny")
     if variant == "cudnn-benchmark":
         contenders = {"default": (default, False, start), variant: (default, True, start)}
     elif variant == "tiny-decoder":
+        if weights == "random":
+            default = build(tiny_decoder="random")
         contenders = {"default": (default, cudnn_benchmark, start), variant: (default, cudnn_benchmark, tiny)}
     else:
-        options = OPTIONS.get(variant) or {"cuda_graphs": True if default.device.type == "cuda" else "eager"}
+        options = pipeline_options(parts(variant))
+        if variant == "cuda-graphs" and default.device.type != "cuda":
+            options["cuda_graphs"] = "eager"  # the same path, replayed eagerly (module docstring)
+        if weights == "random":
+            options["tiny_decoder"] = "random"
         contenders = {
             "default": (default, cudnn_benchmark, start),
             variant: (build(**options), cudnn_benchmark, start),
         }
-    # cuda-graphs: the window filled before the timed chunks (its graphs were captured at warm-up)
-    untimed = (default.sink_frames + default.window_frames) // default.latent_frames if variant == "cuda-graphs" else 0
+    # captured steps: the window filled before the timed chunks (its graphs were captured at warm-up)
+    graphs = any(pipeline.step_graphs is not None for pipeline, _, _ in contenders.values())
+    untimed = (default.sink_frames + default.window_frames) // default.latent_frames if graphs else 0
     progress.expect(2 * rounds * (session_chunks(chunks) + untimed))
     progress.describe("warming up")
     for pipeline, benchmark, _ in contenders.values():  # the default twice for cudnn-benchmark: once each way
@@ -179,6 +204,8 @@ def versus(
     return {
         "bench": "pipeline-versus",
         "variant": variant,
+        "settings": list(parts(variant)),
+        "with": list(given),
         "pipelines": {name: _settings(*contender) for name, contender in contenders.items()},
         "device": str(default.device),
         "width": start.width or default.default_size[0],
@@ -200,6 +227,7 @@ def versus_all(
     rounds: int,
     *,
     cudnn_benchmark: bool = False,
+    given: Sequence[str] = (),
     progress: Progress | None = None,
     variants: Sequence[str] = VARIANTS,
 ) -> dict:
@@ -213,7 +241,14 @@ def versus_all(
         progress.expect(0, done=0)
         try:
             summaries[variant] = versus(
-                build, variant, start, chunks, rounds, cudnn_benchmark=cudnn_benchmark, progress=progress
+                build,
+                variant,
+                start,
+                chunks,
+                rounds,
+                cudnn_benchmark=cudnn_benchmark,
+                given=given,
+                progress=progress,
             )
         except ValueError as error:
             refused[variant] = str(error)
@@ -222,6 +257,7 @@ def versus_all(
             torch.cuda.empty_cache()
     return {
         "bench": "pipeline-versus-all",
+        "with": list(given),
         "variants": summaries,
         "median_fps_ratios": {variant: summary["median_fps_ratio"] for variant, summary in summaries.items()},
         "refused": refused,

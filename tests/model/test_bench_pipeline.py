@@ -18,7 +18,8 @@ def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
     assert summary["playback_fps"] == 16.0
     assert summary["warm_up_s"] > 0 and summary["dtype"] == summary["vae_dtype"] == "float32"
     assert 0 < summary["state_bytes"] < summary["session_memory_budget"]  # a CPU: the host's available memory
-    assert summary["side_by_side"] is None
+    assert summary["side_by_side"] is None and summary["untimed_chunks"] == 0
+    assert summary["with"] == [] and summary["decoder"] == "full" and summary["tiny_decoder_weights"] is None
     overlap = summary["decode_overlap"]
     for mode in ("in_line", "overlapped"):
         assert overlap[mode]["time_to_first_chunk_s"] > 0 and overlap[mode]["fps"] > 0
@@ -28,10 +29,11 @@ def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
 def test_bench_pipeline_runs_bf16_cold_writes_a_profile_and_compares_batching(tmp_path):
     profile = tmp_path / "profile.txt"
     flags = ("--dtype", "bfloat16", "--vae-dtype", "float32", "--no-warm-up", "--profile", str(profile))
-    summary = _bench(*flags, "--sessions", "2")
+    summary = _bench(*flags, "--sessions", "2,3")
     assert summary["dtype"] == "bfloat16" and summary["vae_dtype"] == "float32"
-    side = summary["side_by_side"]
-    assert side["sessions"] == 2 and side["one_row_fps"] > 0 and side["batched_fps"] > 0
+    assert [side["sessions"] for side in summary["side_by_side"]] == [2, 3]
+    for side in summary["side_by_side"]:
+        assert side["one_row_fps"] > 0 and side["batched_fps"] > 0
     assert summary["warm_up_s"] == 0.0 and summary["generated_fps"] > 0
     assert "Self CPU" in profile.read_text()
 
