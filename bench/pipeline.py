@@ -545,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         p = summary["per_chunk_ms"]
         print(
-            f"{summary['preset']} {summary['width']}x{summary['height']} on {summary['device']}: "
+            f"{summary['preset']} {summary['width']}x{summary['height']} on {summary['device']}"
+            f"{' with ' + ','.join(summary['with']) if summary['with'] else ''}: "
             f"warm-up {summary['warm_up_s']:.2f} s, first chunk {summary['time_to_first_chunk_s']:.3f} s; "
             f"per chunk denoise {p['denoise_ms']:.1f} ms, "
             f"commit {p['commit_ms']:.1f} ms, decode {p['decode_ms']:.1f} ms; "
