@@ -8,5 +8,7 @@ Tools beside the server: they may import ``server``, ``engine`` and
 server, each watched by ``playback``'s simulated viewer, and ``v2v``
 (``bench v2v``) video-to-video sessions; these never import torch themselves.
 ``pipeline`` (``bench pipeline``) and ``versus`` (its ``--versus``) run the
-model in this process. ``stats`` and ``thread_cpu`` are what they share.
+model in this process, a speed setting's pipeline options read from
+``settings`` (one table for ``--with`` and ``--versus``). ``stats`` and
+``thread_cpu`` are what they share.
 """
