@@ -80,7 +80,7 @@ def test_training_puts_back_the_motion_inside_a_latent_frame(linear):
     half that inside a latent frame and jumps the rest at the next; a briefly
     trained refiner (a test's budget: 100 small steps) already decodes the stream
     closer to its frames, with a smaller jump and more motion inside the latent
-    frames (the shipped one, trained for longer: docs/MODEL.md)."""
+    frames (the shipped one, trained for longer: docs/DEMO_MODEL.md)."""
     frames, pixels = stream(4)
     with torch.no_grad():
         latents = linear.encode_frames(pixels, first=True)
