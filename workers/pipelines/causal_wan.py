@@ -70,6 +70,7 @@ from workers.pipelines.vae_encode import StreamingEncoder
 from workers.pipelines.vae_stream import StreamingDecoder
 from workers.pipelines.video_input import SessionInput, input_start_step
 from workers.pipelines.wan_attention import make_causal
+from workers.pipelines.wan_block_forward import elementwise_ops_for, install_block_forward
 from workers.pipelines.wan_blocks import (
     Activations,
     embed,
@@ -122,6 +123,7 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         quantize: str | None = None,
         cuda_graphs: CudaGraphsOption = False,
         kept_caches: int | None = None,
+        fused_elementwise: bool = False,
         name: str = "causal_wan",
     ) -> None:
         """``decoder``: what makes a session's frames unless it asks otherwise
@@ -141,7 +143,9 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         a CPU); ``"eager"``: the same path replayed eagerly, for tests
         (``step_graphs_for``). ``kept_caches``: with ``cuda_graphs``, how many
         released sessions' KV caches are kept, with their graphs, for the next
-        session of the same size (``causal_wan_graphs.KeptCaches``; default 1)."""
+        session of the same size (``causal_wan_graphs.KeptCaches``; default 1).
+        ``fused_elementwise``: each block's norms, modulation and residuals as
+        four compiled kernels (``wan_block_forward``; not beside ``compile``)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
@@ -165,8 +169,9 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         self.quantized = quantize
         if quantize == "fp8":  # before compiling: the compiled graphs take the FP8 linears
             quantize_fp8(self.transformer, self.device)
-        self.compiled = compile
+        self.compiled, self.fused_elementwise = compile, fused_elementwise
         self.commit_from_last_step = commit_from_last_step
+        install_block_forward(self.transformer, elementwise_ops_for(fused_elementwise, compile, self.device))
         if compile:  # regional: each block's norms, modulation, FFN, cross-attention; self-attention stays eager
             for block in self.transformer.blocks:
                 block.compile()

@@ -9,6 +9,14 @@ bit what the one call computes (tested), and blocks 0..k and k+1..N can run
 as two calls that hand ``Activations`` from one to the other (on two ranks,
 later). Only what the causal pipeline uses: text-to-video, one timestep per
 batch row, no image conditioning.
+
+Each block is called as a module (its hooks run, and ``compile`` compiles
+that call), and its forward is ours: the pipeline installs
+``wan_block_forward.block_forward`` on every block of its transformer
+(``install_block_forward``: diffusers' block forward, bit for bit, with its
+elementwise groups named, eager or fused by the option
+``fused_elementwise``). A model given no forward of ours runs diffusers'
+``WanTransformerBlock.forward``: the same bits, eagerly.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ def embed(
 
 
 def run_blocks(model: WanTransformer3DModel, activations: Activations, blocks: range) -> Activations:
-    """Blocks ``blocks`` of ``model``, in order, from ``activations``. Before each
+    """Blocks ``blocks`` of ``model``, in order, from ``activations``, each through
+    its module call (``install_block_forward``'s forward, where installed). Before each
     block, ``abandon_point()``: a forward whose rows' sessions all stopped ends
     there (``Abandoned``), so a stop waits at most one block."""
     hidden = activations.hidden
