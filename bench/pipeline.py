@@ -190,6 +190,7 @@ def run(
         "commit_from_last_step": pipeline.commit_from_last_step,
         "quantize": pipeline.quantized,
         "cuda_graphs": pipeline.cuda_graphs,
+        "fused_elementwise": pipeline.fused_elementwise,
         "step_graphs": pipeline.graph_figures(),  # captures, replays and fallbacks since it was built
         "width": geometry.width,
         "height": geometry.height,

@@ -14,14 +14,17 @@ both by ``--with`` (the settings the measured configuration runs with) and by
   and values instead of a clean pass;
 - ``fp8``: the blocks' linears in FP8 (a GPU of compute capability 8.9 or newer);
 - ``cuda-graphs``: a full window's single-row forwards captured as CUDA graphs
-  (a GPU).
+  (a GPU);
+- ``fused-elementwise``: each block's norms, modulation and gated residuals
+  compiled into fused kernels (inductor: Triton on a GPU, C++ on a CPU).
 
 ``combined`` (``COMBINED``) is ``FASTEST`` together: the tiny decoder, captured
 steps and FP8, the settings that are each a speed-up for their own cost
 (detail in the decode, the dtype's rounding, FP8's precision), which its
 quality figure measures at once. ``commit-from-last-step`` is not part of it:
 it changes what later chunks attend to, which is why it is off by default.
-Neither are ``compile`` (on the one GPU measured so far it fell inside eager's
+Neither is ``fused-elementwise`` yet (not measured on a GPU; it should
+join once its side-by-side figure is in), nor ``compile`` (on the one GPU measured so far it fell inside eager's
 spread, and it is untried with captured steps), ``cudnn-benchmark`` (not yet
 measured side by side) or ``vae-float32`` (a quality setting, slower).
 """
@@ -40,6 +43,7 @@ SETTINGS: dict[str, dict] = {
     "commit-from-last-step": {"commit_from_last_step": True},
     "fp8": {"quantize": "fp8"},
     "cuda-graphs": {"cuda_graphs": True},
+    "fused-elementwise": {"fused_elementwise": True},
 }
 COMBINED = "combined"
 FASTEST = ("tiny-decoder", "cuda-graphs", "fp8")
@@ -78,6 +82,10 @@ def refusal(setting: str, device: torch.device) -> str | None:
         from workers.pipelines.quantize import fp8_refusal
 
         return fp8_refusal(device)
+    if setting == "fused-elementwise":
+        from workers.pipelines.wan_block_forward import fused_refusal
+
+        return fused_refusal(device)
     if setting == "cuda-graphs" and device.type != "cuda":
         from workers.pipelines.step_graphs import step_graphs_for
 

@@ -304,6 +304,7 @@ def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSe
         "commit_from_last_step": pipeline.commit_from_last_step,
         "quantize": pipeline.quantized,
         "cuda_graphs": pipeline.cuda_graphs,
+        "fused_elementwise": pipeline.fused_elementwise,
         "step_graphs": pipeline.graph_figures(),
         "cudnn_benchmark": cudnn_benchmark,
         "decoder": start.decoder or pipeline.default_decoder,
