@@ -184,6 +184,7 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
             self.encoder: StreamingEncoder | None = StreamingEncoder(self.vae)
         except ValueError:
             self.encoder = None
+        self.encoder_dropped = False  # a later pipeline rank's (``own_blocks``): the first rank encodes
         self.decoders: dict[str, StreamingDecoder | TinyStreamingDecoder] = {"full": self.decoder}
         tiny = self._tiny_decoder(tiny_decoder if tiny_decoder is not None else components.tiny_decoder)
         if tiny is not None:
@@ -324,7 +325,9 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
     def _schedule(self, start: StartSession, geometry: SessionGeometry) -> tuple[list[float], SessionInput | None]:
         """The schedule a session's chunks run (``geometry.num_inference_steps``
         steps), and its input side (None: text to video): with an input, the
-        few-step schedule of the start's steps from the input's start step."""
+        few-step schedule of the start's steps from the input's start step. A
+        later pipeline rank (no encoder: the first rank encodes) keeps the
+        schedule but no encoder cache, and encodes nothing."""
         given = start.input
         if given is None:
             return self_forcing_timesteps(geometry.num_inference_steps), None
@@ -332,9 +335,10 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         start_step = input_start_step(given.strength, timesteps)
         if len(timesteps) - start_step != geometry.num_inference_steps:
             raise ValueError(f"the geometry's {geometry.num_inference_steps} steps are not the input's schedule")
-        cache = self.encoder.new_cache() if start_step else []
+        encode = start_step > 0 and self.encoder is not None
+        cache = self.encoder.new_cache() if encode else []
         return timesteps[start_step:], SessionInput(
-            strength=given.strength, start_step=start_step, encode=start_step > 0, encoder_cache=cache
+            strength=given.strength, start_step=start_step, encode=encode, encoder_cache=cache
         )
 
     def take_input(self, session: CausalWanSession, chunk_index: int, frames: Any) -> None:
@@ -346,7 +350,15 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         encoder (its cache carried from the chunk before) and kept for the
         boundary. ``ValueError`` names a wrong count, size or type, and a
         session without an input; ``ChunkOrderError`` a chunk out of order. All
-        or nothing: when it raises, the same chunk may be given again."""
+        or nothing: when it raises, the same chunk may be given again. A later
+        pipeline rank, which dropped the encoder (``own_blocks``), is never given
+        frames: ``RuntimeError``."""
+        if self.owned.start > 0:
+            raise RuntimeError(
+                f"take_input: this pipeline rank runs blocks {self.owned.start}-{self.owned.stop - 1} of "
+                f"{self.num_blocks} and holds no VAE encoder; a session's input frames go to the first rank "
+                "(blocks from 0), which encodes them"
+            )
         if session.input is None:
             raise ValueError(f"session {session.session_id} was opened without an input: it takes no frames")
         size = (session.geometry.width, session.geometry.height)

@@ -37,7 +37,7 @@ def self_forcing_timesteps(steps: int, shift: float = 5.0) -> list[float]:
 
 class CausalWanGeometry:
     """Needs the model (``transformer``, ``dtype``, ``device``, ``decoders``,
-    ``default_decoder``, ``encoder``), the sizes (``default_size``,
+    ``default_decoder``, ``encoder``, ``encoder_dropped``), the sizes (``default_size``,
     ``spatial``, ``max_size``, ``fps``), the span (``sink_frames``,
     ``window_frames``, ``latent_frames``), ``text_length``, ``kv_layers``,
     ``max_batch_rows``, ``cuda_graphs``, ``commit_from_last_step``,
@@ -49,6 +49,7 @@ class CausalWanGeometry:
     decoders: dict
     default_decoder: str
     encoder: Any
+    encoder_dropped: bool
     default_size: tuple[int, int]
     spatial: int
     max_size: int
@@ -107,8 +108,10 @@ class CausalWanGeometry:
         """A start's input (``VideoInput``) this model can take: it has an encoder,
         the frames are the session's, and (with ``commit_from_last_step``) its
         chunks run a step at least. Returns the start step (``input_start_step``);
-        ``ValueError`` names the field."""
-        if self.encoder is None:
+        ``ValueError`` names the field. A later pipeline rank, which dropped its
+        encoder (``encoder_dropped``: the first rank encodes), answers as the
+        first rank does."""
+        if self.encoder is None and not self.encoder_dropped:
             raise ValueError(f"input: the {self.name!r} model's VAE has no encoder to take video frames")
         check_input_geometry(given, width, height, fps)
         start_step = input_start_step(given.strength, timesteps)
@@ -132,8 +135,10 @@ class CausalWanGeometry:
         most of it: its KV cache, its VAE feature cache, its latents (per chunk in
         flight the noise draws and the chunk; the cached chunks' clean latents)
         and its prompt embeddings (``encoder``, video to video: the VAE encoder's
-        feature cache and a chunk's encoded input too); with stream batch (``chunks_in_flight`` > 1)
-        the provisional keys and values of the chunks in flight before the newest.
+        feature cache and a chunk's encoded input too, where the encoder is: a
+        later pipeline rank holds neither and counts none); with stream batch
+        (``chunks_in_flight`` > 1) the provisional keys and values of the chunks
+        in flight before the newest.
         Split over pipeline ranks the KV cache counts ``kv_layers``: the most
         layers one GPU holds, or every layer when the ranks share the host's
         memory (a CPU). The roped keys (``RopedKeys``) are a pool of at most

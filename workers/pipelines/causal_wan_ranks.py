@@ -3,7 +3,8 @@
 Worker process. ``CausalWanRanks`` is the part of ``CausalWanPipeline`` that
 a transformer split over ranks needs: ``own_blocks`` keeps one contiguous
 block range (the others' weights dropped, sessions opened after it holding
-only those blocks' KV cache, the text encoder dropped after the first rank);
+only those blocks' KV cache, the text encoder and the VAE's encoder dropped
+after the first rank);
 ``pack`` / ``unpack`` turn the ``Hidden`` states a range hands on into a
 plain description and tensors for the link to the next rank, and back;
 ``select`` keeps the rows a later rank runs on; ``follow_boundary`` is a
@@ -20,18 +21,23 @@ import torch
 
 from workers.pipelines.base import BatchRow, Hidden, block_range
 from workers.pipelines.causal_wan_state import CausalWanSession
+from workers.pipelines.vae_encode import drop_encoder
 from workers.pipelines.wan_blocks import activation_tensors, activations_from, select_rows
 
 
 class CausalWanRanks:
     """Needs ``num_blocks``, ``owned`` (the blocks this process runs),
-    ``transformer``, ``text_encoder``, ``device``, ``kv_layers``,
+    ``transformer``, ``text_encoder``, ``vae``, ``encoder``,
+    ``encoder_dropped``, ``device``, ``kv_layers``,
     ``commit_from_last_step``, ``_held`` and ``_prompts`` of the pipeline."""
 
     num_blocks: int
     owned: range
     transformer: Any
     text_encoder: Any
+    vae: Any
+    encoder: Any
+    encoder_dropped: bool
     device: torch.device
     kv_layers: int
     commit_from_last_step: bool
@@ -54,9 +60,12 @@ class CausalWanRanks:
         """Keep only ``blocks`` (a contiguous range): the other blocks' weights are
         dropped, sessions opened from now on hold only these blocks' KV cache, and
         a rank after the first drops the text encoder (prompts are encoded on the
-        first rank). ``most_per_rank``: the most blocks any rank keeps, which is
-        what a session's state costs the fullest GPU (``state_bytes``). Called
-        once, before any session opens."""
+        first rank) and the VAE's encoder (``drop_encoder``; the VAE stays, to
+        decode): the first rank takes a session's input frames, so there an
+        input session holds no encoder cache and counts none (``state_bytes``),
+        and ``take_input`` is refused. ``most_per_rank``: the most blocks any
+        rank keeps, which is what a session's state costs the fullest GPU
+        (``state_bytes``). Called once, before any session opens."""
         blocks = block_range(blocks, self.num_blocks)
         if self.commit_from_last_step and len(blocks) != self.num_blocks:
             raise ValueError(
@@ -73,6 +82,9 @@ class CausalWanRanks:
         if blocks.start > 0:
             self.text_encoder = None
             self._prompts.clear()
+            if self.encoder is not None:
+                drop_encoder(self.vae)
+                self.encoder, self.encoder_dropped = None, True
         self.owned = blocks
 
     def pack(self, hidden: Hidden) -> tuple[dict, list[torch.Tensor]]:

@@ -21,6 +21,9 @@ that before decoding).
 The demo model's ``LinearVideoCodec`` (no causal state across latent frames)
 encodes each chunk with its own ``encode_frames``; its cache stays empty.
 
+A process that never encodes (a later pipeline rank: the first encodes)
+frees the encoder's weights with ``drop_encoder``; the VAE still decodes.
+
 An encode is all or nothing: it works on a copy of the cache's list (the
 encoder replaces a slot's tensor, never writes into one) and puts the copy
 back only once every frame went through, so an encode that raises or is
@@ -35,6 +38,24 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanEncoder3d, patch
 
 from workers.pipelines.base import abandon_point
 from workers.pipelines.vae_stream import layout_bytes
+
+
+def drop_encoder(vae: torch.nn.Module) -> int:
+    """Free the weights only encoding reads, keeping ``vae``'s decode paths:
+    Wan's ``encoder`` and ``quant_conv`` (its posterior's 1x1x1 convolution,
+    which ``AutoencoderKLWan`` runs only after the encoder). Decoding reads
+    neither: ``post_quant_conv`` and ``decoder``, and ``clear_cache`` the conv
+    counts taken at construction. Returns the bytes freed; the demo codec's
+    encode is its decoder's basis, so nothing of it goes (0). ``vae.encode``
+    then fails: only a process that never encodes calls this."""
+    if not isinstance(getattr(vae, "encoder", None), WanEncoder3d):
+        return 0
+    freed = 0
+    for name in ("encoder", "quant_conv"):
+        module = getattr(vae, name)
+        freed += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        setattr(vae, name, None)
+    return freed
 
 
 class StreamingEncoder:

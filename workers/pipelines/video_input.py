@@ -66,7 +66,7 @@ class SessionInput:
 
     strength: float
     start_step: int  # the step of the whole schedule its chunks start at (``input_start_step``)
-    encode: bool  # whether its frames are encoded (not at start step 0: pure noise reads none)
+    encode: bool  # whether its frames are encoded (not at start step 0: pure noise reads none; nor on a later rank)
     encoder_cache: list  # the streaming encoder's causal feature cache, through chunk ``next_chunk - 1``
     next_chunk: int = 0  # the chunk whose frames come next: the encoder's cache is a stream, taken in order
     latents: dict[int, torch.Tensor | None] = field(default_factory=dict)
