@@ -15,14 +15,20 @@ rank 0's does on a pipeline ring); on a
 GPU the pipeline decodes on a stream of its own per thread
 (``CausalWanPipeline.decode``), so the decode's kernels overlap the next
 chunk's forward.
+
+``DecodeStages`` is what the executor asks of a decode stage: this one and
+``workers.parallel.rank_decode.RankDecodeStage`` (the decodes shared out
+over pipeline ranks) each define all of it, with its signatures
+(``step_done`` a no-op here), so the executor calls them without asking
+whether they are there.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from engine.plan import DecodeResult
 from workers.ordered_thread import OrderedThread
@@ -50,6 +56,37 @@ def decode_batch_rows(pipeline) -> int:
     if device_type(pipeline) == "cpu":
         return max(pipeline.max_batch_rows, CPU_DECODE_ROWS)
     return pipeline.max_batch_rows
+
+
+class DecodeStages(Protocol):
+    """A decode stage, as the executor (``workers.executor.LocalExecutor``) drives
+    it: ``DecodeStage``, ``RankDecodeStage``, or a test's stand-in."""
+
+    def submit(self, session_id: str, chunk_index: int) -> None:
+        """Decode the session's committed chunk (after its earlier ones); its
+        ``DecodeResult`` goes to the stage's callback, on a thread of its own."""
+        ...
+
+    def step_done(self, idle: bool) -> None:
+        """A micro-step ended, its chunks submitted (``idle``: none is queued after
+        it): a stage that gathers rounds of chunks may let them go; a no-op for
+        one that decodes each as it comes."""
+        ...
+
+    def forget(self, session_id: str) -> None:
+        """The session was released."""
+        ...
+
+    def close(self) -> None:
+        """Decode what was submitted (what this rank holds), then stop."""
+        ...
+
+    @property
+    def decodes(self) -> Sequence[int]:
+        """Chunks decoded (with frames) so far, per rank, rank 0 first, for
+        ``rank_figures``; empty for one that counts none (a rank it does
+        not list decoded none)."""
+        ...
 
 
 class DecodeStage:
@@ -89,6 +126,9 @@ class DecodeStage:
                 load[taken] += 1
             lane = self._lane_of[session_id] = load.index(min(load))
         self._lanes[lane].submit((session_id, chunk_index))
+
+    def step_done(self, idle: bool) -> None:
+        """Nothing to do: each lane takes what waits on it as soon as it is free."""
 
     def forget(self, session_id: str) -> None:
         """The session was released: its lane may go to another."""

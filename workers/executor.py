@@ -35,9 +35,9 @@ import msgspec
 
 from engine.messages import RankFigures
 from engine.plan import DecodeResult, MicroStep, StepResult
-from workers.decode_stage import DecodeStage
+from workers.decode_stage import DecodeStage, DecodeStages
 from workers.ordered_thread import OrderedThread
-from workers.runner import ModelRunner
+from workers.runner import WorkerRunner
 from workers.runner_sessions import RunnerSessions
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 class LocalExecutor:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: WorkerRunner,
         is_cancelled: Callable[[str], bool],
         on_result: Callable[[], None],
         depth: int = 2,
@@ -54,16 +54,17 @@ class LocalExecutor:
         overlap_decode: bool = True,
         decode_lanes: int = 1,
         batch_decodes: int = 1,
-        decode_stage: Callable[[RunnerSessions, Callable[[DecodeResult], None]], DecodeStage] | None = None,
+        decode_stage: Callable[[RunnerSessions, Callable[[DecodeResult], None]], DecodeStages] | None = None,
         decode_nice: int = 0,
     ) -> None:
-        """``decode_stage``: builds the decode stage from the runner's sessions
-        (``runner.sessions``, whose deferred decodes it runs) and the callback
-        for its results (default: ``DecodeStage`` with ``decode_lanes`` lanes,
-        each decoding what waits on it in batches of at most ``batch_decodes``
-        chunks, ``decode_nice`` steps of ``nice`` below the worker:
-        ``workers.os_threads``); anything with its ``submit`` / ``forget`` /
-        ``close`` and ``decodes`` (chunks decoded per rank, for ``rank_figures``)."""
+        """``runner``: the one-rank ``ModelRunner`` or the ring runner
+        (``workers.runner.WorkerRunner``). ``decode_stage``: builds the decode
+        stage from the runner's sessions (``runner.sessions``, whose deferred
+        decodes it runs) and the callback for its results (default:
+        ``DecodeStage`` with ``decode_lanes`` lanes, each decoding what waits on
+        it in batches of at most ``batch_decodes`` chunks, ``decode_nice`` steps
+        of ``nice`` below the worker: ``workers.os_threads``); a
+        ``workers.decode_stage.DecodeStages``."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.depth = depth if threaded else 1
@@ -79,7 +80,7 @@ class LocalExecutor:
         self._returned = 0
         self._running_since: float | None = None
         self._held = runner.held_sessions()
-        self._decoder: DecodeStage | None = None
+        self._decoder: DecodeStages | None = None
         if threaded and overlap_decode:
             runner.sessions.defer_decode = True
             if decode_stage is None:
@@ -124,13 +125,12 @@ class LocalExecutor:
     def rank_figures(self) -> tuple[RankFigures, ...]:
         """The ring runner's figures of each rank, with the chunks the decode
         stage decoded on it; () with one rank."""
-        figures = getattr(self._runner, "rank_figures", None)
-        if figures is None:
+        figures = self._runner.rank_figures()
+        if not figures:
             return ()
-        decoded = getattr(self._decoder, "decodes", ())  # chunks decoded, per rank (none: decoded in micro-steps)
+        decoded = () if self._decoder is None else self._decoder.decodes  # none: decoded in micro-steps
         return tuple(
-            msgspec.structs.replace(f, decoded_chunks=decoded[f.rank] if f.rank < len(decoded) else 0)
-            for f in figures()
+            msgspec.structs.replace(f, decoded_chunks=decoded[f.rank] if f.rank < len(decoded) else 0) for f in figures
         )
 
     def close(self) -> None:
@@ -165,9 +165,7 @@ class LocalExecutor:
         if self._decoder is not None:
             for session_id in result.released:
                 self._decoder.forget(session_id)
-            step_done = getattr(self._decoder, "step_done", None)  # a stage that gathers rounds of chunks
-            if step_done is not None:
-                step_done(self._thread is None or self._thread.pending == 0)
+            self._decoder.step_done(self._thread is None or self._thread.pending == 0)
         self._on_result()
         return True
 

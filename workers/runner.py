@@ -2,7 +2,9 @@
 
 Runs on the executor's thread of worker rank 0 (``workers.executor``); one
 rank, so it runs every stage (``workers.pipelines.base``) itself. Implements
-``engine.plan.Runner``. It holds a ``RunnerSessions``
+``engine.plan.Runner``, and ``WorkerRunner``, what the executor drives
+(``workers.executor``): that and ``sessions`` and ``rank_figures``, the ring
+runner's figures of each rank (() here: one rank). It holds a ``RunnerSessions``
 (``workers.runner_sessions``): the state of each open session and the
 ``RowExecutor`` (``workers.row_executor``) every pipeline call goes through,
 timed and guarded per session, so an exception fails that session only,
@@ -31,14 +33,32 @@ unusable, and the session is being released anyway).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
-from engine.messages import SessionGeometry, StartSession
-from engine.plan import MicroStep, StepResult, StepRow
+from engine.messages import RankFigures, SessionGeometry, StartSession
+from engine.plan import MicroStep, Runner, StepResult, StepRow
 from workers.pipelines.base import ChunkPipeline
 from workers.row_executor import Cancelled, Ok, StageCall
 from workers.runner_sessions import RunnerSessions
 
-__all__ = ["ModelRunner", "StageCall"]
+__all__ = ["ModelRunner", "StageCall", "WorkerRunner"]
+
+
+class WorkerRunner(Runner, Protocol):
+    """What the executor (``workers.executor.LocalExecutor``) drives: the one-rank
+    ``ModelRunner`` or, split over pipeline ranks, rank 0's
+    ``workers.parallel.ring.RingRunner``. Neither subclasses the other; each
+    has every member here, with these signatures
+    (``tests/unit/test_row_executor.py``)."""
+
+    sessions: RunnerSessions
+    """The sessions' state and calls, which the executor and the decode stages take."""
+
+    def rank_figures(self) -> tuple[RankFigures, ...]:
+        """Split over ranks: each rank's busy and wall seconds, rank 0 first
+        (``decoded_chunks`` 0: the executor adds the decode stage's counts);
+        () with one rank."""
+        ...
 
 
 class ModelRunner:
@@ -84,6 +104,12 @@ class ModelRunner:
         if commits:
             self.sessions.committed(result, self._commit(result, commits))
         return result
+
+    # -- WorkerRunner ----------------------------------------------------------
+
+    def rank_figures(self) -> tuple[RankFigures, ...]:
+        """(): one rank (the loop reports its own figures)."""
+        return ()
 
     # -- internals -------------------------------------------------------------
 

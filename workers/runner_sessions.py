@@ -102,8 +102,9 @@ class RunnerSessions:
         """The pipeline's ``describe``; a start with an ``input`` is refused here,
         naming the pipeline, where it does not declare ``video_input``."""
         if start.input is not None and not self.pipeline.capabilities.video_input:
-            name = getattr(self.pipeline, "name", type(self.pipeline).__name__)
-            raise ValueError(f"input: the {name!r} pipeline takes no input video (it does not declare video_input)")
+            raise ValueError(
+                f"input: the {self.pipeline.name!r} pipeline takes no input video (it does not declare video_input)"
+            )
         return self.pipeline.describe(start)
 
     def held_sessions(self) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -47,7 +47,7 @@ def warm_up(pipeline: ChunkPipeline, width: int | None = None, height: int | Non
     runs = []  # (sessions, chunks): the batched ones first, the one released last is the one alone
     if pipeline.max_batch_rows > 1:
         runs.append(([f"{WARM_UP_SESSION}.{row}" for row in range(pipeline.max_batch_rows)], chunks))
-    runs.append(([WARM_UP_SESSION], max(chunks, getattr(pipeline, "capture_chunks", 0))))  # one row a forward
+    runs.append(([WARM_UP_SESSION], max(chunks, pipeline.capture_chunks)))  # one row a forward
     for session_ids, count in runs:
         starts = [StartSession(session_id=sid, prompt="warm-up", width=width, height=height) for sid in session_ids]
         try:

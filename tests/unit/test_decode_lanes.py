@@ -1,13 +1,17 @@
 """The decode stage's lanes: different sessions decode side by side, a
 session's chunks come out in order, on one lane, and a released session's
-lane goes to the next (threads; a recording stand-in for the runner's sessions)."""
+lane goes to the next (threads; a recording stand-in for the runner's sessions).
+And both decode stages, one rank's and the one over pipeline ranks, define
+every member of what the executor drives (``DecodeStages``), each method
+with its signature: the executor asks none of them whether it is there."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 from engine.plan import DecodeResult
-from workers.decode_stage import DecodeStage
+from workers.decode_stage import DecodeStage, DecodeStages
 
 
 class RecordingSessions:
@@ -53,3 +57,22 @@ def test_a_released_sessions_lane_goes_to_the_next_session():
     stage.close()
     lanes = {s: t for s, _, t in runner.calls}
     assert lanes["c"] == lanes["a"] != lanes["b"]
+
+
+def test_both_decode_stages_define_every_member_of_the_contract_with_its_signature():
+    from workers.parallel.rank_decode import RankDecodeStage
+
+    members = {name: value for name, value in vars(DecodeStages).items() if not name.startswith("_")}
+    assert {"submit", "step_done", "forget", "close", "decodes"} <= set(members)
+    for name, template in members.items():
+        if isinstance(template, property):  # an attribute: RankDecodeStage's a property, DecodeStage's set at start
+            assert isinstance(getattr(RankDecodeStage, name), property), name
+            continue
+        for stage in (DecodeStage, RankDecodeStage):
+            assert name in vars(stage), (stage.__name__, name)
+            assert inspect.signature(getattr(stage, name)) == inspect.signature(template), (stage.__name__, name)
+    stage = DecodeStage(RecordingSessions(), lambda result: None)
+    stage.step_done(True)  # gathers nothing: a no-op
+    stage.submit("a", 0)
+    stage.close()
+    assert list(stage.decodes) == [0]  # the chunk came back without frames (the stand-in's)

@@ -34,6 +34,9 @@ class AbandoningStage:
         else:
             self.done(self.sessions.decode(session_id, chunk_index))
 
+    def step_done(self, idle: bool) -> None:
+        pass
+
     def forget(self, session_id: str) -> None:
         pass
 
@@ -105,6 +108,9 @@ class GatedStage:
         with self._lock:
             session_id, chunk_index = self.waiting.pop(0)
         self.done(self.sessions.decode(session_id, chunk_index))
+
+    def step_done(self, idle: bool) -> None:
+        pass
 
     def forget(self, session_id: str) -> None:
         pass

@@ -57,6 +57,9 @@ class CountingStage:
     def submit(self, session_id: str, chunk_index: int) -> None:
         pass
 
+    def step_done(self, idle: bool) -> None:
+        pass
+
     def forget(self, session_id: str) -> None:
         pass
 

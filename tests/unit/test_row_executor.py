@@ -5,16 +5,28 @@ rows run alone next); a call over stopping sessions is abandoned and its rows
 reported cancelled; a row a later pipeline rank failed fails its session as
 a call would. And the ring runner is no subclass of the runner (one of its
 methods overridden with another signature crashed once): both hold the
-sessions' component and offer the same methods."""
+sessions' component and define every method of ``WorkerRunner``, with its
+signature."""
 
 from __future__ import annotations
 
 import inspect
+from typing import Protocol
 
 from engine.plan import StepResult
 from workers.pipelines.base import abandon_point
 from workers.pipelines.stub import StubPipeline
 from workers.row_executor import Cancelled, Failed, Ok, RowExecutor, StageCall
+
+
+def protocol_methods(protocol: type) -> dict[str, object]:
+    """The public methods ``protocol`` and the protocols it extends define."""
+    return {
+        name: value
+        for klass in reversed(protocol.__mro__[: protocol.__mro__.index(Protocol)])
+        for name, value in vars(klass).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    }
 
 
 def executor(failures: list[str], also: str | None = None, heard: list | None = None) -> RowExecutor:
@@ -81,16 +93,21 @@ def test_both_runners_hold_the_sessions_and_offer_the_same_methods():
     """The ring runner is no subclass of the one-rank runner (a method of one
     overridden with another signature crashed once): both hold a
     ``RunnerSessions``, which the executor and the decode stages take
-    (``runner.sessions``), and the ``engine.plan.Runner`` methods have the
-    same signature on both. Neither hands session-level calls on: there is one
-    way to reach them."""
+    (``runner.sessions``), and every method of what the executor drives
+    (``WorkerRunner``: ``engine.plan.Runner``'s and ``rank_figures``) is
+    defined on both, with the protocol's signature. Neither hands
+    session-level calls on: there is one way to reach them."""
     from workers.parallel.ring import RingRunner
-    from workers.runner import ModelRunner
+    from workers.runner import ModelRunner, WorkerRunner
     from workers.runner_sessions import RunnerSessions
 
     assert not issubclass(RingRunner, ModelRunner) and not issubclass(ModelRunner, RingRunner)
-    for name in ("describe", "held_sessions", "execute"):
-        assert inspect.signature(getattr(RingRunner, name)) == inspect.signature(getattr(ModelRunner, name)), name
+    methods = protocol_methods(WorkerRunner)
+    assert {"describe", "held_sessions", "execute", "rank_figures"} <= set(methods)
+    for name, template in methods.items():
+        for runner in (RingRunner, ModelRunner):
+            assert inspect.signature(getattr(runner, name)) == inspect.signature(template), (runner.__name__, name)
+    assert ModelRunner(StubPipeline()).rank_figures() == ()  # one rank
     session_level = ["defer_decode", "is_stopping", "stop_check", "decode", "decode_many"]
     session_level += ["hand_off_decode", "decode_returned"]
     pipeline = StubPipeline()

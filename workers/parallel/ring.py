@@ -1,11 +1,13 @@
 """Rank 0's runner when the transformer is split over pipeline ranks.
 
 Runs on the executor's thread of worker rank 0 (``workers.executor``), in
-place of the one-rank ``ModelRunner``. Like it, it holds a ``RunnerSessions``
+place of the one-rank ``ModelRunner``, with the same methods
+(``workers.runner.WorkerRunner``). Like it, it holds a ``RunnerSessions``
 (``workers.runner_sessions``: the sessions' state, the ``RowExecutor`` every
 pipeline call goes through, releases, opens, boundaries, batched forwards,
 decodes), which the executor and the decode stage take
-(``runner.sessions``) and call directly; only ``execute`` differs. The engine plans each
+(``runner.sessions``) and call directly; only ``execute`` differs (and
+``rank_figures``, each rank's here). The engine plans each
 micro-step for every rank (``MicroStep.ranks``: rank r runs the rows that
 entered rank 0 r micro-steps ago; ``MicroStep.returning``: the rows the last
 rank finished in the micro-step before, back at rank 0). Micro-step m here:
@@ -84,9 +86,9 @@ class RingRunner:
         so they need nothing of the input. One that does not declare it is
         refused, naming the pipeline and the ranks."""
         if start.input is not None and not self.pipeline.capabilities.video_input:
-            name = getattr(self.pipeline, "name", type(self.pipeline).__name__)
             raise ValueError(
-                f"input: the {name!r} pipeline split over {self.group.world} pipeline ranks takes no input video "
+                f"input: the {self.pipeline.name!r} pipeline split over {self.group.world} pipeline ranks "
+                "takes no input video "
                 "(it does not declare video_input: the first rank's take_input before each boundary)"
             )
         return self.sessions.describe(start)
@@ -122,6 +124,8 @@ class RingRunner:
         self.busy_s += wall - waited
         result.wall_s = wall
         return result
+
+    # -- workers.runner.WorkerRunner --------------------------------------------
 
     def rank_figures(self) -> tuple[RankFigures, ...]:
         """Every rank's busy and wall seconds (``decoded_chunks`` 0: the decode

@@ -300,6 +300,10 @@ class ChunkPipeline(Protocol):
     knob for it; sizes that depend on it (attention buffers, memory) follow."""
     warm_up_chunks: int
     """Chunks of a throwaway session the worker runs before READY (``workers.warmup``); 0: none."""
+    capture_chunks: int
+    """Chunks a session of one row runs before its steps' captured graphs are all
+    captured (0: it captures none); the warm-up runs its session alone at least
+    that many (``workers.warmup``)."""
     batch_invariant: bool
     """Whether a row of a batched forward computes bit for bit what it computes
     alone; the runner reports a chunk batched on a pipeline without it as not

@@ -149,6 +149,7 @@ class StubPipeline:
     decode_overlap_pays: ClassVar[bool] = True  # simulated compute sleeps: the stages overlap for real
     num_blocks: ClassVar[int] = 2  # block 0: the conditioning; block 1: the committed context
     warm_up_chunks: ClassVar[int] = 0  # arithmetic: nothing to warm, and gates must see only real sessions
+    capture_chunks: ClassVar[int] = 0  # no captured steps
     batch_invariant: ClassVar[bool] = True  # each row's arithmetic is its own, whatever the batch
     device: ClassVar[None] = None  # numpy on the host: no torch device
     # The stages, and video input; each chunk commits and decodes alone.
