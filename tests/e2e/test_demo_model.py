@@ -88,7 +88,8 @@ def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured():
     ``OMP_NUM_THREADS``, which the test runner sets for its own processes): on
     a CPU the worker measured its kernels' threads at start
     (``workers.cpu_threads``), says so in its log, and /health says the count
-    it keeps."""
+    it keeps. On a machine too loaded to run a warm-up chunk in time the
+    worker measures nothing and says so; /health then says torch's default."""
     server = start_server(model="demo", unset=("OMP_NUM_THREADS",))
     try:
         workers = server.health()["workers"]
@@ -96,8 +97,11 @@ def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured():
             assert workers[0]["cpu_threads"] is None, workers  # on a GPU there is no count to choose
         else:
             assert workers[0]["cpu_threads"] in candidates(os.cpu_count() or 1), workers
-            measured = server.wait_for_log("CPU threads for the kernels")
-            assert f"kernels: {workers[0]['cpu_threads']} (" in measured, measured
+            said = server.wait_for_log("CPU threads ")  # measured, or not on a machine too slow to
+            if "not measured" in said:  # measure in time (a loaded CI box): torch's default stays
+                assert f"torch's default ({workers[0]['cpu_threads']}) stays" in said, said
+            else:
+                assert f"CPU threads for the kernels: {workers[0]['cpu_threads']} (" in said, said
     finally:
         stop_server(server)
 
