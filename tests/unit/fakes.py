@@ -1,5 +1,9 @@
 """Stand-ins the unit tests share.
 
+``QuietStage``: a decode stage (``workers.decode_stage.DecodeStages``) whose
+``step_done``, ``forget`` and ``close`` do nothing and which decoded nothing on
+any rank: a test's stage defines ``submit`` and what else it needs.
+
 ``HeldExecutor``: an ``engine.plan.Executor`` whose micro-steps run through a
 real runner (``workers.runner.ModelRunner``) only when the test says
 (``finish_oldest``), so a test holds the loop at any point between submitting
@@ -15,6 +19,22 @@ from __future__ import annotations
 from engine.messages import RankFigures
 from engine.plan import DecodeResult, MicroStep, StepResult
 from workers.runner import ModelRunner
+
+
+class QuietStage:
+    decodes: tuple[int, ...] | list[int] = ()
+
+    def submit(self, session_id: str, chunk_index: int) -> None:
+        raise NotImplementedError
+
+    def step_done(self, idle: bool) -> None:
+        pass
+
+    def forget(self, session_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class HeldExecutor:

@@ -13,13 +13,14 @@ from engine.loop import EngineLoop
 from engine.messages import ChunkReady, SessionDone, SessionFailed, Shutdown, StartSession
 from engine.pacing import DECODE_RUN_AHEAD, max_chunks_decoding
 from engine.plan import DecodeResult
+from tests.unit.fakes import QuietStage
 from workers.executor import LocalExecutor
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
 from workers.runner_sessions import RunnerSessions
 
 
-class AbandoningStage:
+class AbandoningStage(QuietStage):
     """A decode stage that answers every chunk from ``abandon_from`` on as
     abandoned (cancelled) and decodes the ones before it."""
 
@@ -33,15 +34,6 @@ class AbandoningStage:
             self.done(DecodeResult(session_id, chunk_index, None, 0.0, cancelled=True))
         else:
             self.done(self.sessions.decode(session_id, chunk_index))
-
-    def step_done(self, idle: bool) -> None:
-        pass
-
-    def forget(self, session_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def stub_loop(send, decode_stage) -> tuple[ControlPlane, LocalExecutor, EngineLoop]:
@@ -91,7 +83,7 @@ def test_an_open_ended_session_whose_decodes_are_abandoned_ends_instead_of_runni
     assert isinstance(sent[-1], SessionFailed) and "chunk 0 was abandoned" in sent[-1].message
 
 
-class GatedStage:
+class GatedStage(QuietStage):
     """A decode stage that holds every chunk until the test lets the oldest go."""
 
     def __init__(self, sessions: RunnerSessions, done) -> None:
@@ -108,15 +100,6 @@ class GatedStage:
         with self._lock:
             session_id, chunk_index = self.waiting.pop(0)
         self.done(self.sessions.decode(session_id, chunk_index))
-
-    def step_done(self, idle: bool) -> None:
-        pass
-
-    def forget(self, session_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_session_whose_decodes_lag_stops_at_its_limit_and_begins_one_more_as_each_comes_back():

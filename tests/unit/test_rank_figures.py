@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.control import ControlPlane
 from engine.loop import EngineLoop
 from engine.messages import RankFigures
-from tests.unit.fakes import HeldExecutor
+from tests.unit.fakes import HeldExecutor, QuietStage
 from workers.executor import LocalExecutor
 from workers.pipelines.stub import StubPipeline
 from workers.runner import ModelRunner
@@ -46,7 +46,7 @@ class RingFigures(ModelRunner):
         return (RankFigures(rank=0, busy_s=0.5, wall_s=1.0), RankFigures(rank=1, busy_s=0.25, wall_s=1.0))
 
 
-class CountingStage:
+class CountingStage(QuietStage):
     """A decode stage that decoded 2 chunks on rank 0 and 5 on rank 1."""
 
     decodes = [2, 5]
@@ -55,15 +55,6 @@ class CountingStage:
         pass
 
     def submit(self, session_id: str, chunk_index: int) -> None:
-        pass
-
-    def step_done(self, idle: bool) -> None:
-        pass
-
-    def forget(self, session_id: str) -> None:
-        pass
-
-    def close(self) -> None:
         pass
 
 
