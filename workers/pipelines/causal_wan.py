@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.messages import SessionGeometry, StartSession
+from workers.pipelines.attention_backend import set_attention
 from workers.pipelines.base import (
     BatchRow,
     Hidden,
@@ -124,6 +125,7 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         cuda_graphs: CudaGraphsOption = False,
         kept_caches: int | None = None,
         fused_elementwise: bool = False,
+        attention: str = "auto",
         name: str = "causal_wan",
     ) -> None:
         """``decoder``: what makes a session's frames unless it asks otherwise
@@ -145,7 +147,11 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         released sessions' KV caches are kept, with their graphs, for the next
         session of the same size (``causal_wan_graphs.KeptCaches``; default 1).
         ``fused_elementwise``: each block's norms, modulation and residuals as
-        four compiled kernels (``wan_block_forward``; not beside ``compile``)."""
+        four compiled kernels (``wan_block_forward``; not beside ``compile``).
+        ``attention``: torch's attention kernel for every block's self- and
+        cross-attention (``auto``, torch's choice; ``flash``, ``cudnn``,
+        ``efficient``, ``math``), refused here where torch will not run it
+        (``attention_backend``)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
@@ -161,6 +167,8 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
         self.context = make_causal(self.transformer, rows=max_batch_rows)
+        self.attention = attention  # before compiling: the compiled blocks read the cross-attention's backend
+        set_attention(self.transformer, attention, self.device, self.dtype, self.text_length)
         self.cuda_graphs = cuda_graphs
         self.step_graphs = step_graphs_for(cuda_graphs, self.device)  # None: every forward eager
         self.context.roped.keep_stale = self.step_graphs is not None  # a graph reads its session's key buffers

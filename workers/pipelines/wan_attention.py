@@ -217,7 +217,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
 class CausalSelfAttnProcessor:
     """``attn1`` of block ``layer``: attends over the session's cache and the chunk."""
 
-    _attention_backend = None
+    _attention_backend = None  # diffusers' backend name; None: torch's choice (the option ``attention``)
     _parallel_config = None
 
     def __init__(self, context: ForwardContext, layer: int) -> None:
