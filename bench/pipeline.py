@@ -191,6 +191,7 @@ def run(
         "quantize": pipeline.quantized,
         "cuda_graphs": pipeline.cuda_graphs,
         "fused_elementwise": pipeline.fused_elementwise,
+        "attention": pipeline.attention,
         "step_graphs": pipeline.graph_figures(),  # captures, replays and fallbacks since it was built
         "width": geometry.width,
         "height": geometry.height,
@@ -512,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     for setting in args.with_settings:
-        if (why := refusal(setting, device)) is not None:
+        if (why := refusal(setting, device, args.dtype)) is not None:
             raise SystemExit(f"rtvideo bench pipeline: --with {setting} is refused on {device}: {why}")
     if args.versus is not None:
         with Progress("bench pipeline", unit="chunk", quiet=args.json) as progress:

@@ -16,7 +16,11 @@ both by ``--with`` (the settings the measured configuration runs with) and by
 - ``cuda-graphs``: a full window's single-row forwards captured as CUDA graphs
   (a GPU);
 - ``fused-elementwise``: each block's norms, modulation and gated residuals
-  compiled into fused kernels (inductor: Triton on a GPU, C++ on a CPU).
+  compiled into fused kernels (inductor: Triton on a GPU, C++ on a CPU);
+- ``cudnn-attention``, ``flash-attention``: every block's self- and
+  cross-attention on torch's cuDNN, or flash, kernel instead of torch's
+  choice (pipeline option ``attention``; refused where torch will not run
+  that kernel: a CPU has no cuDNN one).
 
 ``combined`` (``COMBINED``) is ``FASTEST`` together: the tiny decoder, captured
 steps and FP8, the settings that are each a speed-up for their own cost
@@ -24,7 +28,8 @@ steps and FP8, the settings that are each a speed-up for their own cost
 quality figure measures at once. ``commit-from-last-step`` is not part of it:
 it changes what later chunks attend to, which is why it is off by default.
 Neither is ``fused-elementwise`` yet (not measured on a GPU; it should
-join once its side-by-side figure is in), nor ``compile`` (on the one GPU measured so far it fell inside eager's
+join once its side-by-side figure is in), nor the attention kernels (the
+same: to be measured first), nor ``compile`` (on the one GPU measured so far it fell inside eager's
 spread, and it is untried with captured steps), ``cudnn-benchmark`` (not yet
 measured side by side) or ``vae-float32`` (a quality setting, slower).
 """
@@ -44,6 +49,8 @@ SETTINGS: dict[str, dict] = {
     "fp8": {"quantize": "fp8"},
     "cuda-graphs": {"cuda_graphs": True},
     "fused-elementwise": {"fused_elementwise": True},
+    "cudnn-attention": {"attention": "cudnn"},
+    "flash-attention": {"attention": "flash"},
 }
 COMBINED = "combined"
 FASTEST = ("tiny-decoder", "cuda-graphs", "fp8")
@@ -75,9 +82,11 @@ def pipeline_options(settings: Iterable[str]) -> dict:
     return options
 
 
-def refusal(setting: str, device: torch.device) -> str | None:
+def refusal(setting: str, device: torch.device, dtype: str | None = None) -> str | None:
     """Why the pipeline refuses ``setting`` on ``device`` (its own words: the
-    option and the device), None where it runs there."""
+    option and the device), None where it runs there. ``dtype``: the model's
+    (``--dtype``; None: the device's default), for the attention kernels,
+    probed with Wan2.1-1.3B's heads as the pipeline probes its own."""
     if setting == "fp8":
         from workers.pipelines.quantize import fp8_refusal
 
@@ -86,6 +95,11 @@ def refusal(setting: str, device: torch.device) -> str | None:
         from workers.pipelines.wan_block_forward import fused_refusal
 
         return fused_refusal(device)
+    if "attention" in SETTINGS[setting]:
+        from workers.pipelines.attention_backend import attention_refusal
+        from workers.pipelines.causal_wan_weights import resolve_dtype
+
+        return attention_refusal(SETTINGS[setting]["attention"], device, resolve_dtype(dtype, device))
     if setting == "cuda-graphs" and device.type != "cuda":
         from workers.pipelines.step_graphs import step_graphs_for
 

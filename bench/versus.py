@@ -60,9 +60,9 @@ untimed, as for ``cuda-graphs``.
 
 ``all`` (``versus_all``) runs every variant in turn, each as above with
 pipelines of its own, and reports each one's summary; a variant this device
-or these options cannot run (``fp8`` and ``combined`` on a CPU, ``vae-float32``
-where the VAE is fp32 already, one given by ``--with``) is listed under
-``refused`` with the reason, not measured.
+or these options cannot run (``fp8``, ``cudnn-attention`` and ``combined`` on
+a CPU, ``vae-float32`` where the VAE is fp32 already, one given by
+``--with``) is listed under ``refused`` with the reason, not measured.
 
 Each round also compares the variant's frames with the default's (the same
 seed, prompt and noise): PSNR in dB and the mean absolute difference in
@@ -139,7 +139,8 @@ def versus(
     progress.describe("building the pipelines")
     default = build()
     if variant == COMBINED:
-        reasons = [why for setting in parts(variant) if (why := refusal(setting, default.device))]
+        dtype = str(default.dtype).replace("torch.", "")
+        reasons = [why for setting in parts(variant) if (why := refusal(setting, default.device, dtype))]
         if reasons:
             raise ValueError("; ".join(reasons))
     if variant == "compile" and default.compiled:
@@ -305,6 +306,7 @@ def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSe
         "quantize": pipeline.quantized,
         "cuda_graphs": pipeline.cuda_graphs,
         "fused_elementwise": pipeline.fused_elementwise,
+        "attention": pipeline.attention,
         "step_graphs": pipeline.graph_figures(),
         "cudnn_benchmark": cudnn_benchmark,
         "decoder": start.decoder or pipeline.default_decoder,
