@@ -18,9 +18,10 @@ serve: install
 
 # The tiers run side by side, a test file per process (pytest-xdist; most of a
 # test's time is a server or worker starting, or waiting on one).
+# The 15 slowest tests are listed at the end: where to look when the suite nears its 10 minutes.
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/rtvideo bench engine --json
