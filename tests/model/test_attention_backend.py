@@ -15,7 +15,7 @@ two chunks so the later chunks attend over sink, window and chunk.
   ``auto`` within the same bound; the cuDNN and memory-efficient kernels are
   CUDA kernels, refused at build naming the option, the value, torch's reason,
   the device and the dtype. An unknown value is refused naming the known ones.
-- A chosen backend is on every block's ``attn1`` (ours) and ``attn2``
+- A chosen kernel is on every block's ``attn1`` (ours), not its ``attn2``
   (diffusers') processor, and diffusers' process-wide default is untouched.
 - ``math`` under the captured-step path (``cuda_graphs: "eager"``) is the eager
   ``math`` pipeline bit for bit.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from tests.model.test_causal_wan import open_session, release, run_chunk
@@ -58,7 +58,7 @@ def test_auto_is_the_pipeline_without_the_option_bit_for_bit(before):
     pipeline = build("tiny", device="cpu", attention="auto", **SPAN)
     assert pipeline.attention == "auto"
     for block in pipeline.transformer.blocks:
-        assert block.attn1.processor._attention_backend is None and block.attn2.processor._attention_backend is None
+        assert block.attn1.processor.kernel is None and block.attn2.processor._attention_backend is None
     for (frames, latent), (want_frames, want_latent) in zip(_chunks(pipeline), before, strict=True):
         assert frames == want_frames and torch.equal(latent, want_latent)
 
@@ -77,17 +77,42 @@ def test_math_differs_from_auto_somewhere_so_the_bit_for_bit_test_can_fail(befor
     assert any(not torch.equal(got, want) for (_, got), (_, want) in zip(_chunks(pipeline), before, strict=True))
 
 
-def test_the_chosen_backend_is_on_every_blocks_self_and_cross_attention():
+def test_the_chosen_kernel_is_every_blocks_self_attentions_and_no_process_wide_switch():
     backend = _AttentionBackendRegistry.get_active_backend()[0]
     pipeline = build("tiny", device="cpu", attention="math", **SPAN)
     assert pipeline.attention == "math"
     for block in pipeline.transformer.blocks:
         assert isinstance(block.attn1.processor, CausalSelfAttnProcessor)
         assert isinstance(block.attn2.processor, WanAttnProcessor)
-        assert block.attn1.processor._attention_backend is AttentionBackendName._NATIVE_MATH
-        assert block.attn2.processor._attention_backend is AttentionBackendName._NATIVE_MATH
-    assert _AttentionBackendRegistry.get_active_backend()[0] == backend  # no process-wide change
-    assert WanAttnProcessor._attention_backend is None and CausalSelfAttnProcessor._attention_backend is None
+        assert block.attn1.processor.kernel is ATTENTION["math"]
+        assert block.attn2.processor._attention_backend is None  # the small cross-attention: torch's choice
+    assert _AttentionBackendRegistry.get_active_backend()[0] == backend  # diffusers' default untouched
+    assert CausalSelfAttnProcessor.kernel is None and WanAttnProcessor._attention_backend is None
+
+
+def test_a_kernel_in_use_switches_nothing_for_other_threads():
+    """The kernels are called as operators, not under ``sdpa_kernel`` (whose flags
+    are the whole process's): while one thread attends with ``math`` another's
+    SDPA may still use every kernel."""
+    seen = []
+    original = torch.ops.aten._scaled_dot_product_attention_math
+
+    class Watching:
+        def __call__(self, *args, **kwargs):
+            seen.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()))
+            return original(*args, **kwargs)
+
+    query = torch.randn(1, 8, 2, 12)
+    key = value = torch.randn(1, 24, 2, 12)
+    from workers.pipelines import attention_backend
+
+    kernel = attention_backend.ATTENTION["math"]
+    torch.ops.aten._scaled_dot_product_attention_math = Watching()
+    try:
+        out = attention_backend.attend(kernel, query, key, value)
+    finally:
+        torch.ops.aten._scaled_dot_product_attention_math = original
+    assert seen == [(True, True)] and out.shape == query.shape
 
 
 @pytest.mark.parametrize(("value", "kernel"), [("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION")])
@@ -95,7 +120,7 @@ def test_the_chosen_backend_is_on_every_blocks_self_and_cross_attention():
 def test_cuda_only_kernels_are_refused_at_build_naming_option_value_reason_device(value, kernel, dtype):
     refusal = (
         rf"attention: {value} \(torch's {kernel} kernel, 2 heads of 12\) is refused by torch: "
-        rf"No viable backend for scaled_dot_product_attention was found.*; this runs on cpu \({dtype}\)$"
+        rf".*; this runs on cpu \({dtype}\)$"
     )
     with pytest.raises(ValueError, match=refusal):
         build("tiny", device="cpu", attention=value, dtype=dtype, **SPAN)

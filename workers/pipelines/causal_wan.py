@@ -148,8 +148,8 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         session of the same size (``causal_wan_graphs.KeptCaches``; default 1).
         ``fused_elementwise``: each block's norms, modulation and residuals as
         four compiled kernels (``wan_block_forward``; not beside ``compile``).
-        ``attention``: torch's attention kernel for every block's self- and
-        cross-attention (``auto``, torch's choice; ``flash``, ``cudnn``,
+        ``attention``: torch's attention kernel for every block's
+        self-attention (``auto``, torch's choice; ``flash``, ``cudnn``,
         ``efficient``, ``math``), refused here where torch will not run it
         (``attention_backend``)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -41,6 +41,7 @@ from diffusers.models.transformers.transformer_wan import (
     _get_qkv_projections,
 )
 
+from workers.pipelines.attention_backend import attend
 from workers.pipelines.kv_cache import SessionKVCache
 
 
@@ -217,7 +218,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
 class CausalSelfAttnProcessor:
     """``attn1`` of block ``layer``: attends over the session's cache and the chunk."""
 
-    _attention_backend = None  # diffusers' backend name; None: torch's choice (the option ``attention``)
+    _attention_backend = None  # diffusers' backend: None, torch's choice
+    kernel = None  # the option ``attention``: one of torch's kernels, called directly (``attention_backend``)
     _parallel_config = None
 
     def __init__(self, context: ForwardContext, layer: int) -> None:
@@ -311,6 +313,8 @@ class CausalSelfAttnProcessor:
         return keys, values
 
     def _attend(self, query, key, value, mask) -> torch.Tensor:
+        if self.kernel is not None and mask is None:
+            return attend(self.kernel, query, key, value).flatten(2, 3).type_as(query)
         out = dispatch_attention_fn(
             query,
             key,
