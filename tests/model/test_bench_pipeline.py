@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
-from tests.support import rtvideo_summary, run_rtvideo
+import json
+
+import pytest
+
+from tests.support import rtvideo_summary
+
+QUICK = ("--json", "--chunks", "3", "--steps", "2")
 
 
 def _bench(*flags: str) -> dict:
-    return rtvideo_summary("bench", "pipeline", "--json", "--chunks", "3", "--steps", "2", *flags)
+    """Through the ``rtvideo`` command, as a user runs it."""
+    return rtvideo_summary("bench", "pipeline", *QUICK, *flags)
+
+
+def _bench_here(capsys, *flags: str) -> dict:
+    """The same bench in this process (a subprocess costs seconds of imports)."""
+    import torch
+
+    from bench import pipeline as bench_pipeline
+
+    timing = torch.backends.cudnn.benchmark
+    try:
+        assert bench_pipeline.main([*QUICK, *flags]) == 0
+    finally:
+        torch.backends.cudnn.benchmark = timing
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
@@ -38,8 +59,8 @@ def test_bench_pipeline_runs_bf16_cold_writes_a_profile_and_compares_batching(tm
     assert "Self CPU" in profile.read_text()
 
 
-def test_bench_pipeline_versus_alternates_the_two_in_rounds_and_reports_each_ratio():
-    summary = _bench("--versus", "vae-float32", "--dtype", "bfloat16", "--rounds", "2")
+def test_bench_pipeline_versus_alternates_the_two_in_rounds_and_reports_each_ratio(capsys):
+    summary = _bench_here(capsys, "--versus", "vae-float32", "--dtype", "bfloat16", "--rounds", "2")
     assert summary["bench"] == "pipeline-versus" and summary["variant"] == "vae-float32"
     default, variant = summary["pipelines"]["default"], summary["pipelines"]["vae-float32"]
     assert default["vae_dtype"] == "bfloat16" and variant["vae_dtype"] == "float32"
@@ -54,18 +75,28 @@ def test_bench_pipeline_versus_alternates_the_two_in_rounds_and_reports_each_rat
 
 
 def test_bench_pipeline_versus_refuses_a_comparison_that_would_measure_nothing():
-    command = ("bench", "pipeline", "--chunks", "3", "--versus")
-    for flags, why in (
-        (["vae-float32"], "fp32 already"),  # the CPU's default dtype is fp32, and the VAE follows it
-        (["compile", "--compile"], "compiled already"),
-        (["cudnn-benchmark", "--cudnn-benchmark"], "timing on already"),
-    ):
-        result = run_rtvideo(*command, *flags)
-        assert result.returncode != 0 and why in result.stderr and "Traceback" not in result.stderr
+    """In this process (a subprocess each cost 5 s of imports; that a refusal
+    ends without a traceback is tested through the command in test_bench_with)."""
+    import torch
+
+    from bench import pipeline as bench_pipeline
+
+    timing = torch.backends.cudnn.benchmark
+    try:
+        for flags, why in (
+            (["vae-float32"], "fp32 already"),  # the CPU's default dtype is fp32, and the VAE follows it
+            (["compile", "--compile"], "compiled already"),
+            (["cudnn-benchmark", "--cudnn-benchmark"], "timing on already"),
+        ):
+            with pytest.raises(SystemExit) as refused:
+                bench_pipeline.main(["--chunks", "3", "--versus", *flags])
+            assert why in str(refused.value.code), refused.value.code
+    finally:
+        torch.backends.cudnn.benchmark = timing
 
 
-def test_bench_pipeline_versus_the_tiny_decoder_reports_its_speed_and_how_far_its_frames_are():
-    summary = _bench("--versus", "tiny-decoder", "--rounds", "2")
+def test_bench_pipeline_versus_the_tiny_decoder_reports_its_speed_and_how_far_its_frames_are(capsys):
+    summary = _bench_here(capsys, "--versus", "tiny-decoder", "--rounds", "2")
     assert summary["variant"] == "tiny-decoder" and summary["tiny_decoder_weights"] == "random"
     assert summary["pipelines"]["default"]["decoder"] == "full"
     assert summary["pipelines"]["tiny-decoder"]["decoder"] == "tiny"
@@ -73,12 +104,12 @@ def test_bench_pipeline_versus_the_tiny_decoder_reports_its_speed_and_how_far_it
         quality = one["quality"]
         assert not quality["identical"] and quality["psnr_db"] > 0 and 0 < quality["mean_abs_levels"] <= 255
         assert one["default"]["peak_memory_bytes"] is None  # a CPU: no device memory to read
-    vae = _bench("--versus", "vae-float32", "--dtype", "bfloat16", "--rounds", "1")["rounds"][0]["quality"]
+    vae = _bench_here(capsys, "--versus", "vae-float32", "--dtype", "bfloat16", "--rounds", "1")["rounds"][0]["quality"]
     assert vae["mean_abs_levels"] < 5  # the same decoder in another precision: a level or so
 
 
-def test_bench_pipeline_versus_commit_from_last_step_measures_the_forward_it_saves_and_what_it_costs():
-    summary = _bench("--versus", "commit-from-last-step", "--rounds", "1", "--chunks", "4")
+def test_bench_pipeline_versus_commit_from_last_step_measures_the_forward_it_saves_and_what_it_costs(capsys):
+    summary = _bench_here(capsys, "--versus", "commit-from-last-step", "--rounds", "1", "--chunks", "4")
     assert summary["pipelines"]["commit-from-last-step"]["commit_from_last_step"] is True
     assert summary["pipelines"]["default"]["commit_from_last_step"] is False
     [one] = summary["rounds"]
