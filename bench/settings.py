@@ -17,10 +17,10 @@ both by ``--with`` (the settings the measured configuration runs with) and by
   (a GPU);
 - ``fused-elementwise``: each block's norms, modulation and gated residuals
   compiled into fused kernels (inductor: Triton on a GPU, C++ on a CPU);
-- ``cudnn-attention``, ``flash-attention``: every block's self- and
-  cross-attention on torch's cuDNN, or flash, kernel instead of torch's
-  choice (pipeline option ``attention``; refused where torch will not run
-  that kernel: a CPU has no cuDNN one).
+- ``cudnn-attention``, ``flash-attention``: every block's self-attention on
+  torch's cuDNN, or flash, kernel instead of torch's choice (pipeline option
+  ``attention``; refused where torch will not run that kernel: a CPU has no
+  cuDNN one).
 
 ``combined`` (``COMBINED``) is ``FASTEST`` together: the tiny decoder, captured
 steps and FP8, the settings that are each a speed-up for their own cost

@@ -146,6 +146,11 @@ SPEED_OPTIONS = {  # pipeline options that change the frames: each checked again
     # captured denoise steps, replayed eagerly on the CPU (the static-buffer path CUDA replays): a one-chunk
     # window is full from chunk 1 on, so both sessions' later chunks go through their graphs.
     "captured-steps": (Mode(pp=1, overlap_decode=True), {"cuda_graphs": "eager", "window_frames": 3}),
+    # one attention kernel called directly on both ranks, while the decode stage's thread runs the VAE's own
+    # attention: no process-wide kernel switch may reach it
+    "attention-math": (Mode(pp=2, overlap_decode=True), {"attention": "math"}),
+    # the blocks' elementwise groups compiled (inductor's C++ on the CPU) in each worker process
+    "fused-elementwise": (Mode(pp=1, overlap_decode=True), {"fused_elementwise": True}),
 }
 REFERENCE_OPTIONS = {"captured-steps": {"window_frames": 3}}  # what the reference shares (else the same options)
 
@@ -155,8 +160,9 @@ async def test_a_speed_option_through_the_workers_makes_what_one_rank_in_line_ma
     """The options a server may be started with for speed, through real worker
     processes: the last step's keys committed (decoded on the decode stage, two
     sessions' commits batched), the tiny decoder (the decoder split over
-    two ranks: the tiny one decodes whole in front), and captured denoise steps
-    (against eager forwards). Each against one rank deciding everything in line
+    two ranks: the tiny one decodes whole in front), captured denoise steps
+    (against eager forwards), one attention kernel (two ranks, decodes
+    overlapped) and the fused elementwise groups. Each against one rank deciding everything in line
     with the same option (captured steps: without them): bit for bit."""
     mode, options = SPEED_OPTIONS[name]
     reference = EngineClient(REFERENCE.config(options=REFERENCE_OPTIONS.get(name, options)))

@@ -167,7 +167,7 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows  # sessions of one geometry share a denoise forward
         self.context = make_causal(self.transformer, rows=max_batch_rows)
-        self.attention = attention  # before compiling: the compiled blocks read the cross-attention's backend
+        self.attention = attention  # before compiling: the compiled blocks call its kernel
         set_attention(self.transformer, attention, self.device, self.dtype, self.text_length)
         self.cuda_graphs = cuda_graphs
         self.step_graphs = step_graphs_for(cuda_graphs, self.device)  # None: every forward eager
