@@ -129,7 +129,7 @@ def test_convert_records_the_trained_attention_span_in_rtvideo_json(tmp_path):
         convert(tmp_path / "self_forcing_dmd.pt", tmp_path / "third", config="tiny", window_frames=0)
 
 
-def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_finds_them(tmp_path):
+def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_finds_them(tmp_path, capsys):
     """``rtvideo convert --tiny-decoder FILE MODEL_DIR``: the decoder's tensors of
     a published weights file land in ``tiny_decoder/``, a model directory built
     from it offers sessions the tiny decoder, and a file that is not one is
@@ -157,9 +157,18 @@ def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_
     loaded = pipeline.decoders["tiny"].network.state_dict()
     assert all(torch.equal(loaded[key], tensor) for key, tensor in network.state_dict().items())
 
+    def run_here(*args: str) -> tuple[int, str]:  # the refusals, in this process (a subprocess: seconds of imports)
+        from cli.main import main
+
+        try:
+            code = main(["convert", *args])
+        except SystemExit as exit:
+            code = exit.code
+        return code, capsys.readouterr().err
+
     (tmp_path / "notes.txt").write_text("hello")
-    result = run("--tiny-decoder", str(tmp_path / "notes.txt"), str(model))
-    assert result.returncode == 2 and "notes.txt' could not be read" in result.stderr
-    result = run(str(model))
-    assert result.returncode == 2
-    assert "give CHECKPOINT MODEL_DIR, or MODEL_DIR with --tiny-decoder FILE" in result.stderr
+    code, said = run_here("--tiny-decoder", str(tmp_path / "notes.txt"), str(model))
+    assert code == 2 and "notes.txt' could not be read" in said
+    code, said = run_here(str(model))
+    assert code == 2
+    assert "give CHECKPOINT MODEL_DIR, or MODEL_DIR with --tiny-decoder FILE" in said
