@@ -13,8 +13,8 @@ both by ``--with`` (the settings the measured configuration runs with) and by
 - ``commit-from-last-step``: the commit writes the last denoise step's keys
   and values instead of a clean pass;
 - ``fp8``: the blocks' linears in FP8 (a GPU of compute capability 8.9 or newer);
-- ``cuda-graphs``: a full window's single-row forwards captured as CUDA graphs
-  (a GPU);
+- ``cuda-graphs``: a full window's forwards and commits (one row or a batch)
+  captured as CUDA graphs (a GPU);
 - ``fused-elementwise``: each block's norms, modulation and gated residuals
   compiled into fused kernels (inductor: Triton on a GPU, C++ on a CPU);
 - ``cudnn-attention``, ``flash-attention``: every block's self-attention on

@@ -29,7 +29,7 @@ Variants (``VARIANTS``):
 - ``commit-from-last-step``: a second pipeline whose commits write the keys
   and values of each chunk's last denoise step instead of running a clean
   pass (a forward less a chunk; its quality figure is what that costs);
-- ``cuda-graphs``: a second pipeline whose single-row denoise forwards over
+- ``cuda-graphs``: a second pipeline whose denoise forwards and commits over
   a full window are captured as CUDA graphs and replayed (``cuda_graphs``;
   ``workers.pipelines.step_graphs``). Only a full window's forwards are
   captured, so in each session the chunks that fill the window

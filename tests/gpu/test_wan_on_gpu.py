@@ -182,3 +182,34 @@ def test_cuda_graph_replays_track_the_eager_forwards(monkeypatch, dtype, toleran
     figures = graphs.graph_figures()
     assert figures["captures"] == 2 and figures["replays"] > 10 and figures["held"] == 2  # the first session's
     assert figures["caches_taken_over"] == 1 and figures["kept_caches"] == 1
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_batched_rows_replay_their_graphs_and_track_the_eager_forwards(monkeypatch, dtype, tolerance):
+    """Two sessions in lockstep, both rows in every forward and in one commit
+    pass: with ``cuda_graphs: true`` the batch's denoise forward and commit
+    are captured once each (after their first, eager, use) and replayed; each
+    chunk's clean latent tracks the eager pipeline's within the dtype's
+    rounding, and the rows given the other way round replay the same graphs."""
+    from engine.messages import StartSession
+    from tests.model.test_causal_wan import driver_for
+    from workers.pipelines.causal_wan import build
+
+    _without_tf32(monkeypatch)
+    span = {"sink_frames": 3, "window_frames": 3, "warm_up_chunks": 0, "dtype": dtype}
+    eager, graphs = build("tiny", device="cuda", **span), build("tiny", device="cuda", cuda_graphs=True, **span)
+    ids = ["row-a", "row-b"]
+    latents = {}
+    for name, pipeline in (("eager", eager), ("graphs", graphs)):
+        driver = driver_for(pipeline)
+        states = driver.open(*(StartSession(session_id=sid, prompt="a red fox", seed=n) for n, sid in enumerate(ids)))
+        latents[name] = []
+        for chunk in range(6):
+            driver.run(ids if chunk < 5 else ids[::-1], 1)
+            latents[name].append([state.cached_chunks[-1].clone() for state in states])
+        driver.release(*ids)
+    for chunk, (want, got) in enumerate(zip(latents["eager"], latents["graphs"], strict=True)):
+        for a, b in zip(want, got, strict=True):
+            assert _max_error(b, a) <= tolerance * a.abs().max().item(), chunk
+    figures = graphs.graph_figures()
+    assert figures["captures"] == 2 and figures["fallbacks"] == 2 and figures["replays"] > 10

@@ -99,3 +99,24 @@ def test_values_with_declines_what_does_not_fit_one_span():
     assert _cache(tail_frames=1).values_with(0, torch.zeros(1, 4, 1, 2)) is not None  # empty: room in the window
     with pytest.raises(ValueError, match="tail_frames"):
         _cache(tail_frames=-1)
+
+
+def test_a_chunk_staged_from_the_tail_of_a_full_cache_commits_as_a_chunk_staged_from_outside():
+    """What a captured commit pass does: it writes the chunk's keys and values
+    after the held frames (``tail``) and stages those views; the window's shift
+    must not overwrite them before they are written in."""
+    from_tail, staged = _cache(tail_frames=1), _cache(tail_frames=1)
+    for value in (1.0, 2.0, 3.0):
+        _commit(from_tail, value)
+        _commit(staged, value)
+    keys, values = from_tail.tail(0, 2)
+    keys.fill_(8.0)
+    values.fill_(9.0)
+    from_tail.stage(0, keys, values)
+    from_tail.commit(1)
+    staged.stage(0, torch.full((1, 2, 1, 2), 8.0), torch.full((1, 2, 1, 2), 9.0))
+    staged.commit(1)
+    assert [t[0, :, 0, 0].tolist() for t in from_tail.read(0)] == [[1, 1, 3, 3, 8, 8], [1, 1, 3, 3, 9, 9]]
+    assert all(torch.equal(a, b) for a, b in zip(from_tail.read(0), staged.read(0), strict=True))
+    with pytest.raises(ValueError, match=r"4 tokens after 3 held frames overrun the store's 8 \(tail_frames 1\)"):
+        from_tail.tail(0, 4)

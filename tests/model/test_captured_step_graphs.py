@@ -114,7 +114,7 @@ def test_kept_caches_are_bounded_counted_in_the_budget_and_serve_only_their_size
     driver.release(*ids)  # a, then b: only b's cache kept; a's freed and its graphs forgotten
     assert [k.cache for k in kept.kept] == [caches[1]] and caches[0].nbytes() == 0
     assert kept.nbytes == caches[1].nbytes() + roped[1] and kept.nbytes <= kept.most_bytes
-    assert {key.cache for key in graphs.graphs} == {caches[1].uid}
+    assert {key.caches for key in graphs.graphs} == {(caches[1].uid,)}
     assert pipeline.session_memory_budget() == 10**9 - (kept.most_bytes - kept.nbytes)
 
     other = {"width": 48, "height": 32}  # another size: a cache of its own, the kept one stays
@@ -124,7 +124,7 @@ def test_kept_caches_are_bounded_counted_in_the_budget_and_serve_only_their_size
     driver.run(["other"], 2)  # the second reads its cache: roped keys to keep with it
     driver.release("other")  # kept, the newest: b's let go (one at most), its graphs with it
     assert [k.cache for k in kept.kept] == [other_cache] and caches[1].nbytes() == 0
-    assert not any(key.cache == caches[1].uid for key in graphs.graphs)
+    assert not any(caches[1].uid in key.caches for key in graphs.graphs)
 
 
 def test_without_kept_caches_a_released_sessions_graphs_are_forgotten():
@@ -133,10 +133,10 @@ def test_without_kept_caches_a_released_sessions_graphs_are_forgotten():
     [state] = driver.open(StartSession(session_id="forgotten", prompt="a red fox", **SIZE))
     driver.run(["forgotten"], 4)
     uid = state.kv.uid
-    assert any(key.cache == uid for key in pipeline.step_graphs.graphs)
+    assert any(uid in key.caches for key in pipeline.step_graphs.graphs)
     driver.release("forgotten")
-    assert not any(key.cache == uid for key in pipeline.step_graphs.graphs)
-    assert not any(key.cache == uid for key in pipeline.step_graphs.uses)
+    assert not any(uid in key.caches for key in pipeline.step_graphs.graphs)
+    assert not any(uid in key.caches for key in pipeline.step_graphs.uses)
     assert pipeline.kept_room() == 0 and state.kv.nbytes() == 0
 
 
@@ -172,26 +172,32 @@ def _stream_start(pipeline, start: StartSession, chunks: int) -> list:
         driver.release(start.session_id)
 
 
-def test_sessions_taking_turns_keep_their_graphs_and_batched_rows_stay_eager(eager, replayed):
+def test_sessions_taking_turns_keep_their_graphs_and_batched_rows_replay_their_own(eager, replayed):
     graphs = replayed.step_graphs
     ids = ["turn-a", "turn-b"]
     starts = [StartSession(session_id=sid, prompt="a red fox", seed=n, **SIZE) for n, sid in enumerate(ids)]
-    outputs = {}
+    outputs, figures = {}, {}
     for name, pipeline in (("eager", eager), ("replayed", replayed)):
         driver = ChunkDriver(pipeline, max_rows=1)  # one row a forward, the sessions in turn
         driver.open(*starts)
-        before = graphs.figures()
-        outputs[name] = driver.run(ids, 5)
-        one_row = graphs.figures()
-        driver.max_rows = 2  # the same sessions on, both rows in one forward
-        driver.run(ids, 1)
+        turns = driver.run(ids, 5)
+        figures["one row"] = graphs.figures()
+        driver.max_rows = 2  # the same sessions on, both rows in every forward and commit
+        batched = driver.run(ids, 2)
+        figures["two rows"] = graphs.figures()
+        reordered = driver.run(ids[::-1], 1)  # the rows the other way round
+        figures["reordered"] = graphs.figures()
         driver.release(*ids)
-    assert [c.payload for sid in ids for c in outputs["replayed"][sid]] == [
-        c.payload for sid in ids for c in outputs["eager"][sid]
-    ]
+        outputs[name] = [c.payload for part in (turns, batched, reordered) for sid in ids for c in part[sid]]
+    assert outputs["replayed"] == outputs["eager"]  # bit for bit, one row or two a forward
+    one_row, two_rows, reordered = figures["one row"], figures["two rows"], figures["reordered"]
     # each session's key buffers stayed put while the other committed: two captures each (denoise, commit)
-    assert one_row["captures"] - before["captures"] == 4
-    assert graphs.figures()["replays"] == one_row["replays"]  # the batched forwards ran eagerly
+    assert one_row["captures"] == 4
+    # the batch: its denoise forward and its commit pass, each run eagerly once, then captured
+    assert two_rows["captures"] - one_row["captures"] == 2 and two_rows["fallbacks"] - one_row["fallbacks"] == 2
+    # the same two sessions the other way round are the same graphs: four steps and a commit replayed
+    assert reordered["captures"] == two_rows["captures"] and reordered["fallbacks"] == two_rows["fallbacks"]
+    assert reordered["replays"] - two_rows["replays"] == 5
 
 
 def test_cuda_graphs_on_a_cpu_is_refused_naming_the_option_and_the_device():

@@ -14,9 +14,16 @@ import torch
 from workers.pipelines.step_graphs import EagerReplay, StepGraphs, StepKey
 
 
-def key(cache: int = 1, held: int = 21) -> StepKey:
+def key(*caches: int, held: int = 21) -> StepKey:
+    caches = caches or (1,)
+    rows = len(caches)
     return StepKey(
-        cache, workspace=7, held_frames=held, latent_shape=(1, 16, 3, 4, 4), text_shape=(1, 8, 4), dtype="fp32"
+        caches,
+        workspaces=tuple(7 + c for c in caches),
+        held_frames=(held,) * rows,
+        latent_shape=(rows, 16, 3, 4, 4),
+        text_shape=(rows, 8, 4),
+        dtype="fp32",
     )
 
 
@@ -44,9 +51,20 @@ def test_graphs_are_bounded_least_recently_used_first_and_forgotten_with_their_c
     graphs = StepGraphs(EagerReplay(), most=2, after_uses=1)
     for cache in (1, 2, 1, 3):
         graphs.run(key(cache), {"latent": torch.ones(1)}, double)
-    assert set(k.cache for k in graphs.graphs) == {1, 3} and graphs.evictions == 1
+    assert set(k.caches for k in graphs.graphs) == {(1,), (3,)} and graphs.evictions == 1
     graphs.forget(1)
-    assert set(k.cache for k in graphs.graphs) == {3}
+    assert set(k.caches for k in graphs.graphs) == {(3,)}
+
+
+def test_a_batch_graph_is_forgotten_with_any_of_its_rows_caches():
+    graphs = StepGraphs(EagerReplay(), after_uses=1)
+    for caches in ((1, 2), (2, 3), (3,)):
+        graphs.run(key(*caches), {"latent": torch.ones(1)}, double)
+    graphs.forget(2)
+    assert list(graphs.graphs) == [key(3)]
+    graphs.uses[key(3, 4)] += 1  # a batch seen once, not yet captured
+    graphs.forget(4)
+    assert not graphs.uses
 
 
 def test_keys_differ_by_what_the_graph_bakes_in():

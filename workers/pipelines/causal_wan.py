@@ -140,9 +140,9 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         commit-from-last-step`` measures). One rank only. ``quantize``:
         ``fp8``, the blocks' linears in FP8 (``workers.pipelines.quantize``;
         a GPU of compute capability 8.9 or newer), else None.
-        ``cuda_graphs``: a single-row denoise forward over a full window is
-        captured as a CUDA graph and replayed (``_captured_step``; refused on
-        a CPU); ``"eager"``: the same path replayed eagerly, for tests
+        ``cuda_graphs``: a denoise forward (one row or several of one size)
+        over full windows, and a commit pass, are captured as CUDA graphs and
+        replayed (``causal_wan_graphs``; refused on a CPU); ``"eager"``: the same path replayed eagerly, for tests
         (``step_graphs_for``). ``kept_caches``: with ``cuda_graphs``, how many
         released sessions' KV caches are kept, with their graphs, for the next
         session of the same size (``causal_wan_graphs.KeptCaches``; default 1).
@@ -428,7 +428,7 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         blocks = block_range(blocks, self.num_blocks)
         check_hidden(hidden, blocks, batch.rows)
         if self._capturable(batch, sessions, blocks):
-            return [self._captured_step(batch.rows[0], sessions[0])]
+            return self._captured_step(batch, sessions)
         groups = self.embed_rows(batch, sessions) if blocks.start == 0 else hidden.tensors
         groups = [
             (
@@ -494,9 +494,9 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         if blocks.start == 0:
             chunk = session.chunk_to_commit(chunk_index)
             chunk.committing = True
-            if self._commit_capturable(session, blocks):
-                self._captured_commit(session, chunk_index, chunk)
-                self.finish_commit(session, chunk_index)
+            if self._commit_capturable((session,), blocks):
+                self._captured_commits((session,), (chunk_index,), (chunk,))
+                self._take_staged(session, chunk_index, chunk)
                 return None
             rows = (BatchRow(sid, chunk_index, chunk.steps),)
             activations = self._embed(caches, chunk.clean, self._t_zero, chunk.conditioning, (chunk_index,))
@@ -533,6 +533,8 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         if self.commit_from_last_step:  # the last steps staged them: no pass, but all or nothing all the same
             for session in sessions:
                 session.kv.check_staged()
+        elif self._commit_capturable(sessions, range(self.num_blocks)):
+            self._captured_commits(sessions, chunk_indices, chunks)
         else:
             for i, session in enumerate(sessions):
                 groups.setdefault(session.latent_shape, []).append(i)

@@ -170,8 +170,9 @@ class CausalWanGeometry:
         (``workers.warmup``), so its peak is that of a full batch: activations
         and roped keys beyond the model and the warm-up sessions' state (about
         ``state_bytes`` each). With CUDA graphs (``cuda_graphs``) that peak is
-        reserved twice: the graphs' memory pool, made after this is read,
-        holds a single-row forward's activations of its own. On a CPU, where
+        reserved twice: the graphs' memory pool, grown after this is read,
+        holds one forward's activations of its own, a full batch's at most
+        (the commit graphs hold no output: ``causal_wan_graphs``). On a CPU, where
         the state lives in host memory: the host's available memory (and its
         cgroup's room) less this process's transient peak and a margin
         (``workers.host_memory``). Either way less what the kept caches may
@@ -185,6 +186,6 @@ class CausalWanGeometry:
         g = self.describe(StartSession(session_id="budget", prompt="budget"))
         peak = torch.cuda.max_memory_allocated(self.device) - allocated
         transient = max(0, peak - g.state_bytes * self.max_batch_rows)
-        if self.cuda_graphs is True:  # at most one single-row forward's activations, in the graphs' pool
+        if self.cuda_graphs is True:  # at most one full batch's activations, in the graphs' pool
             transient *= 2
         return max(0, free + unused - transient - 2**30 - self.kept_room())

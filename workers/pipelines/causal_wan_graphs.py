@@ -7,25 +7,30 @@ routes a forward with static shapes and buffers through the pipeline's
 a key's second use and replayed, or with ``cuda_graphs: "eager"`` the same
 static-buffer path run eagerly) instead of running it eagerly:
 
-- ``_capturable`` / ``_captured_step``: a denoise forward of one row, every
-  block on this rank, over a full window (the span attended and the RoPE
-  positions fixed), no chunk in flight before it (stream batch) and nothing
-  staged for a commit (the last step under ``commit_from_last_step``). The
-  held keys are roped for the cache's version before the replay (the graph
-  reads them and does not rope them); latent, timestep and text are copied
-  in, the prediction copied out.
-- ``_commit_capturable`` / ``_captured_commit``: a chunk's commit pass under
+- ``_capturable`` / ``_captured_step``: a denoise forward of one row or of
+  several (sessions of one size batched), every block on this rank, every
+  row's window full (the span attended and the RoPE positions fixed), no
+  chunk in flight before another (stream batch) and nothing staged for a
+  commit (the last step under ``commit_from_last_step``). The held keys are
+  roped for each cache's version before the replay (the graph reads them and
+  does not rope them); latents, timesteps and texts are copied in, the
+  predictions copied out. The rows go in by cache, so the same sessions
+  batched in another order replay the same graph.
+- ``_commit_capturable`` / ``_captured_commits``: the commit pass of one
+  chunk, or of one chunk each of several sessions (``commit_batch``), under
   the same conditions (and not ``commit_from_last_step``, which has no
   pass), under its own key (``kind="commit"``). The graph computes every
-  layer's keys and values of the clean chunk and hands them out; writing
-  them into the cache (the window's shift, the cache's counts) runs eagerly
-  after the replay, as the eager commit writes them.
+  layer's keys and values of the clean chunks and writes them into each
+  cache's stores after the frames held (the chunk's room in a full window:
+  no output of its own to pin); committing them from there (the window's
+  shift, the caches' counts) runs eagerly after the replay, as the eager
+  commit writes them.
 
 Everything else runs eagerly; the frames are the same either way (bit for
 bit on a CPU, where the replay is eager: ``tests/model/test_captured_step_graphs.py``).
 
 A graph holds the addresses of its session's KV stores and roped-key
-buffers. So that the graphs outlive the session, a released session's cache
+buffers (a batch's graph, those of each of its rows). So that the graphs outlive the session, a released session's cache
 and its roped-key buffers go to ``KeptCaches`` (``kept_caches`` of them at
 most, and at most that many caches of the default size in bytes), and the
 next session of the same layout (size, layers, dtype) takes them over
@@ -47,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workers.pipelines.base import BatchRow, StepBatch, abandon_point
+from workers.pipelines.base import StepBatch, abandon_point
 from workers.pipelines.causal_wan_state import CausalWanChunk, CausalWanSession
 from workers.pipelines.kv_cache import SessionKVCache
 from workers.pipelines.step_graphs import StepGraphs, StepKey
@@ -134,69 +139,112 @@ class CapturedSteps:
 
     # -- routing ---------------------------------------------------------------------
 
+    def _steady(self, sessions: Sequence[CausalWanSession], blocks: range) -> bool:
+        """Whether a pass over ``sessions`` (one row each) has static shapes and
+        buffers: captured steps, every block on this one rank, one latent shape,
+        every window full, no chunk in flight before another (stream batch), and
+        no more rows than the roped keys hold at once (each row's buffers stay)."""
+        if self.step_graphs is None or self.split or blocks != range(self.num_blocks):
+            return False
+        if len(sessions) > self.context.roped.capacity or len({s.latent_shape for s in sessions}) != 1:
+            return False
+        return all(s.kv.frames == s.kv.capacity and s.lookahead == 1 for s in sessions)
+
     def _capturable(self, batch: StepBatch, sessions: Sequence[CausalWanSession], blocks: range) -> bool:
-        """Whether this denoise forward has static shapes and buffers (the
-        module's docstring). The window filling, batched rows, pipeline ranks
-        and stream batch run eagerly."""
-        if self.step_graphs is None or len(batch.rows) != 1 or self.split or blocks != range(self.num_blocks):
+        """Whether this denoise forward goes through the captured steps (the
+        module's docstring): ``_steady``, and no row's last step staging its
+        keys and values for the commit (``commit_from_last_step``). The window
+        filling, sessions of several sizes, pipeline ranks and stream batch run
+        eagerly."""
+        if not self._steady(sessions, blocks):
             return False
-        session, row = sessions[0], batch.rows[0]
-        staged = self.commit_from_last_step and row.step == len(session.timesteps) - 1
-        return session.kv.frames == session.kv.capacity and session.lookahead == 1 and not staged
+        last = [len(s.timesteps) - 1 for s in sessions]
+        return not (self.commit_from_last_step and any(r.step == n for r, n in zip(batch.rows, last, strict=True)))
 
-    def _captured_step(self, row: BatchRow, session: CausalWanSession) -> torch.Tensor:
-        """One row's denoise forward through ``step_graphs``. The replay has no
-        block boundaries: a stop is checked once, before it."""
-        chunk = session.chunk_at(row)
+    def _captured_step(self, batch: StepBatch, sessions: Sequence[CausalWanSession]) -> list[torch.Tensor]:
+        """The rows' denoise forward through ``step_graphs``, one prediction per
+        row in the batch's order. The rows go in by cache (the same sessions
+        batched in any order are one key). The replay has no block boundaries:
+        a stop is checked once, before it."""
+        order = sorted(range(len(sessions)), key=lambda i: sessions[i].kv.uid)
+        ordered = [sessions[i] for i in order]
+        chunks = [sessions[i].chunk_at(batch.rows[i]) for i in order]
+        steps = [batch.rows[i].step for i in order]
         inputs = {
-            "latent": chunk.latent,
-            "timestep": session.schedule[row.step : row.step + 1],
-            "text": chunk.conditioning,
+            "latent": torch.cat([chunk.latent for chunk in chunks]),
+            "timestep": torch.cat([s.schedule[step : step + 1] for s, step in zip(ordered, steps, strict=True)]),
+            "text": torch.cat([chunk.conditioning for chunk in chunks]),
         }
-        kv = session.kv
-        return self._through_graphs(
-            session, "denoise", inputs, lambda x: self._run((kv,), x["latent"], x["timestep"], x["text"])
+        caches = tuple(s.kv for s in ordered)
+        out = self._through_graphs(
+            ordered, "denoise", inputs, lambda x: self._run(caches, x["latent"], x["timestep"], x["text"])
         )
+        predictions: list[torch.Tensor] = [None] * len(sessions)  # type: ignore[list-item]
+        for i, prediction in zip(order, out.split(1), strict=True):
+            predictions[i] = prediction
+        return predictions
 
-    def _commit_capturable(self, session: CausalWanSession, blocks: range) -> bool:
-        """Whether this commit pass has static shapes and buffers: as a denoise
-        forward's (``_capturable``), and a pass to run (not ``commit_from_last_step``)."""
-        if self.step_graphs is None or self.split or blocks != range(self.num_blocks) or self.commit_from_last_step:
-            return False
-        return session.kv.frames == session.kv.capacity and session.lookahead == 1
+    def _commit_capturable(self, sessions: Sequence[CausalWanSession], blocks: range) -> bool:
+        """Whether these sessions' commit pass goes through the captured steps:
+        ``_steady``, and a pass to run (not ``commit_from_last_step``)."""
+        return not self.commit_from_last_step and self._steady(sessions, blocks)
 
-    def _captured_commit(self, session: CausalWanSession, chunk_index: int, chunk: CausalWanChunk) -> None:
-        """The chunk's commit pass through ``step_graphs``: its keys and values
-        come out of the graph (not copied: they go into the cache at once) and
-        are written into the session's cache eagerly."""
-        kv = session.kv
+    def _captured_commits(
+        self, sessions: Sequence[CausalWanSession], chunk_indices: Sequence[int], chunks: Sequence[CausalWanChunk]
+    ) -> None:
+        """The chunks' commit pass (one chunk of each session) through
+        ``step_graphs``. The graph writes every layer's keys and values into
+        each session's stores, after the frames held (``SessionKVCache.tail``:
+        a full window's cache has a chunk's room there), and they are staged
+        from there: the graph holds no output, so a commit graph pins no
+        memory of its own. The caller commits them (``_take_staged``)."""
+        order = sorted(range(len(sessions)), key=lambda i: sessions[i].kv.uid)
+        caches = tuple(sessions[i].kv for i in order)
+        at = tuple(chunk_indices[i] for i in order)
 
-        def commit_pass(x: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-            activations = self._embed((kv,), x["latent"], self._t_zero, x["text"], (chunk_index,))
-            self._blocks((kv,), activations, range(self.num_blocks), commit=True, chunks=(chunk_index,), write=False)
-            return tuple(t for pair in kv.take_staged() for t in pair)
+        def commit_pass(x: Mapping[str, torch.Tensor]) -> tuple[()]:
+            activations = self._embed(caches, x["latent"], self._t_zero, x["text"], at)
+            self._blocks(caches, activations, range(self.num_blocks), commit=True, chunks=at, write=False)
+            for kv in caches:
+                for layer, (keys, values) in zip(kv.layers, kv.take_staged(), strict=True):
+                    tail_keys, tail_values = kv.tail(layer, keys.shape[1])
+                    tail_keys.copy_(keys)
+                    tail_values.copy_(values)
+            return ()
 
-        inputs = {"latent": chunk.clean, "text": chunk.conditioning}
-        staged = self._through_graphs(session, "commit", inputs, commit_pass, copy=False)
-        for layer, at in zip(kv.layers, range(0, len(staged), 2), strict=True):
-            kv.stage(layer, staged[at], staged[at + 1])
-        kv.commit(chunk.clean.shape[2])
-        kv.drop_provisional(chunk_index)
+        inputs = {
+            "latent": torch.cat([chunks[i].clean for i in order]),
+            "text": torch.cat([chunks[i].conditioning for i in order]),
+        }
+        self._through_graphs([sessions[i] for i in order], "commit", inputs, commit_pass, copy=False)
+        tokens = inputs["latent"].shape[2] * caches[0].tokens_per_frame
+        for kv in caches:
+            for layer in kv.layers:
+                kv.stage(layer, *kv.tail(layer, tokens))
 
     def _through_graphs(
         self,
-        session: CausalWanSession,
+        sessions: Sequence[CausalWanSession],
         kind: str,
         inputs: dict[str, torch.Tensor],
         forward: Callable[[Mapping[str, torch.Tensor]], Any],
         copy: bool = True,
     ) -> Any:
-        """``forward(inputs)`` through ``step_graphs`` under the session's key for
-        ``kind``: the held keys roped for the cache's version first."""
-        kv, latent, text = session.kv, inputs["latent"], inputs["text"]
+        """``forward(inputs)`` through ``step_graphs`` under the key of these
+        sessions (one row each, in order) for ``kind``: each one's held keys
+        roped for its cache's version first."""
+        latent, text = inputs["latent"], inputs["text"]
         abandon_point()
-        serial = self.context.roped.refresh(kv, *latent.shape[3:])
-        key = StepKey(kv.uid, serial, kv.frames, tuple(latent.shape), tuple(text.shape), str(self.dtype), kind)
+        serials = tuple(self.context.roped.refresh(s.kv, *latent.shape[3:]) for s in sessions)
+        key = StepKey(
+            tuple(s.kv.uid for s in sessions),
+            serials,
+            tuple(s.kv.frames for s in sessions),
+            tuple(latent.shape),
+            tuple(text.shape),
+            str(self.dtype),
+            kind,
+        )
         return self.step_graphs.run(key, inputs, forward, copy=copy)
 
     # -- caches that outlive their session --------------------------------------------

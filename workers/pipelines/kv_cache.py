@@ -114,6 +114,20 @@ class SessionKVCache:
         store[:, start:end].copy_(values)
         return store[:, :end]
 
+    def tail(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``tokens`` tokens after the held frames in layer ``layer``'s key
+        and value stores (views): where a captured commit pass writes its
+        chunk's keys and values, to be ``stage``d from there (so its graph holds
+        no output of its own). ``ValueError`` when the stores end before."""
+        start = self.frames * self.tokens_per_frame
+        keys, values = self.keys[layer], self.values[layer]
+        if start + tokens > keys.shape[1]:
+            raise ValueError(
+                f"{tokens} tokens after {self.frames} held frames overrun the store's {keys.shape[1]} "
+                f"(tail_frames {self.tail_frames})"
+            )
+        return keys[:, start : start + tokens], values[:, start : start + tokens]
+
     def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep one layer's keys and values of the chunk being committed."""
         self._staged[layer] = (keys, values)

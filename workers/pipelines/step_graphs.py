@@ -7,12 +7,14 @@ forward is thousands of small kernel launches from Python; captured once as
 a CUDA graph it is one launch. ``StepGraphs`` keeps the captured forwards,
 one per ``StepKey``:
 
-- the session's cache (``SessionKVCache.uid``): its stores' addresses are in
-  the graph (the chunk's values are written in place after the held ones);
-- its roped-key buffers (``RopedKeys.workspace``, by their ``serial``): the
-  graph reads the held keys there and writes the chunk's after them;
-- the frames the cache holds: the RoPE positions and the attention span;
-- the latent's and the conditioning's shapes and the dtype;
+- each row's session cache (``SessionKVCache.uid``), in row order: its
+  stores' addresses are in the graph (one row: the chunk's values are written
+  in place after the held ones);
+- each row's roped-key buffers (``RopedKeys.workspace``, by their
+  ``serial``): the graph reads the held keys there (one row: and writes the
+  chunk's after them);
+- the frames each cache holds: the RoPE positions and the attention span;
+- the latent's and the conditioning's shapes (the rows) and the dtype;
 - its kind: ``denoise`` (the output is the prediction) or ``commit`` (the
   chunk's clean pass, whose output is every layer's keys and values).
 
@@ -28,16 +30,17 @@ Before each replay the caller refreshes what the graph reads but does not
 compute (the held keys roped for the cache's current version), copies the
 inputs into the graph's static ones (``run``), and takes a copy of the output
 (the next replay overwrites it; a caller that uses it at once may take the
-graph's own, ``copy=False``). Only single-row forwards over every block are
-captured; batched rows, stream batch and pipeline ranks run eagerly. The
+graph's own, ``copy=False``). Forwards of one row or of several (sessions
+of one size batched) over every block are captured; stream batch and
+pipeline ranks run eagerly. The
 capture itself is ``Capture``'s: ``CudaGraphCapture`` on a
 GPU; ``EagerReplay`` runs the same function over the same static buffers
 (CPU: how the keying and the buffers are tested).
 
 Wired by the pipeline option ``cuda_graphs`` (``step_graphs_for``):
 ``CausalWanPipeline.forward`` and ``commit`` route through ``run`` the
-forwards whose shapes and buffers are static (one row, the session's window
-full, every block, nothing staged or provisional: ``causal_wan_graphs``);
+forwards whose shapes and buffers are static (every row's window full,
+every block, nothing staged or provisional: ``causal_wan_graphs``);
 everything else stays eager.
 ``cuda_graphs: "eager"`` selects ``EagerReplay``: the same static-buffer
 path with no capture, on any device (tests, debugging).
@@ -62,9 +65,9 @@ Replay = Callable[[], Output]
 class StepKey:
     """What a captured denoise forward is specific to (see the module's docstring)."""
 
-    cache: int  # SessionKVCache.uid
-    workspace: int  # RopedKeys entry serial: the roped-key buffers' identity
-    held_frames: int
+    caches: tuple[int, ...]  # each row's SessionKVCache.uid
+    workspaces: tuple[int, ...]  # each row's RopedKeys entry serial: its roped-key buffers' identity
+    held_frames: tuple[int, ...]
     latent_shape: tuple[int, ...]
     text_shape: tuple[int, ...]
     dtype: str
@@ -178,10 +181,11 @@ class StepGraphs:
         return output.clone() if isinstance(output, torch.Tensor) else tuple(t.clone() for t in output)
 
     def forget(self, cache: int) -> None:
-        """Drop every graph and count of the cache ``cache`` (its session is released)."""
-        for key in [key for key in self.graphs if key.cache == cache]:
+        """Drop every graph and count that reads the cache ``cache`` (its
+        session is released), those of the batches it was a row of too."""
+        for key in [key for key in self.graphs if cache in key.caches]:
             del self.graphs[key]
-        for key in [key for key in self.uses if key.cache == cache]:
+        for key in [key for key in self.uses if cache in key.caches]:
             del self.uses[key]
 
     def figures(self) -> dict[str, int]:
