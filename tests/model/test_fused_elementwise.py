@@ -126,6 +126,26 @@ def test_each_fused_group_is_eager_to_an_ulp_and_the_elementwise_only_one_bit_fo
     assert torch.equal(fused.residual_modulate(*_groups_inputs()["residual_modulate"])[0], x + y)
 
 
+@torch.no_grad()
+def test_a_group_compiles_once_for_one_row_and_once_for_several_whatever_the_size():
+    """The rows and tokens are marked dynamic before each call (``any_size``):
+    a new session size or batch width compiles nothing (the tracing checked
+    without code generation, ``aot_eager``; a function of this test's own, so
+    no other test's compiles are counted)."""
+
+    def group(x, y, gate):
+        return wan_block_forward.gated_residual(x, y, gate)
+
+    compiled = wan_block_forward.any_size(torch.compile(group, fullgraph=True, backend="aot_eager"))
+    compiles = []
+    for rows, tokens in [(1, 3), (1, 12), (1, 40), (2, 12), (4, 5), (3, 40)]:
+        x, y, gate = torch.randn(rows, tokens, 8), torch.randn(rows, tokens, 8), torch.randn(rows, 1, 8)
+        before = _compiled_graphs()
+        assert torch.equal(compiled(x, y, gate), EAGER.gated_residual(x, y, gate))
+        compiles.append(_compiled_graphs() - before)
+    assert compiles == [1, 0, 0, 1, 0, 0]  # one row, then several: each serves every size after
+
+
 def _chunks(pipeline, sid: str, chunks: int) -> list[torch.Tensor]:
     driver = ChunkDriver(pipeline, max_rows=1)
     [state] = driver.open(StartSession(session_id=sid, prompt="a red fox", seed=3, num_inference_steps=2, **SIZE))

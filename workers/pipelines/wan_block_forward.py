@@ -48,14 +48,17 @@ Each compiled call costs its guards and wrapper (tens of microseconds on a
 CPU), so on tiny activations the groups are slower fused than eager; the
 saving is at real sizes, where each group is memory-bound.
 
-``dynamic=None``: torch's automatic dynamic shapes. A group is first
-compiled for the shapes it sees; once a dimension changes (another batch of
-rows, another session size) it is compiled once more with that dimension
-symbolic, which then serves every later size; the width ``inner_dim``,
-which never changes, stays fixed, so the norm is a reduction of a known
-width. So a pipeline compiles each group at most a few times: at warm-up
-for its default size (one row, and ``max_batch_rows`` rows), and once more
-the first time another shape comes.
+Shapes: before each call the rows and the tokens of every ``[rows, tokens,
+inner_dim]`` argument (and the rows of each ``[rows, 1, inner_dim]``
+modulation) are marked dynamic (``torch._dynamo.maybe_mark_dynamic``), so a
+group's first compile already serves every session size and batch width;
+the width ``inner_dim``, which never changes, stays fixed, so the norm is a
+reduction of a known width. Torch specialises a dimension of size 1, so one
+row and several rows are two compiles. So a pipeline compiles each group
+twice at most, both at warm-up (``max_batch_rows`` rows, then one row),
+and never mid-serving: a session of a new size, or a batch of a new width,
+would otherwise stall every session of the worker for a compile (seconds
+on a GPU).
 
 Under captured steps (``cuda_graphs: true``) nothing is compiled during a
 capture: ``StepGraphs`` captures a key on its second use, and its first use
@@ -81,7 +84,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from types import MethodType
 
 import torch
@@ -214,10 +217,27 @@ def fused_ops(backend: str = "inductor") -> ElementwiseOps:
         options = _INDUCTOR_OPTIONS if backend == "inductor" else None
 
         def compiled(function: Callable) -> Callable:
-            return torch.compile(function, fullgraph=True, dynamic=None, backend=backend, options=options)
+            return any_size(torch.compile(function, fullgraph=True, dynamic=None, backend=backend, options=options))
 
         _fused[backend] = ElementwiseOps(*(compiled(getattr(EAGER, name)) for name in EAGER.__dataclass_fields__))
     return _fused[backend]
+
+
+def any_size(compiled: Callable) -> Callable:
+    """``compiled`` (a ``torch.compile``d group), called with the rows and the
+    tokens of its 3-D tensor arguments marked dynamic: its first compile
+    serves any session size and batch width (the module's docstring)."""
+
+    @wraps(compiled)
+    def call(*args: object) -> object:
+        for arg in args:
+            if isinstance(arg, Tensor) and arg.ndim == 3:
+                for dim in (0, 1):
+                    if arg.shape[dim] > 1:
+                        torch._dynamo.maybe_mark_dynamic(arg, dim)
+        return compiled(*args)
+
+    return call
 
 
 def fused_refusal(device: torch.device) -> str | None:
