@@ -565,6 +565,13 @@ def test_compiled_blocks_make_the_eager_frames():
         _, clean_eager = run_chunk(eager, a)
         _, clean_compiled = run_chunk(compiled, b)
         assert (clean_eager - clean_compiled).abs().max().item() <= 1e-4 * clean_eager.abs().max().item()
+    # a session of another size compiles nothing: the blocks' rows and tokens were marked dynamic
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    wide = open_session(compiled, "wide", width=32, height=16, num_inference_steps=2, seed=17)
+    run_chunk(compiled, wide)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_roped_keys_of_a_cache_that_moved_on_are_dropped(pipeline):

@@ -43,6 +43,7 @@ from diffusers.models.transformers.transformer_wan import (
 
 from workers.pipelines.attention_backend import attend
 from workers.pipelines.kv_cache import SessionKVCache
+from workers.pipelines.wan_block_forward import mark_any_size
 
 
 class RopedKeys:
@@ -329,7 +330,12 @@ class CausalSelfAttnProcessor:
 
     @staticmethod
     def _out(attn, out: torch.Tensor) -> torch.Tensor:
-        return attn.to_out[1](attn.to_out[0](out))
+        """The output projection. Its rows and tokens are marked dynamic: a
+        compiled block (the option ``compile``) resumes from this eager call
+        with it, and so compiles that part once for every session size."""
+        out = attn.to_out[1](attn.to_out[0](out))
+        mark_any_size(out, 0, 1)
+        return out
 
 
 def make_causal(model: WanTransformer3DModel, rows: int = 1) -> ForwardContext:

@@ -232,12 +232,18 @@ def any_size(compiled: Callable) -> Callable:
     def call(*args: object) -> object:
         for arg in args:
             if isinstance(arg, Tensor) and arg.ndim == 3:
-                for dim in (0, 1):
-                    if arg.shape[dim] > 1:
-                        torch._dynamo.maybe_mark_dynamic(arg, dim)
+                mark_any_size(arg, 0, 1)
         return compiled(*args)
 
     return call
+
+
+def mark_any_size(tensor: Tensor, *dims: int) -> None:
+    """Mark ``dims`` of ``tensor`` dynamic for ``torch.compile``d code it is
+    passed to (those of size 1 stay specialised, as torch does anyway)."""
+    for dim in dims:
+        if tensor.shape[dim] > 1:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def fused_refusal(device: torch.device) -> str | None:

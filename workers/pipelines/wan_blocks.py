@@ -28,6 +28,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
 from workers.pipelines.base import abandon_point
+from workers.pipelines.wan_block_forward import mark_any_size
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,21 @@ def run_blocks(model: WanTransformer3DModel, activations: Activations, blocks: r
     """Blocks ``blocks`` of ``model``, in order, from ``activations``, each through
     its module call (``install_block_forward``'s forward, where installed). Before each
     block, ``abandon_point()``: a forward whose rows' sessions all stopped ends
-    there (``Abandoned``), so a stop waits at most one block."""
+    there (``Abandoned``), so a stop waits at most one block. Compiled blocks
+    (the option ``compile``) are given their inputs' rows and tokens marked
+    dynamic, so their first compile serves every session size and batch
+    width (``mark_any_size``): no compile stalls the worker mid-serving."""
     hidden = activations.hidden
+    compiled = len(blocks) > 0 and getattr(model.blocks[blocks.start], "_compiled_call_impl", None) is not None
+    if compiled:
+        mark_any_size(activations.text, 0)
+        mark_any_size(activations.modulation, 0)
+        for table in activations.rotary:
+            mark_any_size(table, 0, 1)
     for index in blocks:
         abandon_point()
+        if compiled:
+            mark_any_size(hidden, 0, 1)
         hidden = model.blocks[index](hidden, activations.text, activations.modulation, activations.rotary)
     return replace(activations, hidden=hidden)
 
