@@ -232,11 +232,17 @@ def session_chunks(chunks: int) -> int:
     return 1 + max(1, chunks - 1)
 
 
-def untimed_chunks(pipeline: CausalWanPipeline) -> int:
-    """The chunks after a session's first that ``run`` leaves out of its
-    figures: with captured steps, those until a fresh cache's denoise and
-    commit graphs are captured (``capture_chunks``); else none."""
-    return max(0, pipeline.capture_chunks - 1)
+def untimed_chunks(pipeline: CausalWanPipeline, captured_at_warm_up: bool = False) -> int:
+    """The chunks after a session's first that a bench leaves out of its
+    figures: with captured steps, those that fill the window and, unless
+    ``captured_at_warm_up`` (the session takes over graphs the warm-up made
+    at its size), those until its denoise and commit graphs are captured
+    (``capture_chunks``); else none."""
+    if pipeline.capture_chunks == 0:
+        return 0
+    if captured_at_warm_up:
+        return (pipeline.sink_frames + pipeline.window_frames) // pipeline.latent_frames
+    return pipeline.capture_chunks - 1
 
 
 def tiny_decoder_weights(components: Components, options: dict) -> str | None:

@@ -83,7 +83,7 @@ import msgspec
 import numpy as np
 import torch
 
-from bench.pipeline import one_session, session_chunks
+from bench.pipeline import one_session, session_chunks, untimed_chunks
 from bench.settings import COMBINED, SETTINGS, parts, pipeline_options, refusal
 from engine.messages import StartSession
 from engine.progress import Progress
@@ -168,8 +168,7 @@ def versus(
             variant: (build(**options), cudnn_benchmark, start),
         }
     # captured steps: the window filled before the timed chunks (its graphs were captured at warm-up)
-    graphs = any(pipeline.step_graphs is not None for pipeline, _, _ in contenders.values())
-    untimed = (default.sink_frames + default.window_frames) // default.latent_frames if graphs else 0
+    untimed = max(untimed_chunks(pipeline, captured_at_warm_up=True) for pipeline, _, _ in contenders.values())
     progress.expect(2 * rounds * (session_chunks(chunks) + untimed))
     progress.describe("warming up")
     for pipeline, benchmark, _ in contenders.values():  # the default twice for cudnn-benchmark: once each way
