@@ -31,6 +31,25 @@ ENGINE_KEYS = {
     "input_timeout_s",
 }
 
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server_with_the_models_modules():
+    """The fork server the in-process engines' workers come from, started once a
+    test process with the model's modules preloaded (``EngineConfig.worker_modules``
+    of a model: diffusers and the causal Wan pipeline). Each engine's own
+    preload list takes effect only where it starts the server, so one of the
+    stub model started first would leave every later model worker of the
+    process importing diffusers itself (about 3 s a start on two cores, in
+    dozens of engine tests); a server preloaded for the model serves the stub
+    as well."""
+    import multiprocessing.forkserver
+
+    model = EngineConfig(pipeline=PipelineSpec("tiny", {}))
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(model.worker_modules))
+    multiprocessing.forkserver.ensure_running()
+    yield
+
+
 PINNED_LIMITS = {"max_pixels": 1 << 22, "max_realtime_load": None}
 """What tests run with unless they say otherwise: the frame bound and admission by
 chunk cost are measured at start from this machine's speed (``workers.calibrate``),
