@@ -163,7 +163,9 @@ def run(
     side_by_side = []
     for count in (count for count in counts if count > 1):
         progress.describe(f"{count} sessions")
+        graphs = pipeline.graph_figures()
         one_row = _sessions_fps(pipeline, start, count, chunks, batched=False, progress=progress, untimed=settle)
+        between = pipeline.graph_figures()
         batched = _sessions_fps(pipeline, start, count, chunks, batched=True, progress=progress, untimed=settle)
         side_by_side.append(
             {
@@ -171,6 +173,9 @@ def run(
                 "one_row_fps": one_row,
                 "batched_fps": batched,
                 "batched_over_one_row": batched / one_row,
+                # captured steps: what each way added (the batch's own graphs, captured untimed, then replayed)
+                "one_row_step_graphs": graphs_added(graphs, between),
+                "batched_step_graphs": graphs_added(between, pipeline.graph_figures()),
             }
         )
     progress.describe("decode overlap")
@@ -230,6 +235,15 @@ def run_chunks(chunks: int, sessions: int | Sequence[int] = 1, rounds: int = OVE
 def session_chunks(chunks: int) -> int:
     """The chunks of one fresh session timed as ``one_session`` times it: the first, then at least one."""
     return 1 + max(1, chunks - 1)
+
+
+def graphs_added(before: dict | None, after: dict | None) -> dict | None:
+    """What ran between two readings of a pipeline's captured-step counts
+    (``graph_figures``): captures, replays and eager first uses; None without
+    captured steps."""
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before[name] for name in ("captures", "replays", "fallbacks")}
 
 
 def untimed_chunks(pipeline: CausalWanPipeline, captured_at_warm_up: bool = False) -> int:

@@ -83,7 +83,7 @@ import msgspec
 import numpy as np
 import torch
 
-from bench.pipeline import one_session, session_chunks, untimed_chunks
+from bench.pipeline import graphs_added, one_session, session_chunks, untimed_chunks
 from bench.settings import COMBINED, SETTINGS, parts, pipeline_options, refusal
 from engine.messages import StartSession
 from engine.progress import Progress
@@ -190,7 +190,7 @@ def versus(
                     pipeline, session, chunks, frames=frames[name], progress=progress, untimed=untimed
                 )
             figures[name]["peak_memory_bytes"] = peak()
-            figures[name]["step_graphs"] = _counted(graphs, pipeline.graph_figures())
+            figures[name]["step_graphs"] = graphs_added(graphs, pipeline.graph_figures())
         results.append(
             {
                 "first": order[0],
@@ -262,13 +262,6 @@ def versus_all(
         "median_fps_ratios": {variant: summary["median_fps_ratio"] for variant, summary in summaries.items()},
         "refused": refused,
     }
-
-
-def _counted(before: dict | None, after: dict | None) -> dict | None:
-    """What a session added to a pipeline's captured-step counts (None without captured steps)."""
-    if before is None or after is None:
-        return None
-    return {name: after[name] - before[name] for name in ("captures", "replays", "fallbacks")}
 
 
 @contextlib.contextmanager

@@ -94,3 +94,7 @@ def test_with_captured_steps_each_session_fills_the_window_and_captures_untimed(
     assert summary["untimed_chunks"] == 7  # after the first: 5 that fill the window, 2 that capture
     assert expected == [sum(made)] == [bench_pipeline.run_chunks(2, (2,), untimed=7)]
     assert summary["step_graphs"]["replays"] > 0 and summary["side_by_side"][0]["one_row_fps"] > 0
+    # the two sessions stepped together: the batch's denoise forward and commit, each used once eagerly,
+    # captured (untimed, with the window's filling), then replayed
+    batched = summary["side_by_side"][0]["batched_step_graphs"]
+    assert batched["captures"] == batched["fallbacks"] == 2 and batched["replays"] > 2
