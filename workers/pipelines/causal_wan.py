@@ -142,8 +142,8 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         a GPU of compute capability 8.9 or newer), else None.
         ``cuda_graphs``: a denoise forward (one row or several of one size)
         over full windows, and a commit pass, are captured as CUDA graphs and
-        replayed (``causal_wan_graphs``; refused on a CPU); ``"eager"``: the same path replayed eagerly, for tests
-        (``step_graphs_for``). ``kept_caches``: with ``cuda_graphs``, how many
+        replayed (``causal_wan_graphs``; refused on a CPU); ``"eager"``: the
+        same path replayed eagerly, for tests (``step_graphs_for``). ``kept_caches``: with ``cuda_graphs``, how many
         released sessions' KV caches are kept, with their graphs, for the next
         session of the same size (``causal_wan_graphs.KeptCaches``; default 1).
         ``fused_elementwise``: each block's norms, modulation and residuals as

@@ -30,8 +30,9 @@ Everything else runs eagerly; the frames are the same either way (bit for
 bit on a CPU, where the replay is eager: ``tests/model/test_captured_step_graphs.py``).
 
 A graph holds the addresses of its session's KV stores and roped-key
-buffers (a batch's graph, those of each of its rows). So that the graphs outlive the session, a released session's cache
-and its roped-key buffers go to ``KeptCaches`` (``kept_caches`` of them at
+buffers (a batch's graph, those of each of its rows). So that the graphs
+outlive the session, a released session's cache and its roped-key buffers
+go to ``KeptCaches`` (``kept_caches`` of them at
 most, and at most that many caches of the default size in bytes), and the
 next session of the same layout (size, layers, dtype) takes them over
 (``_session_cache``: recycled, holding nothing; same addresses, so the same

@@ -16,7 +16,8 @@ one per ``StepKey``:
 - the frames each cache holds: the RoPE positions and the attention span;
 - the latent's and the conditioning's shapes (the rows) and the dtype;
 - its kind: ``denoise`` (the output is the prediction) or ``commit`` (the
-  chunk's clean pass, whose output is every layer's keys and values).
+  chunks' clean pass, which writes every layer's keys and values into each
+  cache's stores and has no output).
 
 A key is captured on its ``after_uses``-th use (its first uses run eagerly:
 the shapes of a window still filling are each used for one chunk only, and a
@@ -32,10 +33,9 @@ inputs into the graph's static ones (``run``), and takes a copy of the output
 (the next replay overwrites it; a caller that uses it at once may take the
 graph's own, ``copy=False``). Forwards of one row or of several (sessions
 of one size batched) over every block are captured; stream batch and
-pipeline ranks run eagerly. The
-capture itself is ``Capture``'s: ``CudaGraphCapture`` on a
-GPU; ``EagerReplay`` runs the same function over the same static buffers
-(CPU: how the keying and the buffers are tested).
+pipeline ranks run eagerly. The capture itself is ``Capture``'s:
+``CudaGraphCapture`` on a GPU; ``EagerReplay`` runs the same function over
+the same static buffers (CPU: how the keying and the buffers are tested).
 
 Wired by the pipeline option ``cuda_graphs`` (``step_graphs_for``):
 ``CausalWanPipeline.forward`` and ``commit`` route through ``run`` the
