@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from engine.config import EngineConfig
@@ -93,6 +93,7 @@ class LoopStats:
     pipeline_s: float = 0.0  # of which inside pipeline calls
     steps: int = 0
     chunks: int = 0
+    step_graphs: dict[str, int] = field(default_factory=dict)  # the captured steps' counts, as last reported
 
 
 class EngineLoop:
@@ -166,6 +167,8 @@ class EngineLoop:
                 continue
             self.stats.iterations += 1
             self.stats.pipeline_s += result.pipeline_s
+            if result.step_graphs is not None:
+                self.stats.step_graphs = result.step_graphs
             self._carrying.pop(result.number, None)
             self.emit(result)
             self._control_rows(result)
@@ -442,6 +445,7 @@ class EngineLoop:
             micro_step_s=(slo.ema_s or 0.0) if slo is not None else 0.0,
             slo_decisions=dict(slo.decisions) if slo is not None else {},
             ranks=tuple(figures),
+            step_graphs=dict(self.stats.step_graphs),
         )
 
     # ------------------------------------------------------------------

@@ -488,6 +488,7 @@ class EngineStats(_Wire, tag="engine_stats"):
     micro_step_s: float  # the smoothed wall time of a micro-step (0 before the first)
     slo_decisions: dict[str, int]  # the SLO controller's decisions by action (hold, decrease, increase)
     ranks: tuple[RankFigures, ...]
+    step_graphs: dict[str, int] = {}  # captured steps (cuda_graphs): captures, replays, fallbacks, held; {}: none
 
 
 ResultMessage = (

@@ -141,6 +141,7 @@ class StepResult:
     decodes: list[tuple[str, int]] = field(default_factory=list)  # (session, chunk) committed, decode deferred
     pipeline_s: float = 0.0
     wall_s: float = 0.0  # the micro-step's wall time on rank 0 (split over ranks: waits for the ring included)
+    step_graphs: dict[str, int] | None = None  # the pipeline's captured-step counts after it, where it has them
 
     def row(self, session_id: str, chunk_index: int) -> RowResult:
         key = (session_id, chunk_index)

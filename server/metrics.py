@@ -181,7 +181,10 @@ class EngineStatsCollector:
     limit and the smoothed micro-step time (the SLO controller's, with --pp),
     its decisions, and each pipeline rank's busy and wall seconds (a rank's
     bubble fraction is ``1 - rate(busy) / rate(wall)``) and the chunks it
-    decoded."""
+    decoded; with captured steps (the pipeline option ``cuda_graphs``), the
+    graphs captured, the forwards replayed, the forwards run eagerly before
+    their graph was captured, and the graphs held (series only where the
+    worker reports them)."""
 
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
@@ -202,6 +205,14 @@ class EngineStatsCollector:
         decoded = CounterMetricFamily(
             "rtvideo_rank_decoded_chunks", "Chunks a pipeline rank decoded (with --pp)", labels=["rank"]
         )
+        graphs = {
+            "captures": CounterMetricFamily("rtvideo_step_graph_captures", "Chunk steps captured as CUDA graphs"),
+            "replays": CounterMetricFamily("rtvideo_step_graph_replays", "Chunk steps run by replaying a graph"),
+            "fallbacks": CounterMetricFamily(
+                "rtvideo_step_graph_fallbacks", "Chunk steps of static shapes run eagerly, before their capture"
+            ),
+        }
+        held = GaugeMetricFamily("rtvideo_step_graphs_held", "Captured chunk-step graphs held now")
         if stats is not None:
             steps.add_metric([], stats.micro_steps)
             rows.add_metric([], stats.rows)
@@ -213,7 +224,11 @@ class EngineStatsCollector:
                 busy.add_metric([str(figure.rank)], figure.busy_s)
                 wall.add_metric([str(figure.rank)], figure.wall_s)
                 decoded.add_metric([str(figure.rank)], figure.decoded_chunks)
-        yield from (steps, rows, limit, seconds, decisions, busy, wall, decoded)
+            if stats.step_graphs:
+                for name, family in graphs.items():
+                    family.add_metric([], stats.step_graphs.get(name, 0))
+                held.add_metric([], stats.step_graphs.get("held", 0))
+        yield from (steps, rows, limit, seconds, decisions, busy, wall, decoded, *graphs.values(), held)
 
 
 class SessionClock:

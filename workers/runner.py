@@ -103,6 +103,8 @@ class ModelRunner:
             self._forward(rows[first : first + width], result)
         if commits:
             self.sessions.committed(result, self._commit(result, commits))
+        if self.pipeline.capabilities.step_graphs:
+            result.step_graphs = self.pipeline.graph_figures()
         return result
 
     # -- WorkerRunner ----------------------------------------------------------

@@ -33,6 +33,7 @@ def test_the_tiny_preset_declares_what_it_implements_and_passes(tiny):
         kv_window=True,
         synchronize=True,
         video_input=True,
+        step_graphs=True,
     )
     assert device_type(tiny) == "cpu"
     assert can_spread(tiny) and can_split(tiny)  # the tiny VAE's decoder has stages to split between

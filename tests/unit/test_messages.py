@@ -126,6 +126,7 @@ RESULTS = [
         micro_step_s=0.02,
         slo_decisions={"hold": 9, "decrease": 0, "increase": 1},
         ranks=(m.RankFigures(rank=0, busy_s=0.1, wall_s=0.2), m.RankFigures(rank=1, busy_s=0.15, wall_s=0.2)),
+        step_graphs={"captures": 2, "replays": 13, "fallbacks": 2, "held": 2},
     ),
     m.WorkerHello(host="gpu-3", pid=4242, world_size=2),
     m.WorkerExiting(code=143, reason="its launcher ended the group (SIGTERM)"),

@@ -28,6 +28,8 @@ The parts, and who calls them:
     video_input         VideoInputs         the runner: a session's input frames (video to video) before each
                                             boundary; a start with an ``input`` is refused without it
     synchronize         Synchronize         timings: wait for the device's queued work
+    step_graphs         StepGraphCounts     metrics: the captured steps' counts (captures, replays, eager
+                                            first uses), reported with the engine's figures
 """
 
 from __future__ import annotations
@@ -182,6 +184,15 @@ class Synchronize(Protocol):
         ...
 
 
+class StepGraphCounts(Protocol):
+    def graph_figures(self) -> dict[str, int] | None:
+        """The captured steps' counts since the pipeline was built: ``captures``,
+        ``replays``, ``fallbacks`` (eager runs of keys not captured yet) and
+        ``held`` (graphs kept), besides any of its own; None when it captures
+        nothing (its option is off)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """The optional parts a pipeline class implements (module docstring); each
@@ -197,6 +208,7 @@ class Capabilities:
     kv_window: bool = False
     video_input: bool = False
     synchronize: bool = False
+    step_graphs: bool = False
 
     def declared(self) -> tuple[str, ...]:
         return tuple(f.name for f in fields(self) if getattr(self, f.name))
@@ -213,6 +225,7 @@ PROTOCOLS: dict[str, type] = {
     "kv_window": KvWindow,
     "video_input": VideoInputs,
     "synchronize": Synchronize,
+    "step_graphs": StepGraphCounts,
 }
 """Each capability's protocol."""
 

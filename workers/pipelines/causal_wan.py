@@ -101,6 +101,7 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         kv_window=True,
         video_input=True,  # take_input: a session's input frames, encoded before each boundary
         synchronize=True,
+        step_graphs=True,  # graph_figures: None unless cuda_graphs
     )
 
     def __init__(
