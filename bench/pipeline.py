@@ -246,6 +246,11 @@ def graphs_added(before: dict | None, after: dict | None) -> dict | None:
     return {name: after[name] - before[name] for name in ("captures", "replays", "fallbacks")}
 
 
+def window_chunks(pipeline: CausalWanPipeline) -> int:
+    """The chunks that fill a session's KV cache (sink and window)."""
+    return (pipeline.sink_frames + pipeline.window_frames) // pipeline.latent_frames
+
+
 def untimed_chunks(pipeline: CausalWanPipeline, captured_at_warm_up: bool = False) -> int:
     """The chunks after a session's first that a bench leaves out of its
     figures: with captured steps, those that fill the window and, unless
@@ -255,7 +260,7 @@ def untimed_chunks(pipeline: CausalWanPipeline, captured_at_warm_up: bool = Fals
     if pipeline.capture_chunks == 0:
         return 0
     if captured_at_warm_up:
-        return (pipeline.sink_frames + pipeline.window_frames) // pipeline.latent_frames
+        return window_chunks(pipeline)
     return pipeline.capture_chunks - 1
 
 

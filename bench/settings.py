@@ -20,7 +20,14 @@ both by ``--with`` (the settings the measured configuration runs with) and by
 - ``cudnn-attention``, ``flash-attention``: every block's self-attention on
   torch's cuDNN, or flash, kernel instead of torch's choice (pipeline option
   ``attention``; refused where torch will not run that kernel: a CPU has no
-  cuDNN one).
+  cuDNN one);
+- ``short-window``: the KV window held to ``SHORT_WINDOW_FRAMES`` (9 latent
+  frames, three chunks) after the sink, instead of the model's (15 for
+  Self-Forcing's weights): a chunk attends to 15 frames instead of 21, about
+  30 % fewer keys, and at 832x480 the attention is most of a forward's work.
+  Its cost is that later chunks see less of the past, which the quality
+  figure measures once the default's window is full (``bench.versus`` times
+  both sides from there).
 
 ``combined`` (``COMBINED``) is ``FASTEST`` together: the tiny decoder, captured
 steps and FP8, the settings that are each a speed-up for their own cost
@@ -31,7 +38,9 @@ Neither is ``fused-elementwise`` yet (not measured on a GPU; it should
 join once its side-by-side figure is in), nor the attention kernels (the
 same: to be measured first), nor ``compile`` (on the one GPU measured so far it fell inside eager's
 spread, and it is untried with captured steps), ``cudnn-benchmark`` (not yet
-measured side by side) or ``vae-float32`` (a quality setting, slower).
+measured side by side), ``vae-float32`` (a quality setting, slower) or
+``short-window`` (a trade of what the model remembers for speed, for an
+operator to choose with its figures: the option ``window_frames``).
 """
 
 from __future__ import annotations
@@ -51,7 +60,9 @@ SETTINGS: dict[str, dict] = {
     "fused-elementwise": {"fused_elementwise": True},
     "cudnn-attention": {"attention": "cudnn"},
     "flash-attention": {"attention": "flash"},
+    "short-window": {"window_frames": 9},
 }
+SHORT_WINDOW_FRAMES = SETTINGS["short-window"]["window_frames"]
 COMBINED = "combined"
 FASTEST = ("tiny-decoder", "cuda-graphs", "fp8")
 """The settings of ``combined`` (module docstring)."""

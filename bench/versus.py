@@ -43,6 +43,14 @@ Variants (``VARIANTS``):
   identical; its speed the cost of the path's copies), and its settings say
   so. Each contender's ``step_graphs`` counts the captures and replays since
   it was built, and the caches kept.
+- ``short-window``: a second pipeline whose KV window holds
+  ``SHORT_WINDOW_FRAMES`` latent frames after the sink (the option
+  ``window_frames``). The two differ only once the shorter window is full,
+  and their costs once the longer one is, so every session runs untimed
+  until the default's window is full (``window_chunks``): the timed chunks
+  compare the two steady states, and the quality figure, over every chunk,
+  what the shorter memory changed. Refused where the default's window is no
+  longer.
 - ``combined``: a second pipeline with ``bench.settings.FASTEST`` together
   (the tiny decoder, captured steps and FP8; why these: ``bench.settings``),
   timed as ``cuda-graphs`` is, after the window is full; its quality figure
@@ -83,8 +91,8 @@ import msgspec
 import numpy as np
 import torch
 
-from bench.pipeline import graphs_added, one_session, session_chunks, untimed_chunks
-from bench.settings import COMBINED, SETTINGS, parts, pipeline_options, refusal
+from bench.pipeline import graphs_added, one_session, session_chunks, untimed_chunks, window_chunks
+from bench.settings import COMBINED, SETTINGS, SHORT_WINDOW_FRAMES, parts, pipeline_options, refusal
 from engine.messages import StartSession
 from engine.progress import Progress
 from workers.pipelines.causal_wan import CausalWanPipeline
@@ -147,6 +155,11 @@ def versus(
         raise ValueError("the default it is measured against is compiled already")
     if variant == "vae-float32" and default.vae_dtype == torch.float32:
         raise ValueError("the default pipeline's VAE is fp32 already (--dtype bfloat16 makes it bf16)")
+    if variant == "short-window" and default.window_frames <= SHORT_WINDOW_FRAMES:
+        raise ValueError(
+            f"the default's KV window is {default.window_frames} latent frames already, "
+            f"no longer than short-window's {SHORT_WINDOW_FRAMES}"
+        )
     weights = None  # the tiny decoder's, where the variant has it
     if "tiny-decoder" in parts(variant):
         weights = "given" if "tiny" in default.decoders else "random"
@@ -167,8 +180,12 @@ def versus(
             "default": (default, cudnn_benchmark, start),
             variant: (build(**options), cudnn_benchmark, start),
         }
-    # captured steps: the window filled before the timed chunks (its graphs were captured at warm-up)
-    untimed = max(untimed_chunks(pipeline, captured_at_warm_up=True) for pipeline, _, _ in contenders.values())
+    # captured steps: the window filled before the timed chunks (its graphs were captured at warm-up); windows
+    # of two lengths (short-window): both timed once the longer one is full, where they differ
+    pipelines = [pipeline for pipeline, _, _ in contenders.values()]
+    untimed = max(untimed_chunks(pipeline, captured_at_warm_up=True) for pipeline in pipelines)
+    if len({pipeline.window_frames for pipeline in pipelines}) > 1:
+        untimed = max(untimed, *(window_chunks(pipeline) for pipeline in pipelines))
     progress.expect(2 * rounds * (session_chunks(chunks) + untimed))
     progress.describe("warming up")
     for pipeline, benchmark, _ in contenders.values():  # the default twice for cudnn-benchmark: once each way
@@ -299,6 +316,8 @@ def _settings(pipeline: CausalWanPipeline, cudnn_benchmark: bool, start: StartSe
         "cuda_graphs": pipeline.cuda_graphs,
         "fused_elementwise": pipeline.fused_elementwise,
         "attention": pipeline.attention,
+        "sink_frames": pipeline.sink_frames,
+        "window_frames": pipeline.window_frames,
         "step_graphs": pipeline.graph_figures(),
         "cudnn_benchmark": cudnn_benchmark,
         "decoder": start.decoder or pipeline.default_decoder,

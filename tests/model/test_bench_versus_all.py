@@ -47,3 +47,22 @@ def test_the_command_takes_all_and_prints_every_variants_rounds(monkeypatch, cap
     assert asked == {"chunks": 3, "rounds": 1}
     assert out[0].startswith("round 1 (default first): default 2.0 fps") and "compile 2.0 fps" in out[0]
     assert out[1] == "fp8: refused: no GPU" and json.loads(out[2])["bench"] == "pipeline-versus-all"
+
+
+def test_short_window_is_timed_once_the_default_window_is_full_and_changes_what_later_chunks_see():
+    start = StartSession(session_id="short", prompt="a red fox", num_inference_steps=1, width=32, height=32)
+    summary = bench_versus.versus(_build, "short-window", start, 2, 1)
+    default, short = summary["pipelines"]["default"], summary["pipelines"]["short-window"]
+    assert (default["sink_frames"], default["window_frames"], short["window_frames"]) == (3, 15, 9)
+    assert summary["untimed_chunks"] == 6  # the default's window, (3 + 15) / 3 chunks, filled before the timing
+    [one] = summary["rounds"]
+    assert not one["quality"]["identical"]  # from chunk 4 on, the short window has let its oldest frames go
+    assert one["variant"]["fps"] > 0 and one["default"]["fps"] > 0
+
+
+def test_short_window_is_refused_where_the_window_is_no_longer():
+    import pytest
+
+    start = StartSession(session_id="short", prompt="a red fox", num_inference_steps=1, width=32, height=32)
+    with pytest.raises(ValueError, match="KV window is 9 latent frames already, no longer than short-window's 9"):
+        bench_versus.versus(lambda **options: _build(**{"window_frames": 9, **options}), "short-window", start, 2, 1)

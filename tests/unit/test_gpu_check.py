@@ -34,6 +34,7 @@ STEPS = [
             "cudnn-attention",
             "flash-attention",
             "fused-elementwise",
+            "short-window",
             "vae-float32",
             "cudnn-benchmark",
             "compile",
