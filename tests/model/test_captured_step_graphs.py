@@ -6,8 +6,10 @@ capture. A session streamed through it must make the plain eager route's
 frames bit for bit: through the window filling (eager), full (its denoise
 forwards and its commits captured, then replayed), a reset and a re-cache,
 and a release then a new session, which takes the released session's cache
-over and with it its graphs (``KeptCaches``). The CUDA capture itself is
-tested in ``tests/gpu/test_wan_on_gpu.py``.
+over and with it its graphs (``KeptCaches``); so must two sessions taking
+turns, then batched in one forward (their batch's own graphs, whichever
+order the rows come in). The CUDA capture itself is tested in
+``tests/gpu/test_wan_on_gpu.py``.
 """
 
 from __future__ import annotations
