@@ -31,12 +31,7 @@ WORKDIR /app
 COPY pyproject.toml README.md Makefile ./
 COPY scripts ./scripts
 COPY requirements-cpu.lock requirements-cuda.lock ./
-COPY engine ./engine
-COPY workers ./workers
-COPY server ./server
-COPY cli ./cli
-COPY bench ./bench
-COPY training ./training
+COPY rtvideo ./rtvideo
 RUN make install && chown -R rtvideo:rtvideo /app \
  && mkdir /data && chown rtvideo:rtvideo /data
 USER rtvideo

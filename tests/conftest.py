@@ -15,8 +15,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
-from engine.client.engine_client import EngineClient
-from engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.config import EngineConfig, PipelineSpec
 
 ENGINE_KEYS = {
     "max_sessions",
@@ -52,7 +52,7 @@ def fork_server_with_the_models_modules():
 
 PINNED_LIMITS = {"max_pixels": 1 << 22, "max_realtime_load": None}
 """What tests run with unless they say otherwise: the frame bound and admission by
-chunk cost are measured at start from this machine's speed (``workers.calibrate``),
+chunk cost are measured at start from this machine's speed (``rtvideo.workers.calibrate``),
 which a loaded test machine would make vary from run to run; the tests of those
 limits set them themselves."""
 

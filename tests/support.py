@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.client.engine_client import SessionHandle
-from engine.messages import ChunkReady, ResultMessage, SessionDone, SessionFailed
-from workers.pipelines.conditioning import blend
-from workers.pipelines.stub import StubGate, conditioning_row, embed
+from rtvideo.engine.client.engine_client import SessionHandle
+from rtvideo.engine.messages import ChunkReady, ResultMessage, SessionDone, SessionFailed
+from rtvideo.workers.pipelines.conditioning import blend
+from rtvideo.workers.pipelines.stub import StubGate, conditioning_row, embed
 
 SPAWN = multiprocessing.get_context("spawn")
 ROOT = Path(__file__).resolve().parents[1]
-RTVIDEO = (sys.executable, "-m", "cli")
+RTVIDEO = (sys.executable, "-m", "rtvideo.cli")
 """The ``rtvideo`` command, as this interpreter runs it from ``ROOT``."""
 
 
@@ -96,8 +96,8 @@ async def read_until(handle: SessionHandle, kind: type, into: Collected, timeout
 def inline_loop(config, control, runner, send, **options):
     """An ``EngineLoop`` over ``runner`` whose executor runs each micro-step inside
     ``submit`` (the local executor, unthreaded): one micro-step per ``run_once``."""
-    from engine.loop import EngineLoop
-    from workers.executor import LocalExecutor
+    from rtvideo.engine.loop import EngineLoop
+    from rtvideo.workers.executor import LocalExecutor
 
     executor = LocalExecutor(runner, control.is_stopping, control.wake, threaded=False)
     return EngineLoop(config, control, executor, send, **options)

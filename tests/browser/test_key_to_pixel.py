@@ -1,11 +1,11 @@
 """A new prompt is seen soon after Send, and the page says how soon, in Chromium
 against a real server.
 
-The page's playback buffer (``LeadPolicy`` in ``server/static/index.html``) asks
+The page's playback buffer (``LeadPolicy`` in ``rtvideo/server/static/index.html``) asks
 the server to run half a second ahead of the picture, grows that lead after a
 stall and reports its playhead behind by what it grew by; key to pixel is Send
 to the first frame of the chunk the prompt applied at, on screen. The policy's
-Python mirror (``bench/playback.py``, which ``rtvideo bench realtime`` uses)
+Python mirror (``rtvideo/bench/playback.py``, which ``rtvideo bench realtime`` uses)
 takes the same decisions on the same events. Every message the page sends is
 recorded in the page (``window.sent``); the tests wait on conditions in the
 page, never on time. A screenshot per state goes to ``test-artifacts/``."""
@@ -17,15 +17,15 @@ import random
 import re
 from pathlib import Path
 
-from bench import playback
-from bench.playback import LeadPolicy
+from rtvideo.bench import playback
+from rtvideo.bench.playback import LeadPolicy
 from tests.browser.conftest import ARTIFACTS, needs_browser
 from tests.browser.test_page_states import SLOW, wait_state
 from tests.e2e.conftest import start_server, stop_server
 
 pytestmark = needs_browser
 
-PAGE = Path(__file__).resolve().parents[2] / "server" / "static" / "index.html"
+PAGE = Path(__file__).resolve().parents[2] / "rtvideo" / "server" / "static" / "index.html"
 RECORD_SENT = """
 window.sent = [];
 const send = WebSocket.prototype.send;
@@ -52,7 +52,7 @@ def recording_page(browser, server):
 
 def test_the_page_and_the_bench_take_the_same_buffer_decisions(browser):
     """The same 400 events (a stall, some playback, a report), seeded, through the
-    page's LeadPolicy in Chromium and bench/playback.py's: the same lead and the
+    page's LeadPolicy in Chromium and rtvideo/bench/playback.py's: the same lead and the
     same reported playhead after every one, to the bit."""
     rng = random.Random(7)
     events = []

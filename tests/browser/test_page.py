@@ -9,9 +9,9 @@ import json
 import av
 import pytest
 
+from rtvideo.workers.demo import WEIGHTS
 from tests.browser.conftest import ARTIFACTS, needs_browser
 from tests.e2e.conftest import start_server, stop_server
-from workers.demo import WEIGHTS
 
 pytestmark = needs_browser
 

@@ -1,4 +1,4 @@
-"""The server as a subprocess (``python -m cli serve``), with real clients."""
+"""The server as a subprocess (``python -m rtvideo.cli serve``), with real clients."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def start_server(
     command = [
         sys.executable,
         "-m",
-        "cli",
+        "rtvideo.cli",
         "serve",
         "--port",
         "0",
@@ -128,7 +128,7 @@ def start_server(
 def train_tiny_demo(out: Path) -> Path:
     """A demo model directory written by the real trainer (``rtvideo train-demo --tiny``,
     one step: seconds): ``out/model``, whose ``rtvideo.json`` lists the prompts it knows."""
-    command = [sys.executable, "-m", "cli", "train-demo", "--tiny", "--steps", "1", "--out", str(out)]
+    command = [sys.executable, "-m", "rtvideo.cli", "train-demo", "--tiny", "--steps", "1", "--out", str(out)]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300)
     return out / "model"
 

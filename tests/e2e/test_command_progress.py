@@ -1,4 +1,4 @@
-"""A long ``rtvideo`` command's progress (``engine.progress``), run as a user runs it:
+"""A long ``rtvideo`` command's progress (``rtvideo.engine.progress``), run as a user runs it:
 a bar on stderr when stderr is a terminal (a pseudo-terminal here), its stdout
 unchanged, the JSON summary still its last line; nothing of it with ``--json``
 or where stderr is not a terminal (a pipe, as in CI and these tests)."""

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from rtvideo.training.demo.classify import classify, dominant_colour
+from rtvideo.workers.cpu_threads import candidates
 from tests.e2e.client import Chunk, Realtime, assert_applied_as_promised, interaction, open_realtime
 from tests.e2e.conftest import start_server, stop_server, train_tiny_demo
-from training.demo.classify import classify, dominant_colour
-from workers.cpu_threads import candidates
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured():
     """``rtvideo serve`` as a newcomer runs it, no thread count given (and no
     ``OMP_NUM_THREADS``, which the test runner sets for its own processes): on
     a CPU the worker measured its kernels' threads at start
-    (``workers.cpu_threads``), says so in its log, and /health says the count
+    (``rtvideo.workers.cpu_threads``), says so in its log, and /health says the count
     it keeps. On a machine too loaded to run a warm-up chunk in time the
     worker measures nothing and says so; /health then says torch's default."""
     server = start_server(model="demo", unset=("OMP_NUM_THREADS",))

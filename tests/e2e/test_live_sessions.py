@@ -15,7 +15,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from server.media import Fmp4Encoder, split_jpeg_payload
+from rtvideo.server.media import Fmp4Encoder, split_jpeg_payload
 from tests.e2e.client import Chunk, Realtime, Received, interaction
 from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.test_realtime import metric, scrape

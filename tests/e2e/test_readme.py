@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
+from rtvideo.training.demo.classify import dominant_colour
 from tests.e2e.conftest import ROOT
-from training.demo.classify import dominant_colour
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 README = (ROOT / "README.md").read_text()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.media import split_jpeg_payload
+from rtvideo.server.media import split_jpeg_payload
 from tests.e2e.client import Realtime, interaction, open_realtime
 
 START = {"type": "session.start", "prompt": "a paper boat on a river", "seed": 3, "width": 32, "height": 24}

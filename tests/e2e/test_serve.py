@@ -23,7 +23,7 @@ def test_a_busy_port_fails_at_once_before_the_model_loads(make_server):
     port = urlparse(first.http).port
     began = time.monotonic()
     second = subprocess.run(
-        [sys.executable, "-m", "cli", "serve", "--port", str(port), "--model", "stub", "--log-level", "info"],
+        [sys.executable, "-m", "rtvideo.cli", "serve", "--port", str(port), "--model", "stub", "--log-level", "info"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -44,7 +44,7 @@ def test_a_busy_port_fails_at_once_before_the_model_loads(make_server):
 def serve(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``rtvideo serve ARGV`` run to its end, on a free port and a data_dir of its own."""
     data_dir = tempfile.mkdtemp(prefix="rtvideo-data-")
-    command = [sys.executable, "-m", "cli", "serve", "--port", "0", "--data-dir", data_dir, *argv]
+    command = [sys.executable, "-m", "rtvideo.cli", "serve", "--port", "0", "--data-dir", data_dir, *argv]
     try:
         environ = {**os.environ, **(env or {})}
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environ)

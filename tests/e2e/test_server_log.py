@@ -20,7 +20,7 @@ from tests.e2e.client import Chunk, Realtime, open_realtime
 from tests.e2e.test_live_sessions import resume
 
 START = {"type": "session.start", "prompt": "a quiet harbour", "format": "fmp4"}
-STUB = Path(__file__).resolve().parents[2] / "workers" / "pipelines" / "stub.py"
+STUB = Path(__file__).resolve().parents[2] / "rtvideo" / "workers" / "pipelines" / "stub.py"
 DIRTY = ("never retrieved", "Traceback", "Exception in ASGI", "Task was destroyed but it is pending")
 
 

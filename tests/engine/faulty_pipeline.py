@@ -4,7 +4,7 @@ tests of pipeline ranks (a worker builds one by import path: ``PipelineSpec(
 
 from __future__ import annotations
 
-from workers.pipelines.causal_wan import build as build_tiny
+from rtvideo.workers.pipelines.causal_wan import build as build_tiny
 
 
 def build(*, fail_follow_prompt: str, fail_follow_chunk: int, **options):
@@ -24,7 +24,7 @@ def build(*, fail_follow_prompt: str, fail_follow_chunk: int, **options):
 
 def build_gated(*, gate, **options):
     """The ``tiny`` preset whose first rank holds the forward of the gate's chunk and
-    step (a ``workers.pipelines.stub.StubGate``: its events cross processes) until
+    step (a ``rtvideo.workers.pipelines.stub.StubGate``: its events cross processes) until
     the test releases it, having said it got there: a control message then
     reaches the worker while that chunk is being denoised."""
     pipeline = build_tiny(**options)

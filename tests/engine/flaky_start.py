@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.pipelines.stub import StubPipeline
+from rtvideo.workers.pipelines.stub import StubPipeline
 
 
 def build(*, fail_starts: str, **options) -> StubPipeline:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from engine.client.engine_client import EngineClient
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import ChunkReady, StartSession
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import ChunkReady, StartSession
 
 
 async def main() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.client.engine_client import EngineClient
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import ChunkReady, SessionDone, StartSession
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import ChunkReady, SessionDone, StartSession
 from tests.conftest import PINNED_LIMITS
 from tests.support import Collected, collect, read_until
 
@@ -23,8 +23,8 @@ def _start(sid: str, seed: int, chunks: int | None) -> StartSession:
 
 def _alone(start: StartSession) -> list[bytes]:
     """The session's chunks made in this process, alone, decoded in line."""
-    from workers.chunk_driver import ChunkDriver
-    from workers.pipelines.causal_wan import build
+    from rtvideo.workers.chunk_driver import ChunkDriver
+    from rtvideo.workers.pipelines.causal_wan import build
 
     driver = ChunkDriver(build("tiny", device="cpu", max_batch_rows=1, warm_up_chunks=0))
     driver.open(start)

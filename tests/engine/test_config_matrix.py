@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from engine.client.engine_client import EngineClient
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import (
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,

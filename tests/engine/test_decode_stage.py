@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.messages import (
+from rtvideo.engine.messages import (
     Interaction,
     InteractionApplied,
     ScheduledInteraction,
@@ -13,8 +13,8 @@ from engine.messages import (
     SessionFailed,
     StartSession,
 )
+from rtvideo.workers.pipelines.stub import DECODE_GATE_STEP
 from tests.support import collect, make_gate, wait_reached
-from workers.pipelines.stub import DECODE_GATE_STEP
 
 
 def _start(prompt: str = "a harbour at night") -> StartSession:

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from engine.client.engine_client import EngineClient, EngineDeadError, EngineStartupError, UnknownSessionError
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import (
+from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError, EngineStartupError, UnknownSessionError
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,

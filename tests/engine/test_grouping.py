@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.messages import Interaction, InteractionApplied, ScheduledInteraction, SessionDone, StartSession
+from rtvideo.engine.messages import Interaction, InteractionApplied, ScheduledInteraction, SessionDone, StartSession
 from tests.support import collect, make_gate, wait_reached
 
 CHUNKS = 4

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from engine.client.heartbeat import FACTOR
-from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
+from rtvideo.engine.client.heartbeat import FACTOR
+from rtvideo.engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from tests.support import Collected, collect, make_gate, read_until, wait_reached
 
 

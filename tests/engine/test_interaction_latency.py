@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.messages import Interaction, InteractionApplied, InteractionQueued, SessionDone, StartSession
+from rtvideo.engine.messages import Interaction, InteractionApplied, InteractionQueued, SessionDone, StartSession
+from rtvideo.workers.pipelines.stub import DECODE_GATE_STEP
 from tests.support import Collected, collect, conditioning_of, expected_row, make_gate, read_until, wait_reached
-from workers.pipelines.stub import DECODE_GATE_STEP
 
 K = 1  # the chunk being denoised when the interaction arrives
 

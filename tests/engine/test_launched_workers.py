@@ -1,5 +1,5 @@
 """A worker group started by torchrun, one process per rank, reaching the API
-process over TCP (``EngineConfig.worker_listen``, ``workers.launch``): on this
+process over TCP (``EngineConfig.worker_listen``, ``rtvideo.workers.launch``): on this
 machine over loopback, two ranks over gloo, against the exact output of one
 spawned rank; then a killed rank, and the group torchrun starts next."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.client.engine_client import EngineClient
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import (
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,
@@ -49,7 +49,7 @@ def torchrun(port: int, ranks: int, restarts: int) -> subprocess.Popen:
         "--max-restarts",
         str(restarts),
         "-m",
-        "workers.launch",
+        "rtvideo.workers.launch",
         "--api",
         f"127.0.0.1:{port}",
     ]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.messages import SessionDone, StartSession
+from rtvideo.engine.messages import SessionDone, StartSession
 from tests.support import collect, make_gate, wait_reached
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,8 +72,8 @@ async def test_shutdown_ends_open_sessions_with_done_shutdown(make_engine):
 
 
 async def test_shutdown_kills_a_worker_that_does_not_exit_in_time():
-    from engine.client.engine_client import EngineClient
-    from engine.config import EngineConfig, PipelineSpec
+    from rtvideo.engine.client.engine_client import EngineClient
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
 
     gate = make_gate(chunk=0, step=0)
     client = EngineClient(EngineConfig(pipeline=PipelineSpec("stub", {"gates": [gate]}), shutdown_timeout_s=1.0))

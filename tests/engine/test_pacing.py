@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from engine.messages import (
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,

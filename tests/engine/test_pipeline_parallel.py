@@ -15,9 +15,9 @@ import sys
 import pytest
 import pytest_asyncio
 
-from engine.client.engine_client import EngineClient, SessionRejectedError
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import (
+from rtvideo.engine.client.engine_client import EngineClient, SessionRejectedError
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,
@@ -26,10 +26,10 @@ from engine.messages import (
     SessionFailed,
     StartSession,
 )
+from rtvideo.workers.cpu_threads import candidates
+from rtvideo.workers.parallel.group import rank_threads
 from tests.conftest import PINNED_LIMITS
 from tests.support import Collected, collect, free_ports, read_until
-from workers.cpu_threads import candidates
-from workers.parallel.group import rank_threads
 
 SIZE = {"width": 32, "height": 32}
 SHARED = pytest.mark.asyncio(loop_scope="module")  # the tests that run on the module's engines
@@ -206,7 +206,7 @@ def test_the_pp_benchmark_reports_every_ranks_busy_and_bubble_fraction(capsys):
     the CPU went: each rank's threads by name (rank 0's ring runs on its
     executor thread, the follower's in its main thread, and, with the decoders
     split, each decodes half of every chunk on a thread of its own)."""
-    from bench import pp as bench_pp
+    from rtvideo.bench import pp as bench_pp
 
     options = bench_pp.PpBenchOptions(chunks=2, size=32, steps=2)
     split = bench_pp.Config("pp2-decode-split", 2, None, 2, decode="split")
@@ -337,7 +337,7 @@ async def test_a_rank_port_already_taken_fails_the_start_naming_it(rank):
     the start with its reason at once instead of waiting out the start-up)."""
     import socket
 
-    from engine.client.engine_client import EngineStartupError
+    from rtvideo.engine.client.engine_client import EngineStartupError
 
     base = free_ports(2)
     with socket.socket() as taken:

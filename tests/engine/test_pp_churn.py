@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from engine.client.engine_client import EngineClient, SessionHandle
-from engine.messages import (
+from rtvideo.engine.client.engine_client import EngineClient, SessionHandle
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,

@@ -12,9 +12,9 @@ import asyncio
 import pytest
 import torch
 
-from engine.client.engine_client import EngineClient, EngineStartupError
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import (
+from rtvideo.engine.client.engine_client import EngineClient, EngineStartupError
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import (
     Interaction,
     InteractionApplied,
     InteractionQueued,

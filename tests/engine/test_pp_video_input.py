@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from engine.client.engine_client import EngineClient, SessionHandle, SessionRejectedError
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import (
+from rtvideo.engine.client.engine_client import EngineClient, SessionHandle, SessionRejectedError
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,
@@ -180,7 +180,7 @@ async def test_a_bad_input_frame_under_two_ranks_fails_only_its_session():
 
 def no_input_split(**options):
     """The tiny model, its split declared unable to take input frames."""
-    from workers.pipelines.causal_wan import build
+    from rtvideo.workers.pipelines.causal_wan import build
 
     pipeline = build(**options)
     pipeline.capabilities = replace(pipeline.capabilities, video_input=False)

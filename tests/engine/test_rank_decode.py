@@ -1,4 +1,4 @@
-"""A follower's decode thread (``workers.parallel.decode_server.DecodeServer``):
+"""A follower's decode thread (``rtvideo.workers.parallel.decode_server.DecodeServer``):
 the tiny model's real streaming decoder, behind real sockets on loopback, as
 rank 0 reaches it (``DECODE`` frames out, ``DECODED`` frames back).
 
@@ -30,14 +30,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import PipelineSpec
-from engine.messages import DecodeCancel, DecodeFront, DecodeFrontEnd, DecodeWhole, StartSession
+from rtvideo.engine.config import PipelineSpec
+from rtvideo.engine.messages import DecodeCancel, DecodeFront, DecodeFrontEnd, DecodeWhole, StartSession
+from rtvideo.workers.parallel.decode_server import DecodeServer
+from rtvideo.workers.parallel.link import LinkTimeout, Message
+from rtvideo.workers.parallel.sockets import CANCEL, DECODE, DECODED, DECODES
+from rtvideo.workers.pipelines import build_pipeline
+from rtvideo.workers.pipelines.capabilities import Capabilities
 from tests.engine.test_rank_sockets import joined
-from workers.parallel.decode_server import DecodeServer
-from workers.parallel.link import LinkTimeout, Message
-from workers.parallel.sockets import CANCEL, DECODE, DECODED, DECODES
-from workers.pipelines import build_pipeline
-from workers.pipelines.capabilities import Capabilities
 
 
 @pytest.fixture(scope="module")
@@ -312,8 +312,8 @@ def test_however_a_split_chunk_ends_the_follower_answers_it_once_and_serves_the_
 def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
     pp_decode, pp, overlap, stages, stream, expected
 ):
-    from engine.config import EngineConfig
-    from workers.parallel.group import decode_placement
+    from rtvideo.engine.config import EngineConfig
+    from rtvideo.workers.parallel.group import decode_placement
 
     class Pipeline:  # what decode_placement reads of a pipeline
         capabilities = Capabilities(rank_decode=True, split_decode=True)
@@ -335,8 +335,8 @@ def test_where_decodes_run_follows_the_option_and_what_the_pipeline_can(
 def test_where_each_session_decodes(pipelines, split, steps, expected):
     from types import SimpleNamespace
 
-    from workers.parallel.rank_decode import RankDecodeStage
-    from workers.runner import ModelRunner
+    from rtvideo.workers.parallel.rank_decode import RankDecodeStage
+    from rtvideo.workers.runner import ModelRunner
 
     ranks = joined(2)
     group = SimpleNamespace(sockets=ranks[0], world=2, closing=False, on_death=lambda why: None)

@@ -1,4 +1,4 @@
-"""The pipeline ranks' own sockets (``workers.parallel.sockets``): real TCP
+"""The pipeline ranks' own sockets (``rtvideo.workers.parallel.sockets``): real TCP
 connections on loopback between ranks that meet in a real ``torch.distributed``
 store, each rank on a thread of its own (as each would be in its process).
 
@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.messages import DecodeCancel, Decoded, DecodeWhole, RingHeader, RingItem
-from workers.parallel.link import BadMessage, LinkTimeout, Message
-from workers.parallel.sockets import (
+from rtvideo.engine.messages import DecodeCancel, Decoded, DecodeWhole, RingHeader, RingItem
+from rtvideo.workers.parallel.link import BadMessage, LinkTimeout, Message
+from rtvideo.workers.parallel.sockets import (
     CANCEL,
     DECODE,
     DECODED,
@@ -203,7 +203,7 @@ def test_a_closed_peer_raises_at_once_naming_it(pair):
 
 
 def test_a_connection_that_is_no_ranks_does_not_stop_the_group_joining(monkeypatch):
-    monkeypatch.setattr("workers.parallel.sockets.HELLO_TIMEOUT_S", 0.5)  # the silent one's wait
+    monkeypatch.setattr("rtvideo.workers.parallel.sockets.HELLO_TIMEOUT_S", 0.5)  # the silent one's wait
     zero, one = joined(2, stranger=True)
     try:
         zero.send(1, 1, Message(marked("ok"), []))
@@ -336,7 +336,7 @@ def test_a_ring_frame_whose_header_is_not_a_ring_header_names_the_ranks_and_what
     ],
 )
 def test_a_decode_frame_whose_header_is_not_its_type_names_the_ranks_and_what_is_wrong(pair, kind, header, named):
-    """The decode stage's frames are typed (``engine.messages.DecodeRequest``,
+    """The decode stage's frames are typed (``rtvideo.engine.messages.DecodeRequest``,
     ``DecodeCancel``, ``Decoded``): an untyped or malformed header is a
     ``BadMessage`` naming the frame, the ranks and what is wrong; a frame is
     read whole, so the connection goes on."""

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from engine.client.engine_client import EngineClient, SessionRejectedError
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import ChunkReady, StartSession
+from rtvideo.engine.client.engine_client import EngineClient, SessionRejectedError
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import ChunkReady, StartSession
 from tests.support import Collected, collect, read_until
 
 

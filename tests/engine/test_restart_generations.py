@@ -13,9 +13,9 @@ import time
 import pytest
 import zmq
 
-from engine.client.engine_client import EngineClient, EngineDeadError
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
+from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from tests.conftest import PINNED_LIMITS
 from tests.engine.test_lifecycle import process_gone, wait_gone
 from tests.support import Collected, collect, read_until

@@ -1,4 +1,4 @@
-"""The pipeline ranks' point-to-point messages (``workers.parallel.link``)
+"""The pipeline ranks' point-to-point messages (``rtvideo.workers.parallel.link``)
 between two real processes over gloo: tensors small enough to ride in the
 message's buffer and tensors too large for it arrive equal with their
 ``RingHeader``, in every dtype the ranks send; a header that is not a valid
@@ -32,8 +32,8 @@ def peer(rank: int, port: int, results) -> None:
     import msgspec
     import torch.distributed as dist
 
-    from engine.messages import RingHeader, RingItem
-    from workers.parallel.link import MESSAGE_BYTES, BadMessage, LinkTimeout, Message, RingLink
+    from rtvideo.engine.messages import RingHeader, RingItem
+    from rtvideo.workers.parallel.link import MESSAGE_BYTES, BadMessage, LinkTimeout, Message, RingLink
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.client.engine_client import SessionRejectedError
-from engine.limits import MAX_TRANSITION_CHUNKS
-from engine.messages import (
+from rtvideo.engine.client.engine_client import SessionRejectedError
+from rtvideo.engine.limits import MAX_TRANSITION_CHUNKS
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,

@@ -1,7 +1,7 @@
 """Split decodes of several sessions as one batch, over real sockets on loopback:
-rank 0's decode stage (``workers.parallel.rank_decode.RankDecodeStage`` with
+rank 0's decode stage (``rtvideo.workers.parallel.rank_decode.RankDecodeStage`` with
 ``split``, the tiny model's real decoder, its front lane held by
-``workers.decode_gather.RoundGather``) and a follower's ``DecodeServer``.
+``rtvideo.workers.decode_gather.RoundGather``) and a follower's ``DecodeServer``.
 
 A round of the sessions' chunks goes through the front and the back as one
 batch once it has come, the micro-steps between its chunks counted as the
@@ -22,16 +22,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.messages import DecodeCancel, DecodeFronts, DecodeFrontsEnd, DecodeWhole, StartSession
-from engine.plan import MicroStep
+from rtvideo.engine.messages import DecodeCancel, DecodeFronts, DecodeFrontsEnd, DecodeWhole, StartSession
+from rtvideo.engine.plan import MicroStep
+from rtvideo.workers.parallel.decode_server import DecodeServer
+from rtvideo.workers.parallel.link import Message
+from rtvideo.workers.parallel.rank_decode import RankDecodeStage
+from rtvideo.workers.parallel.sockets import CANCEL, DECODE, DECODED
+from rtvideo.workers.pipelines.causal_wan import build
 from tests.engine.test_rank_sockets import joined
 from tests.model.test_batched_decode_stage import SEEDS, _committed_runner
 from tests.model.test_causal_wan import open_session, release, run_chunk
-from workers.parallel.decode_server import DecodeServer
-from workers.parallel.link import Message
-from workers.parallel.rank_decode import RankDecodeStage
-from workers.parallel.sockets import CANCEL, DECODE, DECODED
-from workers.pipelines.causal_wan import build
 
 SESSIONS = ("da", "db", "dc")
 SPLIT = 7  # decoder stages on rank 0

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.client.engine_client import EngineClient
-from engine.config import EngineConfig, PipelineSpec
-from engine.messages import SessionDone, StartSession
-from server.metrics import EngineStatsCollector
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import SessionDone, StartSession
+from rtvideo.server.metrics import EngineStatsCollector
 from tests.conftest import PINNED_LIMITS
 from tests.support import collect
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from engine.messages import ChunkReady, Interaction, InteractionRejected, SessionDone, StartSession
+from rtvideo.engine.messages import ChunkReady, Interaction, InteractionRejected, SessionDone, StartSession
+from rtvideo.workers.pipelines.stub import DECODE_GATE_STEP
 from tests.support import Collected, collect, make_gate, read_until, wait_reached
-from workers.pipelines.stub import DECODE_GATE_STEP
 
 SLOW_S = 600.0  # a call this long would outlast every timeout here: only abandoning it ends the test in time
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.messages import InteractionApplied, SessionDone
+from rtvideo.engine.messages import InteractionApplied, SessionDone
 from tests.engine.test_pipeline_parallel import interact_once, payloads, run_sessions, start_engine, start_of
 
 

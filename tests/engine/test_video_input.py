@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.messages import (
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,

@@ -1,5 +1,5 @@
 """On a CUDA machine: the pipeline option ``attention``
-(``workers.pipelines.attention_backend``). A small causal Wan session (the tiny
+(``rtvideo.workers.pipelines.attention_backend``). A small causal Wan session (the tiny
 preset with Wan2.1-1.3B's head dim, 128, so each kernel meets the real
 model's head-dim rule; bf16; window full after two chunks) run with each
 kernel the GPU accepts tracks the same session with ``math`` within bf16's
@@ -27,8 +27,8 @@ def _pipeline(**options):
     import torch
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
-    from workers.pipelines.causal_wan import CausalWanPipeline
-    from workers.pipelines.presets import TINY_TRANSFORMER, build_tiny
+    from rtvideo.workers.pipelines.causal_wan import CausalWanPipeline
+    from rtvideo.workers.pipelines.presets import TINY_TRANSFORMER, build_tiny
 
     torch.manual_seed(0)
     transformer = WanTransformer3DModel(
@@ -51,7 +51,7 @@ def _latents(pipeline, chunks: int = 4):
 def _refused(value: str) -> str | None:
     import torch
 
-    from workers.pipelines.attention_backend import attention_refusal
+    from rtvideo.workers.pipelines.attention_backend import attention_refusal
 
     return attention_refusal(value, torch.device("cuda"), torch.bfloat16, HEADS, HEAD_DIM, 64)
 
@@ -86,7 +86,7 @@ def test_each_kernels_time_for_one_1_3b_self_attention(capsys):
     import torch
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from workers.pipelines.attention_backend import ATTENTION, attend, attention_refusal
+    from rtvideo.workers.pipelines.attention_backend import ATTENTION, attend, attention_refusal
 
     def run(name):  # auto: torch's choice, as the pipeline calls it
         kernel = ATTENTION[name]

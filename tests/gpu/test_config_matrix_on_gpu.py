@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from engine.client.engine_client import EngineClient
+from rtvideo.engine.client.engine_client import EngineClient
 from tests.engine.test_config_matrix import MODES, REFERENCE, Mode, check_mode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]

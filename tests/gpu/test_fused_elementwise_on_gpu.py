@@ -1,4 +1,4 @@
-"""On a CUDA machine: ``fused_elementwise`` (``workers.pipelines.wan_block_forward``)
+"""On a CUDA machine: ``fused_elementwise`` (``rtvideo.workers.pipelines.wan_block_forward``)
 with inductor's Triton kernels. Each fused group at the Wan2.1-1.3B width
 tracks the eager group within bf16's rounding (its time against eager is
 printed), and the tiny pipeline fused and captured (``cuda_graphs: true``)
@@ -45,7 +45,7 @@ def _milliseconds(function, args, repeats: int = 50) -> float:
 def test_fused_groups_track_the_eager_groups_in_bf16_at_the_1_3b_width(capsys):
     import torch
 
-    from workers.pipelines.wan_block_forward import EAGER, fused_ops
+    from rtvideo.workers.pipelines.wan_block_forward import EAGER, fused_ops
 
     fused, times = fused_ops(), {}
     with torch.no_grad():
@@ -68,8 +68,8 @@ def test_fused_groups_track_the_eager_groups_in_bf16_at_the_1_3b_width(capsys):
 def test_fused_and_captured_tracks_the_eager_route_and_captures_compile_nothing(dtype, tolerance):
     from torch._dynamo.utils import counters
 
+    from rtvideo.workers.pipelines.causal_wan import build
     from tests.model.test_causal_wan import open_session, release, run_chunk
-    from workers.pipelines.causal_wan import build
 
     span = {"sink_frames": 3, "window_frames": 3, "warm_up_chunks": 0, "dtype": dtype}
     eager = build("tiny", device="cuda", **span)

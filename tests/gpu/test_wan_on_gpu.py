@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_wan_1_3b_pipeline_on_gpu(capsys):
-    from bench.pipeline import run
+    from rtvideo.bench.pipeline import run
 
     summary = run("wan2.1-1.3b", 832, 480, chunks=6, steps=4, device="cuda")
     print(json.dumps(summary))
@@ -34,8 +34,8 @@ def _max_error(got, expected) -> float:
 
 
 def check_cached_against_block_causal_fp32(device: str) -> None:
+    from rtvideo.workers.pipelines.causal_wan import build
     from tests.model.test_causal_wan import cached_and_block_causal
-    from workers.pipelines.causal_wan import build
 
     pipeline = build("tiny", device=device, dtype="float32")
     cached, full = cached_and_block_causal(pipeline)
@@ -47,8 +47,8 @@ def check_cached_against_block_causal_fp32(device: str) -> None:
 def check_cached_against_block_causal_bf16(device: str) -> None:
     import torch
 
+    from rtvideo.workers.pipelines.causal_wan import build
     from tests.model.test_causal_wan import cached_and_block_causal
-    from workers.pipelines.causal_wan import build
 
     cached, full = cached_and_block_causal(build("tiny", device=device, dtype="bfloat16"))
     _, reference = cached_and_block_causal(build("tiny", device=device, dtype="float32"))
@@ -85,8 +85,8 @@ def test_tiny_fp32_on_gpu_tracks_the_cpu():
     """Noise is drawn on the CPU, so a GPU run of the same session is the same
     video up to kernel rounding (cuDNN may use TF32 in the VAE's convolutions)."""
 
+    from rtvideo.workers.pipelines.causal_wan import build
     from tests.model.test_causal_wan import open_session, run_chunk
-    from workers.pipelines.causal_wan import build
 
     gpu, cpu = build("tiny", device="cuda", dtype="float32"), build("tiny", device="cpu")
     a, b = open_session(gpu, "gpu", seed=8), open_session(cpu, "cpu", seed=8)
@@ -98,9 +98,9 @@ def test_tiny_fp32_on_gpu_tracks_the_cpu():
 
 
 async def test_a_worker_process_serves_the_tiny_preset_on_gpu():
-    from engine.client.engine_client import EngineClient
-    from engine.config import EngineConfig, PipelineSpec
-    from engine.messages import SessionDone, StartSession
+    from rtvideo.engine.client.engine_client import EngineClient
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
+    from rtvideo.engine.messages import SessionDone, StartSession
     from tests.support import collect
 
     client = EngineClient(EngineConfig(pipeline=PipelineSpec("tiny", {"device": "cuda"}), startup_timeout_s=300))
@@ -116,8 +116,8 @@ async def test_a_worker_process_serves_the_tiny_preset_on_gpu():
 def test_the_memory_budget_on_gpu_is_what_is_free_less_the_warm_up_peak():
     import torch
 
-    from workers.pipelines.causal_wan import build
-    from workers.warmup import warm_up
+    from rtvideo.workers.pipelines.causal_wan import build
+    from rtvideo.workers.warmup import warm_up
 
     pipeline = build("tiny", device="cuda")
     warm_up(pipeline)
@@ -136,8 +136,8 @@ def test_fp8_linears_track_bf16_on_a_gpu_that_has_them():
     import torch
     from diffusers import WanTransformer3DModel
 
-    from workers.pipelines.presets import WAN_1_3B_TRANSFORMER
-    from workers.pipelines.quantize import fp8_linears, fp8_refusal, quantize_fp8
+    from rtvideo.workers.pipelines.presets import WAN_1_3B_TRANSFORMER
+    from rtvideo.workers.pipelines.quantize import fp8_linears, fp8_refusal, quantize_fp8
 
     device = torch.device("cuda")
     if fp8_refusal(device) is not None:
@@ -163,8 +163,8 @@ def test_cuda_graph_replays_track_the_eager_forwards(monkeypatch, dtype, toleran
     a release, which takes the first one's cache and graphs over. The replays run the
     kernels the eager forwards run, so every chunk's clean latent is within
     the dtype's rounding of the eager one (relative to its scale)."""
+    from rtvideo.workers.pipelines.causal_wan import build
     from tests.model.test_causal_wan import open_session, release, run_chunk
-    from workers.pipelines.causal_wan import build
 
     _without_tf32(monkeypatch)
     span = {"sink_frames": 3, "window_frames": 3, "warm_up_chunks": 0, "dtype": dtype}
@@ -191,9 +191,9 @@ def test_batched_rows_replay_their_graphs_and_track_the_eager_forwards(monkeypat
     are captured once each (after their first, eager, use) and replayed; each
     chunk's clean latent tracks the eager pipeline's within the dtype's
     rounding, and the rows given the other way round replay the same graphs."""
-    from engine.messages import StartSession
+    from rtvideo.engine.messages import StartSession
+    from rtvideo.workers.pipelines.causal_wan import build
     from tests.model.test_causal_wan import driver_for
-    from workers.pipelines.causal_wan import build
 
     _without_tf32(monkeypatch)
     span = {"sink_frames": 3, "window_frames": 3, "warm_up_chunks": 0, "dtype": dtype}

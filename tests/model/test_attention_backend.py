@@ -1,4 +1,4 @@
-"""The causal Wan pipeline option ``attention`` (``workers.pipelines.attention_backend``)
+"""The causal Wan pipeline option ``attention`` (``rtvideo.workers.pipelines.attention_backend``)
 on a CPU, the tiny preset at 32x32 (4 tokens a latent frame), window full after
 two chunks so the later chunks attend over sink, window and chunk.
 
@@ -28,10 +28,10 @@ import torch
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
+from rtvideo.workers.pipelines.attention_backend import ATTENTION, attention_refusal
+from rtvideo.workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines.wan_attention import CausalSelfAttnProcessor
 from tests.model.test_causal_wan import open_session, release, run_chunk
-from workers.pipelines.attention_backend import ATTENTION, attention_refusal
-from workers.pipelines.causal_wan import build
-from workers.pipelines.wan_attention import CausalSelfAttnProcessor
 
 SPAN = {"sink_frames": 3, "window_frames": 3, "warm_up_chunks": 0}
 CHUNKS = 4
@@ -104,7 +104,7 @@ def test_a_kernel_in_use_switches_nothing_for_other_threads():
 
     query = torch.randn(1, 8, 2, 12)
     key = value = torch.randn(1, 24, 2, 12)
-    from workers.pipelines import attention_backend
+    from rtvideo.workers.pipelines import attention_backend
 
     kernel = attention_backend.ATTENTION["math"]
     torch.ops.aten._scaled_dot_product_attention_math = Watching()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.pipelines.causal_wan import build
-from workers.pipelines.kv_cache import SessionKVCache
-from workers.pipelines.wan_attention import CausalSelfAttnProcessor
+from rtvideo.workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines.kv_cache import SessionKVCache
+from rtvideo.workers.pipelines.wan_attention import CausalSelfAttnProcessor
 
 from .test_causal_wan import open_session, release, run_chunk
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.messages import StartSession
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.pipelines import causal_wan
+from rtvideo.workers.pipelines.base import Abandoned, abandon_when
+from rtvideo.workers.pipelines.causal_wan import build
 from tests.model.test_batched_rows import denoised
 from tests.model.test_causal_wan import driver_for, open_session, release, run_chunk
-from workers.pipelines import causal_wan
-from workers.pipelines.base import Abandoned, abandon_when
-from workers.pipelines.causal_wan import build
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +120,8 @@ def test_the_runner_batches_chunks_ending_together_and_a_failing_one_fails_alone
     """Rows whose chunks a forward finishes together commit through one
     ``commit_batch`` and decode through one ``decode_batch``; when the batch
     raises, each runs alone, and only the session whose own call fails fails."""
-    from engine.plan import BoundaryTask, MicroStep, StepRow
-    from workers.runner import ModelRunner
+    from rtvideo.engine.plan import BoundaryTask, MicroStep, StepRow
+    from rtvideo.workers.runner import ModelRunner
 
     runner = ModelRunner(pipeline)
     starts = [StartSession(session_id=f"{stage}{i}", prompt="p", seed=i, num_inference_steps=1) for i in range(3)]

@@ -1,4 +1,4 @@
-"""The decode stage with ``batch`` rows (``workers.decode_stage``): the deferred
+"""The decode stage with ``batch`` rows (``rtvideo.workers.decode_stage``): the deferred
 decodes waiting on a lane go through the VAE decoder together, in rounds of
 one chunk per session, batches of at most ``batch`` chunks, each session's
 chunks in order and bit for bit the frames each decodes alone; a stopping
@@ -11,13 +11,13 @@ import threading
 
 import pytest
 
-from engine.messages import StartSession
-from engine.plan import BoundaryTask, MicroStep, StepRow
+from rtvideo.engine.messages import StartSession
+from rtvideo.engine.plan import BoundaryTask, MicroStep, StepRow
+from rtvideo.workers.decode_stage import CPU_DECODE_ROWS, DecodeStage, batch_rounds, decode_batch_rows
+from rtvideo.workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.model.test_causal_wan import open_session, release, run_chunk
-from workers.decode_stage import CPU_DECODE_ROWS, DecodeStage, batch_rounds, decode_batch_rows
-from workers.pipelines.causal_wan import build
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 SESSIONS = ("da", "db", "dc")
 SEEDS = {"blocker": 9, "da": 0, "db": 1, "dc": 2}

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.messages import StartSession
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.pipelines.base import BatchRow, StepBatch
+from rtvideo.workers.pipelines.causal_wan import build
 from tests.model.test_causal_wan import driver_for, open_session, release, run_chunk
-from workers.pipelines.base import BatchRow, StepBatch
-from workers.pipelines.causal_wan import build
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_rows_at_different_positions_steps_and_prompts_equal_their_own_forwards(
 
 
 def test_rows_whose_caches_hold_as_many_frames_attend_in_one_call(pipeline, monkeypatch):
-    from workers.pipelines import wan_attention
+    from rtvideo.workers.pipelines import wan_attention
 
     advanced = [
         _advance(pipeline, open_session(pipeline, f"same{i}", seed=10 + i), chunks=1, steps=i) for i in range(3)
@@ -139,8 +139,8 @@ def test_the_runner_steps_three_sessions_through_shared_forwards(pipeline):
     sessions, one forward of three rows each, and the chunks each session makes alone."""
     import numpy as np
 
-    from engine.plan import BoundaryTask, MicroStep, StepRow
-    from workers.runner import ModelRunner
+    from rtvideo.engine.plan import BoundaryTask, MicroStep, StepRow
+    from rtvideo.workers.runner import ModelRunner
 
     runner = ModelRunner(pipeline)
     starts = [StartSession(session_id=f"run{i}", prompt=f"prompt {i}", seed=50 + i) for i in range(3)]
@@ -184,8 +184,8 @@ def test_a_chunk_batched_on_a_pipeline_that_is_not_batch_invariant_is_reported_i
     """The runner reports each row's forward width, and ``batch_exact`` false only
     where the pipeline does not claim batch invariance (a GPU, where the matrix
     products' kernels depend on the batch's shape)."""
-    from engine.plan import BoundaryTask, MicroStep, StepRow
-    from workers.runner import ModelRunner
+    from rtvideo.engine.plan import BoundaryTask, MicroStep, StepRow
+    from rtvideo.workers.runner import ModelRunner
 
     assert pipeline.batch_invariant  # on a CPU: measured, and tested bit for bit above
     monkeypatch.setattr(pipeline, "batch_invariant", False)
@@ -268,7 +268,7 @@ def test_a_batched_decode_that_fails_or_is_abandoned_changes_no_session(pipeline
     """All or nothing: a batch that raises in its second group, or is abandoned
     part-way, leaves every session's decoder cache and chunk record as they
     were, so each chunk then decodes to the frames it would have made."""
-    from workers.pipelines.base import Abandoned, abandon_when
+    from rtvideo.workers.pipelines.base import Abandoned, abandon_when
 
     pairs = _twins(pipeline, "fail", 3)
     for state, twin in pairs:

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from bench import pipeline as bench_pipeline
-from bench import versus as bench_versus
-from bench.settings import SETTINGS, refusal
-from engine.messages import StartSession
-from workers.pipelines.causal_wan import build
+from rtvideo.bench import pipeline as bench_pipeline
+from rtvideo.bench import versus as bench_versus
+from rtvideo.bench.settings import SETTINGS, refusal
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.pipelines.causal_wan import build
 
 QUICK = ("--json", "--device", "cpu", "--steps", "2", "--chunks", "2")
 

@@ -20,7 +20,7 @@ def _bench_here(capsys, *flags: str) -> dict:
     """The same bench in this process (a subprocess costs seconds of imports)."""
     import torch
 
-    from bench import pipeline as bench_pipeline
+    from rtvideo.bench import pipeline as bench_pipeline
 
     timing = torch.backends.cudnn.benchmark
     try:
@@ -79,7 +79,7 @@ def test_bench_pipeline_versus_refuses_a_comparison_that_would_measure_nothing()
     ends without a traceback is tested through the command in test_bench_with)."""
     import torch
 
-    from bench import pipeline as bench_pipeline
+    from rtvideo.bench import pipeline as bench_pipeline
 
     timing = torch.backends.cudnn.benchmark
     try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from bench import pipeline as bench_pipeline
-from bench import versus as bench_versus
-from engine.messages import StartSession
+from rtvideo.bench import pipeline as bench_pipeline
+from rtvideo.bench import versus as bench_versus
+from rtvideo.engine.messages import StartSession
 
 
 def _build(**options):

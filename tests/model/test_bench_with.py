@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from bench import pipeline as bench_pipeline
-from bench import versus as bench_versus
-from engine.messages import StartSession
+from rtvideo.bench import pipeline as bench_pipeline
+from rtvideo.bench import versus as bench_versus
+from rtvideo.engine.messages import StartSession
 from tests.support import run_rtvideo
 
 QUICK = ("--json", "--device", "cpu", "--steps", "2")
@@ -80,7 +80,7 @@ def test_versus_combined_on_a_cpu_is_refused_naming_each_part_and_why(capsys):
 
 
 def test_with_captured_steps_each_session_fills_the_window_and_captures_untimed(monkeypatch):
-    from bench import settings
+    from rtvideo.bench import settings
 
     monkeypatch.setitem(settings.SETTINGS, "cuda-graphs", {"cuda_graphs": "eager"})  # a CPU's stand-in: no capture
     made, expected = [], []

@@ -1,4 +1,4 @@
-"""``workers.calibrate`` on the tiny model: which frames it measures when the
+"""``rtvideo.workers.calibrate`` on the tiny model: which frames it measures when the
 default frame is past the load limit, and when a larger frame would not fit in
 the memory sessions may hold; with injected timings, that the size it derives
 is the median of each frame's measurements, and that a configured frame bound
@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
-from engine.messages import ChunkCostSample, StartSession
-from workers.calibrate import REPEATS, calibrate
-from workers.pipelines.causal_wan import build
+from rtvideo.engine.messages import ChunkCostSample, StartSession
+from rtvideo.workers.calibrate import REPEATS, calibrate
+from rtvideo.workers.pipelines.causal_wan import build
 
 FILL = 1.25
 """How much dearer than a session's first chunk ``Timings`` makes every later one."""

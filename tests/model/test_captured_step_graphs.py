@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.messages import StartSession
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines.causal_wan import build
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines.causal_wan import build
 
 SIZE = {"width": 32, "height": 32}
 SPAN = {"sink_frames": 3, "window_frames": 3}  # full after two chunks of 3 latent frames
@@ -97,7 +97,7 @@ def test_a_session_after_a_release_takes_the_cache_and_graphs_over_and_makes_a_f
 
 
 def test_kept_caches_are_bounded_counted_in_the_budget_and_serve_only_their_size(monkeypatch):
-    import workers.pipelines.causal_wan_geometry as geometry
+    import rtvideo.workers.pipelines.causal_wan_geometry as geometry
 
     pipeline = build("tiny", device="cpu", warm_up_chunks=0, cuda_graphs="eager", kept_caches=1, **SPAN)
     kept, graphs = pipeline.kept, pipeline.step_graphs
@@ -143,7 +143,7 @@ def test_without_kept_caches_a_released_sessions_graphs_are_forgotten():
 
 
 def test_the_warm_up_captures_so_the_first_session_of_the_default_size_replays_at_once():
-    from workers.warmup import warm_up
+    from rtvideo.workers.warmup import warm_up
 
     pipeline = build("tiny", device="cpu", cuda_graphs="eager", max_batch_rows=2, **SPAN)
     cold = build("tiny", device="cpu", warm_up_chunks=0, **SPAN)

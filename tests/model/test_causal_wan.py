@@ -9,13 +9,13 @@ from weakref import WeakKeyDictionary
 import pytest
 import torch
 
-from engine.messages import StartSession
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines.base import BatchRow, StepBatch
-from workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
-from workers.pipelines.causal_wan_state import CausalWanSession
-from workers.pipelines.presets import build_tiny, load_directory, save_directory, write_rtvideo_json
-from workers.pipelines.wan_attention import apply_rope
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines.base import BatchRow, StepBatch
+from rtvideo.workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
+from rtvideo.workers.pipelines.causal_wan_state import CausalWanSession
+from rtvideo.workers.pipelines.presets import build_tiny, load_directory, save_directory, write_rtvideo_json
+from rtvideo.workers.pipelines.wan_attention import apply_rope
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ _drivers: WeakKeyDictionary = WeakKeyDictionary()
 
 
 def driver_for(pipeline) -> ChunkDriver:
-    """The chunk driver (``workers.chunk_driver``: the worker's path) of ``pipeline``'s test sessions."""
+    """The chunk driver (``rtvideo.workers.chunk_driver``: the worker's path) of ``pipeline``'s test sessions."""
     if pipeline not in _drivers:
         _drivers[pipeline] = ChunkDriver(pipeline)
     return _drivers[pipeline]
@@ -323,7 +323,7 @@ def test_a_loaded_model_computes_from_aligned_memory_of_its_own_on_a_cpu(tmp_pat
     timestep embedding) sums in another order from a misaligned weight: that
     made a loaded directory's frames one grey level off the preset's. The
     pipeline copies such tensors into memory of their own, tied weights kept tied."""
-    from workers.pipelines.causal_wan import _own_aligned_memory
+    from rtvideo.workers.pipelines.causal_wan import _own_aligned_memory
 
     save_directory(build_tiny(), tmp_path / "model")
     raw = load_directory(tmp_path / "model", torch.float32)
@@ -356,7 +356,7 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
     preset = build("tiny", device="cpu", warm_up_chunks=0)
     assert (preset.sink_frames, preset.window_frames) == (3, 15)
 
-    from workers.pipelines import wan_attention
+    from rtvideo.workers.pipelines import wan_attention
 
     state = open_session(preset, "span", width=16, height=16, num_inference_steps=1)
     for _ in range(8):  # 24 latent frames: the window has rolled
@@ -434,7 +434,7 @@ def test_rope_helper_matches_diffusers_rotation():
 def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias):
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
-    from workers.pipelines.cpu_kernels import FastRMSNorm, use_fast_cpu_kernels
+    from rtvideo.workers.pipelines.cpu_kernels import FastRMSNorm, use_fast_cpu_kernels
 
     torch.manual_seed(0)
     reference = WanRMS_norm(8, channel_first=channel_first, images=images, bias=bias)
@@ -456,7 +456,7 @@ def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias)
 
 
 def test_the_cache_is_roped_once_per_layer_per_chunk(pipeline, monkeypatch):
-    from workers.pipelines import wan_attention
+    from rtvideo.workers.pipelines import wan_attention
 
     state = open_session(pipeline, "roped")
     for _ in range(2):
@@ -514,7 +514,7 @@ def test_sessions_interleaved_step_by_step_equal_each_alone(pipeline):
 def test_onednn_causal_conv_equals_diffusers_conv(stride):
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
-    from workers.pipelines.cpu_kernels import OneDnnCausalConv3d, use_fast_cpu_kernels
+    from rtvideo.workers.pipelines.cpu_kernels import OneDnnCausalConv3d, use_fast_cpu_kernels
 
     torch.manual_seed(0)
     reference = WanCausalConv3d(4, 6, 3, stride=stride, padding=1)

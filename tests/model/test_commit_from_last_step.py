@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.messages import StartSession
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines.causal_wan import build
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines.causal_wan import build
 
 START = dict(prompt="a red fox", seed=9, width=32, height=32, num_inference_steps=3)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from workers.convert import convert
-from workers.pipelines.presets import TINY_TRANSFORMER
+from rtvideo.workers.convert import convert
+from rtvideo.workers.pipelines.presets import TINY_TRANSFORMER
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +74,7 @@ def test_a_mismatched_checkpoint_is_refused_naming_keys(tmp_path):
         [
             sys.executable,
             "-m",
-            "cli",
+            "rtvideo.cli",
             "convert",
             str(tmp_path / "broken.pt"),
             str(tmp_path / "out"),
@@ -115,7 +115,7 @@ def test_convert_records_the_trained_attention_span_in_rtvideo_json(tmp_path):
     assert written == {"text_length": 512, "default_size": [832, 480], "sink_frames": 3, "window_frames": 15}
 
     result = subprocess.run(
-        [sys.executable, "-m", "cli", "convert", str(tmp_path / "self_forcing_dmd.pt"), str(tmp_path / "other")]
+        [sys.executable, "-m", "rtvideo.cli", "convert", str(tmp_path / "self_forcing_dmd.pt"), str(tmp_path / "other")]
         + ["--config", "tiny", "--sink-frames", "0", "--window-frames", "12"],
         cwd=ROOT,
         capture_output=True,
@@ -136,9 +136,9 @@ def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_
     refused naming it."""
     from safetensors.torch import save_file
 
-    from workers.pipelines.causal_wan import build
-    from workers.pipelines.presets import build_tiny, save_directory
-    from workers.pipelines.tiny_decoder import WEIGHTS_NAME, random_tiny_decoder
+    from rtvideo.workers.pipelines.causal_wan import build
+    from rtvideo.workers.pipelines.presets import build_tiny, save_directory
+    from rtvideo.workers.pipelines.tiny_decoder import WEIGHTS_NAME, random_tiny_decoder
 
     network = random_tiny_decoder(torch.device("cpu"), torch.float32, seed=4).network
     published = {"decoder." + key.removeprefix("layers."): t for key, t in network.state_dict().items()}
@@ -147,7 +147,7 @@ def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_
     save_directory(build_tiny(), model)
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "cli", "convert", *args]
+        command = [sys.executable, "-m", "rtvideo.cli", "convert", *args]
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
     result = run("--tiny-decoder", str(tmp_path / "taew2_1.safetensors"), str(model))
@@ -158,7 +158,7 @@ def test_a_tiny_decoders_weights_go_into_the_model_directory_where_the_pipeline_
     assert all(torch.equal(loaded[key], tensor) for key, tensor in network.state_dict().items())
 
     def run_here(*args: str) -> tuple[int, str]:  # the refusals, in this process (a subprocess: seconds of imports)
-        from cli.main import main
+        from rtvideo.cli.main import main
 
         try:
             code = main(["convert", *args])

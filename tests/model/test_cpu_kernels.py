@@ -1,4 +1,4 @@
-"""The CPU convolutions of ``workers.pipelines.cpu_kernels``: rows run grouped
+"""The CPU convolutions of ``rtvideo.workers.pipelines.cpu_kernels``: rows run grouped
 only where that gives the batch's very bits, each shape decided once."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
-from workers.pipelines import cpu_kernels
-from workers.pipelines.cpu_kernels import NARROW, OneDnnCausalConv3d, OneDnnConv2d, use_fast_cpu_kernels
+from rtvideo.workers.pipelines import cpu_kernels
+from rtvideo.workers.pipelines.cpu_kernels import NARROW, OneDnnCausalConv3d, OneDnnConv2d, use_fast_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels._ONEDNN, reason="this torch has no oneDNN convolution")
 

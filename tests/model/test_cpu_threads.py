@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from workers.cpu_threads import MAX_CHUNK_S, measure_cpu_threads
-from workers.pipelines.causal_wan import build
+from rtvideo.workers.cpu_threads import MAX_CHUNK_S, measure_cpu_threads
+from rtvideo.workers.pipelines.causal_wan import build
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +57,15 @@ def test_a_pipeline_error_on_the_measuring_thread_reaches_the_caller(pipeline, m
 
 
 def test_a_worker_measures_only_what_it_warmed_up(monkeypatch):
-    """The worker's choice (``workers.main._cpu_threads``): a pipeline that runs
+    """The worker's choice (``rtvideo.workers.main._cpu_threads``): a pipeline that runs
     no warm-up (a chunk would take minutes: a model directory on a CPU) is not
     measured either, and keeps torch's default; a count given is kept, and so
     is ``OMP_NUM_THREADS``'s; with ranks, the cores shared out; a pipeline
     that warmed up is measured."""
-    from engine.config import EngineConfig, PipelineSpec
-    from workers import cpu_threads
-    from workers.main import _cpu_threads
-    from workers.parallel.group import rank_threads
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
+    from rtvideo.workers import cpu_threads
+    from rtvideo.workers.main import _cpu_threads
+    from rtvideo.workers.parallel.group import rank_threads
 
     measured = []
     monkeypatch.setattr(cpu_threads, "measure_cpu_threads", lambda pipeline, s: measured.append(s) or (1, {}))

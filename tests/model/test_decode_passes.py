@@ -1,5 +1,5 @@
 """A chunk's latent frames through Wan's decoder in one pass
-(``workers.pipelines.vae_stream._PassChoice``): only where that gives the
+(``rtvideo.workers.pipelines.vae_stream._PassChoice``): only where that gives the
 frames and the cache of a frame at a time bit for bit, kept only where it
 was the faster in its trial, each shape decided once, and whatever was
 decided (or while on trial) a chunk decodes to a frame at a time's bits."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from workers.pipelines import vae_stream
-from workers.pipelines.base import Abandoned, abandon_when
-from workers.pipelines.presets import TINY_VAE
-from workers.pipelines.vae_stream import CPU_PASS_BYTES, StreamingDecoder
+from rtvideo.workers.pipelines import vae_stream
+from rtvideo.workers.pipelines.base import Abandoned, abandon_when
+from rtvideo.workers.pipelines.presets import TINY_VAE
+from rtvideo.workers.pipelines.vae_stream import CPU_PASS_BYTES, StreamingDecoder
 
 
 def tiny_decoder() -> StreamingDecoder:

@@ -3,9 +3,9 @@ on a thread of its own while the next chunks denoise changes no frame."""
 
 from __future__ import annotations
 
-from engine.messages import StartSession
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines.causal_wan import build
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines.causal_wan import build
 
 
 def test_overlapped_decodes_give_the_frames_of_in_line_ones():

@@ -1,5 +1,5 @@
-"""The demo codec's causal refiner (``workers.demo.codec``, trained by
-``training.demo.refine``): a streamed decode through the served pipeline's
+"""The demo codec's causal refiner (``rtvideo.workers.demo.codec``, trained by
+``rtvideo.training.demo.refine``): a streamed decode through the served pipeline's
 ``StreamingDecoder`` equals a one-shot decode, an untrained refiner decodes as
 the linear inverse does, and training puts back the motion inside a latent
 frame that the linear inverse loses."""
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from training.demo import metrics
-from training.demo.metrics import _distance, circular_centroid, foreground
-from training.demo.refine import main as refine_main
-from training.demo.refine import refined_copy, streamed_decode, train
-from workers.demo import WEIGHTS
-from workers.demo.codec import LinearVideoCodec
-from workers.pipelines.vae_stream import StreamingDecoder
+from rtvideo.training.demo import metrics
+from rtvideo.training.demo.metrics import _distance, circular_centroid, foreground
+from rtvideo.training.demo.refine import main as refine_main
+from rtvideo.training.demo.refine import refined_copy, streamed_decode, train
+from rtvideo.workers.demo import WEIGHTS
+from rtvideo.workers.demo.codec import LinearVideoCodec
+from rtvideo.workers.pipelines.vae_stream import StreamingDecoder
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_the_command_writes_a_refined_decoder_the_serving_loader_reads(tmp_path)
     assert refine_main(["--model", str(model), "--steps", "2", "--width", "8"]) == 0
     recorded = json.loads((model / "rtvideo.json").read_text())["demo"]["decoder"]
     assert (recorded["refiner_width"], recorded["steps"]) == (8, 2)
-    from workers.pipelines.causal_wan import build
+    from rtvideo.workers.pipelines.causal_wan import build
 
     pipeline = build(model_dir=str(model), device="cpu")
     assert pipeline.vae.decoder.refiner is not None and pipeline.vae.config.refiner_width == 8

@@ -12,16 +12,16 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from engine.messages import StartSession
-from training.demo import scenes
-from training.demo.evaluate import evaluate
-from training.demo.objective import TeacherForcing
-from training.demo.train import BEFORE_FIELD, TINY, Trainer, draw_self_context
-from workers.chunk_driver import ChunkDriver
-from workers.demo.codec import LinearVideoCodec
-from workers.pipelines.base import BatchRow, StepBatch
-from workers.pipelines.causal_wan import build
-from workers.pipelines.presets import load_directory
+from rtvideo.engine.messages import StartSession
+from rtvideo.training.demo import scenes
+from rtvideo.training.demo.evaluate import evaluate
+from rtvideo.training.demo.objective import TeacherForcing
+from rtvideo.training.demo.train import BEFORE_FIELD, TINY, Trainer, draw_self_context
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.demo.codec import LinearVideoCodec
+from rtvideo.workers.pipelines.base import BatchRow, StepBatch
+from rtvideo.workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines.presets import load_directory
 
 RED, BLUE = "a red circle moving right", "a blue square moving left"
 

@@ -1,4 +1,4 @@
-"""The shipped demo model (``workers/demo/weights``, the ``demo`` preset): it loads
+"""The shipped demo model (``rtvideo/workers/demo/weights``, the ``demo`` preset): it loads
 offline and, through the serving pipeline, reproduces the short evaluation recorded
 with it (``rtvideo eval-demo --model demo --record check``) within a stated
 tolerance. The full evaluation (``--record full``) is the command the docs quote;
@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from training.demo.evaluate import evaluate
-from workers.demo import WEIGHTS
+from rtvideo.training.demo.evaluate import evaluate
+from rtvideo.workers.demo import WEIGHTS
 
 TOLERANCE = 0.05  # a fraction may move by this much: a reading or two flipped by float rounding on another CPU
 ARGUMENTS = ("trials", "chunks", "switch_at", "long_streams", "long_chunks", "seed", "rows")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from rtvideo.workers.pipelines.causal_wan import build, resolve_dtype
 from tests.model.test_causal_wan import open_session, release, run_chunk
-from workers.pipelines.causal_wan import build, resolve_dtype
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Our block forward and its fused elementwise groups
-(``workers.pipelines.wan_block_forward``; the pipeline option ``fused_elementwise``).
+(``rtvideo.workers.pipelines.wan_block_forward``; the pipeline option ``fused_elementwise``).
 
 - ``block_forward`` with the eager groups is diffusers' ``WanTransformerBlock.forward``
   bit for bit (random-weight tiny blocks, fp32 and bf16, with and without the
@@ -28,13 +28,13 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
 from torch._dynamo.utils import counters
 
-from engine.messages import StartSession
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines import wan_block_forward
-from workers.pipelines.causal_wan import build
-from workers.pipelines.causal_wan_weights import cast
-from workers.pipelines.presets import TINY_TRANSFORMER
-from workers.pipelines.wan_block_forward import EAGER, block_forward, fused_ops, fused_refusal
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines import wan_block_forward
+from rtvideo.workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines.causal_wan_weights import cast
+from rtvideo.workers.pipelines.presets import TINY_TRANSFORMER
+from rtvideo.workers.pipelines.wan_block_forward import EAGER, block_forward, fused_ops, fused_refusal
 
 SIZE = {"width": 16, "height": 16}  # one token a latent frame: the smallest compile
 SPAN = {"sink_frames": 3, "window_frames": 3}  # full after two chunks

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.messages import StartSession, VideoInput
-from workers.pipelines.causal_wan import CausalWanPipeline, build
+from rtvideo.engine.messages import StartSession, VideoInput
+from rtvideo.workers.pipelines.causal_wan import CausalWanPipeline, build
 
 
 def split(first: CausalWanPipeline, later: CausalWanPipeline) -> tuple[CausalWanPipeline, CausalWanPipeline]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import PipelineSpec
+from rtvideo.engine.config import PipelineSpec
+from rtvideo.workers.decode_stage import decode_batch_rows
+from rtvideo.workers.parallel.rank_decode import can_split, can_spread
+from rtvideo.workers.pipelines import build_pipeline
+from rtvideo.workers.pipelines.capabilities import Capabilities, PipelineContractError, check_pipeline, device_type
+from rtvideo.workers.pipelines.causal_wan import CausalWanPipeline
 from tests.unit.test_pipeline_capabilities import implemented
-from workers.decode_stage import decode_batch_rows
-from workers.parallel.rank_decode import can_split, can_spread
-from workers.pipelines import build_pipeline
-from workers.pipelines.capabilities import Capabilities, PipelineContractError, check_pipeline, device_type
-from workers.pipelines.causal_wan import CausalWanPipeline
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,6 @@ def test_a_declared_part_whose_method_is_gone_is_refused(tiny, monkeypatch):
     with pytest.raises(PipelineContractError) as refused:
         check_pipeline(tiny)
     assert str(refused.value) == (
-        "pipeline 'tiny' (workers.pipelines.causal_wan.CausalWanPipeline) declares split_decode_batch: "
+        "pipeline 'tiny' (rtvideo.workers.pipelines.causal_wan.CausalWanPipeline) declares split_decode_batch: "
         "it has no method decode_fronts(sessions, cleans, split)"
     )

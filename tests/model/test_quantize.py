@@ -1,4 +1,4 @@
-"""FP8 linears (``workers.pipelines.quantize``): which layers they take, and the
+"""FP8 linears (``rtvideo.workers.pipelines.quantize``): which layers they take, and the
 refusal, naming why, wherever they cannot run: a CPU, a GPU older than
 compute capability 8.9, no torchao. (Running them needs such a GPU:
 tests/gpu/test_wan_on_gpu.py.)"""
@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from workers.pipelines import quantize
-from workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines import quantize
+from rtvideo.workers.pipelines.causal_wan import build
 
 
 def test_fp8_takes_the_blocks_linears_only_and_only_those_the_kernels_tile():
     from diffusers import WanTransformer3DModel
 
-    from workers.pipelines.presets import WAN_1_3B_TRANSFORMER
+    from rtvideo.workers.pipelines.presets import WAN_1_3B_TRANSFORMER
 
     with torch.device("meta"):  # Wan2.1-1.3B's layout, one block, no memory
         wan = WanTransformer3DModel(**{**WAN_1_3B_TRANSFORMER, "num_layers": 1})

@@ -1,4 +1,4 @@
-"""The pipeline stages on their own (``workers.pipelines.base``), for the stub
+"""The pipeline stages on their own (``rtvideo.workers.pipelines.base``), for the stub
 and the causal Wan pipeline (tiny preset, CPU): a forward or commit split into
 two block ranges equals one range, chunk k decodes while chunk k+1 denoises
 and the frames are the same, and a stage asked for a chunk that is not ready
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.messages import StartSession
-from engine.plan import BoundaryTask, MicroStep, StepRow
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines.base import BatchRow, ChunkOrderError, ChunkPipeline, Hidden, StepBatch
-from workers.pipelines.causal_wan import build
-from workers.pipelines.stub import StubPipeline
-from workers.pipelines.wan_blocks import embed, head, run_blocks
-from workers.runner import ModelRunner
+from rtvideo.engine.messages import StartSession
+from rtvideo.engine.plan import BoundaryTask, MicroStep, StepRow
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines.base import BatchRow, ChunkOrderError, ChunkPipeline, Hidden, StepBatch
+from rtvideo.workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.pipelines.wan_blocks import embed, head, run_blocks
+from rtvideo.workers.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

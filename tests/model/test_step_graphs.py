@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.pipelines.step_graphs import EagerReplay, StepGraphs, StepKey
+from rtvideo.workers.pipelines.step_graphs import EagerReplay, StepGraphs, StepKey
 
 
 def key(*caches: int, held: int = 21) -> StepKey:
@@ -75,7 +75,7 @@ def test_keys_differ_by_what_the_graph_bakes_in():
 
 
 def test_bad_bounds_and_a_cpu_capture_are_refused():
-    from workers.pipelines.step_graphs import CudaGraphCapture
+    from rtvideo.workers.pipelines.step_graphs import CudaGraphCapture
 
     with pytest.raises(ValueError, match="most"):
         StepGraphs(EagerReplay(), most=0)

@@ -1,4 +1,4 @@
-"""The tiny streaming decoder (``workers.pipelines.tiny_decoder``), in process, in
+"""The tiny streaming decoder (``rtvideo.workers.pipelines.tiny_decoder``), in process, in
 fp32 on the CPU, with random weights written as a ``taew2_1`` weights file is:
 
 - streamed chunk by chunk it makes the frames the design's own one-shot decode
@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.messages import StartSession
-from engine.plan import BoundaryTask, MicroStep, StepRow
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines.tiny_decoder import (
+from rtvideo.engine.messages import StartSession
+from rtvideo.engine.plan import BoundaryTask, MicroStep, StepRow
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines.tiny_decoder import (
     TinyDecoderWeightsError,
     load_tiny_decoder,
     random_tiny_decoder,
@@ -137,7 +137,7 @@ def test_a_weights_file_that_is_not_one_is_refused_naming_it_and_why(tmp_path):
 @pytest.fixture(scope="module")
 def both():
     """The tiny preset with both decoders: its own VAE's, and a tiny one of random weights."""
-    from workers.pipelines.causal_wan import build
+    from rtvideo.workers.pipelines.causal_wan import build
 
     return build("tiny", device="cpu", tiny_decoder="random")
 
@@ -189,7 +189,7 @@ def test_a_session_chooses_its_decoder_and_every_decode_path_gives_the_same_fram
 
 
 def test_a_decoder_the_model_has_not_loaded_is_refused_naming_it():
-    from workers.pipelines.causal_wan import build
+    from rtvideo.workers.pipelines.causal_wan import build
 
     pipeline = build("tiny", device="cpu", warm_up_chunks=0)
     with pytest.raises(ValueError, match=r"decoder: the 'tiny' model has no tiny decoder loaded \(it has: full\)"):

@@ -1,4 +1,4 @@
-"""The streaming VAE encoder (``workers.pipelines.vae_encode``) on the tiny preset's VAE: fp32, CPU."""
+"""The streaming VAE encoder (``rtvideo.workers.pipelines.vae_encode``) on the tiny preset's VAE: fp32, CPU."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from workers.pipelines.base import Abandoned, abandon_when
-from workers.pipelines.presets import build_tiny
-from workers.pipelines.vae_encode import StreamingEncoder
-from workers.pipelines.vae_stream import StreamingDecoder
+from rtvideo.workers.pipelines.base import Abandoned, abandon_when
+from rtvideo.workers.pipelines.presets import build_tiny
+from rtvideo.workers.pipelines.vae_encode import StreamingEncoder
+from rtvideo.workers.pipelines.vae_stream import StreamingDecoder
 
 LATENT_FRAMES = 3  # the causal pipeline's latent_frames_per_chunk
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.messages import StartSession, VideoInput
-from workers.chunk_driver import ChunkDriver
-from workers.pipelines.base import ChunkOrderError
-from workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
-from workers.pipelines.causal_wan_state import CausalWanSession
-from workers.pipelines.video_input import input_start_step
+from rtvideo.engine.messages import StartSession, VideoInput
+from rtvideo.workers.chunk_driver import ChunkDriver
+from rtvideo.workers.pipelines.base import ChunkOrderError
+from rtvideo.workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
+from rtvideo.workers.pipelines.causal_wan_state import CausalWanSession
+from rtvideo.workers.pipelines.video_input import input_start_step
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_release_frees_the_input(pipeline, driver):
 
 
 def test_the_stub_refuses_an_input_that_is_not_the_sessions_size():
-    from workers.pipelines.stub import StubPipeline
+    from rtvideo.workers.pipelines.stub import StubPipeline
 
     with pytest.raises(ValueError, match=r"input\.width must equal the session's width \(32\), got 64"):
         StubPipeline().describe(video_start("stub", 0.5, width=32, height=32))

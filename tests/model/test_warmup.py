@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.messages import StartSession
+from rtvideo.engine.messages import StartSession
+from rtvideo.workers.pipelines.causal_wan import build
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.warmup import WARM_UP_SESSION, warm_up
 from tests.model.test_causal_wan import open_session, run_chunk
-from workers.pipelines.causal_wan import build
-from workers.pipelines.stub import StubPipeline
-from workers.warmup import WARM_UP_SESSION, warm_up
 
 
 def _count_warm_up(warmed) -> tuple[list, list, list]:

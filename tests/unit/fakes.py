@@ -1,11 +1,11 @@
 """Stand-ins the unit tests share.
 
-``QuietStage``: a decode stage (``workers.decode_stage.DecodeStages``) whose
+``QuietStage``: a decode stage (``rtvideo.workers.decode_stage.DecodeStages``) whose
 ``step_done``, ``forget`` and ``close`` do nothing and which decoded nothing on
 any rank: a test's stage defines ``submit`` and what else it needs.
 
-``HeldExecutor``: an ``engine.plan.Executor`` whose micro-steps run through a
-real runner (``workers.runner.ModelRunner``) only when the test says
+``HeldExecutor``: an ``rtvideo.engine.plan.Executor`` whose micro-steps run through a
+real runner (``rtvideo.workers.runner.ModelRunner``) only when the test says
 (``finish_oldest``), so a test holds the loop at any point between submitting
 a micro-step and hearing its result. ``depth`` micro-steps are in flight at
 once (the threaded executor holds two). With ``defer_decodes`` the runner
@@ -16,9 +16,9 @@ come back as the test says.
 
 from __future__ import annotations
 
-from engine.messages import RankFigures
-from engine.plan import DecodeResult, MicroStep, StepResult
-from workers.runner import ModelRunner
+from rtvideo.engine.messages import RankFigures
+from rtvideo.engine.plan import DecodeResult, MicroStep, StepResult
+from rtvideo.workers.runner import ModelRunner
 
 
 class QuietStage:

@@ -1,5 +1,5 @@
 """The benches read a session's results through dispatch tables
-(``server.dispatch``), one entry per result a session's handle yields: ``rtvideo
+(``rtvideo.server.dispatch``), one entry per result a session's handle yields: ``rtvideo
 bench pp`` counts a session's frames and ends with it, failing on a failed
 session; ``rtvideo bench engine`` measures where each interaction lands and
 ends when its session does."""
@@ -11,9 +11,9 @@ from typing import get_args
 
 import pytest
 
-from bench.engine import BenchOptions, InteractionsRun
-from bench.pp import SessionRun
-from engine import messages as m
+from rtvideo.bench.engine import BenchOptions, InteractionsRun
+from rtvideo.bench.pp import SessionRun
+from rtvideo.engine import messages as m
 
 # What a session's handle yields: every result naming a session but the answer to its start.
 SESSION_RESULTS = {t for t in get_args(m.ResultMessage) if "session_id" in t.__struct_fields__} - {

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import pp as bench_pp
+from rtvideo.bench import pp as bench_pp
 
 
 def test_ratios_are_the_median_of_side_by_side_rounds(monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Cancellation is never lost in the asyncio code (``server/``, ``engine/``, ``bench/``, ``cli/``).
+"""Cancellation is never lost in the asyncio code (``server/``, ``engine/``, ``bench/``, ``cli/`` of ``rtvideo/``).
 
 On Python 3.11, which the project supports, ``asyncio.wait_for`` returns the
 result of an awaitable that completed in the same turn of the loop as a
@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def asyncio_sources() -> list[Path]:
-    return sorted(p for package in ("server", "engine", "bench", "cli") for p in (ROOT / package).rglob("*.py"))
+    return sorted(
+        p for package in ("server", "engine", "bench", "cli") for p in (ROOT / "rtvideo" / package).rglob("*.py")
+    )
 
 
 def calls(path: Path) -> list[tuple[int, str]]:

@@ -1,15 +1,15 @@
 """The chunk cost model, the real-time load arithmetic, and admission by both
-(``engine.chunk_cost``, ``engine.control``): pure, with hand-made measurements."""
+(``rtvideo.engine.chunk_cost``, ``rtvideo.engine.control``): pure, with hand-made measurements."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.chunk_cost import ChunkCostModel, SessionLoad, realtime_load, realtime_pixels
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.messages import ChunkCostSample, ChunkReady, ChunkTiming, SessionGeometry, StartSession, VideoInput
-from workers.pipelines.stub import StubPipeline
+from rtvideo.engine.chunk_cost import ChunkCostModel, SessionLoad, realtime_load, realtime_pixels
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.messages import ChunkCostSample, ChunkReady, ChunkTiming, SessionGeometry, StartSession, VideoInput
+from rtvideo.workers.pipelines.stub import StubPipeline
 
 
 def sample(side: int, step_s: float, chunk_s: float, encode_s: float = 0.0) -> ChunkCostSample:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli.main import build_parser, settings_from
+from rtvideo.cli.main import build_parser, settings_from
 
 
 def parse(*argv: str):
@@ -41,7 +41,7 @@ def test_bad_values_exit_naming_the_option(argv, env, names):
 
 
 def test_a_variable_that_names_no_setting_is_warned_of_with_the_closest_one():
-    from cli.main import unknown_variables
+    from rtvideo.cli.main import unknown_variables
 
     environ = {"RTVIDEO_MAX_SESION": "3", "RTVIDEO_PORT": "90", "RTVIDEO_LOCK": "cpu", "PATH": "/", "RTVIDEO_XYZZY": ""}
     assert unknown_variables(environ) == [
@@ -51,9 +51,9 @@ def test_a_variable_that_names_no_setting_is_warned_of_with_the_closest_one():
 
 
 def test_a_model_that_is_neither_a_preset_nor_a_model_directory_is_refused_in_one_line(tmp_path):
-    from cli.main import check_model
-    from engine.config import MODEL_DIR_PARTS, MODEL_PRESETS
-    from workers.pipelines import REGISTRY  # torch-free: the worker's names, read lazily
+    from rtvideo.cli.main import check_model
+    from rtvideo.engine.config import MODEL_DIR_PARTS, MODEL_PRESETS
+    from rtvideo.workers.pipelines import REGISTRY  # torch-free: the worker's names, read lazily
 
     assert set(MODEL_PRESETS) <= set(REGISTRY)
     for name in (*MODEL_PRESETS, "my_package.models:build"):
@@ -73,7 +73,7 @@ def test_a_model_that_is_neither_a_preset_nor_a_model_directory_is_refused_in_on
 
 
 def test_engine_options_reach_the_engine_config():
-    from server.app import engine_config
+    from rtvideo.server.app import engine_config
 
     settings = settings_from(parse("--max-batch-rows", "3", "--pipeline-options", '{"dtype": "bfloat16"}'), {})
     config = engine_config(settings)
@@ -87,7 +87,7 @@ def test_engine_options_reach_the_engine_config():
 
 
 def test_the_cpu_thread_count_is_measured_unless_given():
-    from server.app import engine_config
+    from rtvideo.server.app import engine_config
 
     assert engine_config(settings_from(parse(), {})).cpu_threads is None  # the worker measures it
     assert engine_config(settings_from(parse("--cpu-threads", "3"), {})).cpu_threads == 3
@@ -97,7 +97,7 @@ def test_the_cpu_thread_count_is_measured_unless_given():
 
 
 def test_frame_area_and_realtime_load_reach_the_engine_and_none_turns_the_check_off():
-    from server.app import engine_config
+    from rtvideo.server.app import engine_config
 
     default = engine_config(settings_from(parse(), {}))
     assert (default.max_pixels, default.max_realtime_load) == (None, 0.9)  # derived by the worker; checked
@@ -111,8 +111,8 @@ def test_frame_area_and_realtime_load_reach_the_engine_and_none_turns_the_check_
 def test_serve_help_explains_every_option():
     from dataclasses import fields
 
-    from cli.main import build_parser, field_docs
-    from server.settings import ServerSettings
+    from rtvideo.cli.main import build_parser, field_docs
+    from rtvideo.server.settings import ServerSettings
 
     docs = field_docs(ServerSettings)
     assert [f.name for f in fields(ServerSettings) if not docs.get(f.name)] == [], "an option without a description"
@@ -126,7 +126,7 @@ def test_serve_help_explains_every_option():
 def test_serve_help_lists_every_option_in_exactly_one_group_of_its_fields_naming():
     from dataclasses import fields
 
-    from server.settings import GROUPS, ServerSettings, setting
+    from rtvideo.server.settings import GROUPS, ServerSettings, setting
 
     assert [f.name for f in fields(ServerSettings) if f.metadata.get("group") not in GROUPS] == []
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
@@ -147,7 +147,7 @@ def test_serve_help_lists_every_option_in_exactly_one_group_of_its_fields_naming
 
 
 def test_stream_batch_options_reach_the_engine_config_and_need_ranks():
-    from server.app import engine_config
+    from rtvideo.server.app import engine_config
 
     argv = ("--pp", "2", "--stream-batch", "true", "--max-chunks-in-flight", "3")
     config = engine_config(settings_from(parse(*argv), {}))
@@ -159,8 +159,8 @@ def test_stream_batch_options_reach_the_engine_config_and_need_ranks():
 
 
 def test_the_ranks_transport_reaches_the_engine_config_and_anything_else_is_refused_by_name():
-    from engine.config import EngineConfig, PipelineSpec
-    from server.app import engine_config
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
+    from rtvideo.server.app import engine_config
 
     assert engine_config(settings_from(parse("--pp", "2"), {})).pp_transport == "auto"
     config = engine_config(settings_from(parse("--pp", "2"), {"RTVIDEO_PP_TRANSPORT": "torch"}))
@@ -172,8 +172,8 @@ def test_the_ranks_transport_reaches_the_engine_config_and_anything_else_is_refu
 
 
 def test_the_ranks_ports_reach_the_engine_config_and_a_range_past_65535_is_refused_by_name():
-    from engine.config import EngineConfig, PipelineSpec
-    from server.app import engine_config
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
+    from rtvideo.server.app import engine_config
 
     assert engine_config(settings_from(parse("--pp", "2"), {})).pp_port is None
     assert engine_config(settings_from(parse("--pp", "2", "--pp-port", "29600"), {})).pp_port == 29600
@@ -184,8 +184,8 @@ def test_the_ranks_ports_reach_the_engine_config_and_a_range_past_65535_is_refus
 
 
 def test_where_the_ranks_decode_reaches_the_engine_config_and_anything_else_is_refused_by_name():
-    from engine.config import EngineConfig, PipelineSpec
-    from server.app import engine_config
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
+    from rtvideo.server.app import engine_config
 
     assert engine_config(settings_from(parse("--pp", "2"), {})).pp_decode == "auto"
     assert engine_config(settings_from(parse("--pp", "2", "--pp-decode", "first"), {})).pp_decode == "first"
@@ -199,8 +199,8 @@ def test_where_the_ranks_decode_reaches_the_engine_config_and_anything_else_is_r
 
 
 def test_the_decode_threads_nice_reaches_the_engine_config_and_a_value_out_of_range_is_refused_by_name():
-    from engine.config import EngineConfig, PipelineSpec
-    from server.app import engine_config
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
+    from rtvideo.server.app import engine_config
 
     assert engine_config(settings_from(parse(), {})).decode_nice is None
     assert engine_config(settings_from(parse("--decode-nice", "0"), {})).decode_nice == 0
@@ -214,9 +214,9 @@ def test_the_decode_threads_nice_reaches_the_engine_config_and_a_value_out_of_ra
 
 
 def test_the_log_level_reaches_the_workers_and_anything_else_is_refused_by_name():
-    from engine.config import EngineConfig, PipelineSpec
-    from server.app import engine_config
-    from server.logs import logging_config
+    from rtvideo.engine.config import EngineConfig, PipelineSpec
+    from rtvideo.server.app import engine_config
+    from rtvideo.server.logs import logging_config
 
     assert engine_config(settings_from(parse(), {})).log_level == "info"
     assert engine_config(settings_from(parse("--log-level", "debug"), {})).log_level == "debug"
@@ -233,20 +233,23 @@ def test_the_api_process_logs_its_own_lines_at_the_level_and_other_libraries_onl
     import logging
     import logging.config
 
-    from server.logs import logging_config
+    from rtvideo.server.logs import logging_config
 
     root = logging.getLogger()
-    named = [logging.getLogger(name) for name in ("server", "engine", "uvicorn", "uvicorn.error", "uvicorn.access")]
+    named = [
+        logging.getLogger(name)
+        for name in ("rtvideo.server", "rtvideo.engine", "uvicorn", "uvicorn.error", "uvicorn.access")
+    ]
     saved = root.handlers[:], root.level, [(one, one.handlers[:], one.level, one.propagate) for one in named]
     try:
         logging.config.dictConfig(logging_config("debug"))
-        logging.getLogger("server.live_session").debug("session s1 resumed")
-        logging.getLogger("engine.client.engine_client").info("worker is ready")
+        logging.getLogger("rtvideo.server.live_session").debug("session s1 resumed")
+        logging.getLogger("rtvideo.engine.client.engine_client").info("worker is ready")
         logging.getLogger("httpx").info("a dependency's detail")
         logging.getLogger("httpx").warning("a dependency's warning")
         logging.config.dictConfig(logging_config("warning"))
-        logging.getLogger("server.drain").info("draining: 0 sessions open")
-        logging.getLogger("server.jobs").warning("job j1 failed")
+        logging.getLogger("rtvideo.server.drain").info("draining: 0 sessions open")
+        logging.getLogger("rtvideo.server.jobs").warning("job j1 failed")
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
         for one, handlers, level, propagate in saved[2]:  # nothing left writing to this test's captured stderr

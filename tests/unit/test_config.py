@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.config import EngineConfig, PipelineSpec
 
 
 @pytest.mark.parametrize(
@@ -23,6 +23,6 @@ def test_bounds_are_checked_at_construction_and_name_the_field(field, value):
 def test_the_fork_server_preloads_what_the_worker_imports():
     """The stub's workers need the entry point (and torch through it); a model's
     need the causal Wan pipeline too, whose diffusers import is most of a start."""
-    assert EngineConfig().worker_modules == ("workers.main",)
+    assert EngineConfig().worker_modules == ("rtvideo.workers.main",)
     model = EngineConfig(pipeline=PipelineSpec("tiny"), worker_entry="tests.fake:run")
-    assert model.worker_modules == ("tests.fake", "workers.pipelines.causal_wan")
+    assert model.worker_modules == ("tests.fake", "rtvideo.workers.pipelines.causal_wan")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import threading
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.messages import ChunkReady, Delivered, Playback, Probe, StartSession
-from engine.pacing import Playhead
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.messages import ChunkReady, Delivered, Playback, Probe, StartSession
+from rtvideo.engine.pacing import Playhead
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.support import inline_loop
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 CHUNK_S = 4 / 16.0  # the stub's 4 frames at 16 fps
 

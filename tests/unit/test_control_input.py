@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.limits import MAX_INPUT_CHUNKS_AHEAD
-from engine.messages import SessionGeometry, SessionStarted, StartSession, SubmitInput, VideoInput
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.limits import MAX_INPUT_CHUNKS_AHEAD
+from rtvideo.engine.messages import SessionGeometry, SessionStarted, StartSession, SubmitInput, VideoInput
 
 GEOMETRY = SessionGeometry(
     width=6,

@@ -1,10 +1,10 @@
-"""Choosing the worker's CPU thread count from measured chunk times (``workers.cpu_threads``)."""
+"""Choosing the worker's CPU thread count from measured chunk times (``rtvideo.workers.cpu_threads``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.cpu_threads import candidates, contenders_of, pick_threads
+from rtvideo.workers.cpu_threads import candidates, contenders_of, pick_threads
 
 
 def test_candidates_are_one_the_powers_of_two_below_the_cores_and_the_cores():

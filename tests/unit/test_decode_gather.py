@@ -1,6 +1,6 @@
-"""When a decode lane's waiting chunks go (``workers.decode_gather.RoundGather``),
+"""When a decode lane's waiting chunks go (``rtvideo.workers.decode_gather.RoundGather``),
 on scripted arrivals and micro-steps; and the ordered thread that asks it
-(``workers.ordered_thread.OrderedThread`` with ``ready``)."""
+(``rtvideo.workers.ordered_thread.OrderedThread`` with ``ready``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from workers.decode_gather import RoundGather
-from workers.ordered_thread import OrderedThread
+from rtvideo.workers.decode_gather import RoundGather
+from rtvideo.workers.ordered_thread import OrderedThread
 
 
 class Lane:

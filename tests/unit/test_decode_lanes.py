@@ -10,8 +10,8 @@ from __future__ import annotations
 import inspect
 import threading
 
-from engine.plan import DecodeResult
-from workers.decode_stage import DecodeStage, DecodeStages
+from rtvideo.engine.plan import DecodeResult
+from rtvideo.workers.decode_stage import DecodeStage, DecodeStages
 
 
 class RecordingSessions:
@@ -60,7 +60,7 @@ def test_a_released_sessions_lane_goes_to_the_next_session():
 
 
 def test_both_decode_stages_define_every_member_of_the_contract_with_its_signature():
-    from workers.parallel.rank_decode import RankDecodeStage
+    from rtvideo.workers.parallel.rank_decode import RankDecodeStage
 
     members = {name: value for name, value in vars(DecodeStages).items() if not name.startswith("_")}
     assert {"submit", "step_done", "forget", "close", "decodes"} <= set(members)

@@ -12,9 +12,9 @@ import types
 
 import pytest
 
-from workers.parallel import decode_server
-from workers.parallel.sockets import PeerClosed
-from workers.pipelines.stub import StubPipeline
+from rtvideo.workers.parallel import decode_server
+from rtvideo.workers.parallel.sockets import PeerClosed
+from rtvideo.workers.pipelines.stub import StubPipeline
 
 
 class FailingSockets:

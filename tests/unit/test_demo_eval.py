@@ -10,10 +10,10 @@ import functools
 import numpy as np
 import pytest
 
-from training.demo import scenes
-from training.demo.classify import classify, dominant_colour
-from training.demo.evaluate import evaluate, judge_ground_truth
-from training.demo.metrics import (
+from rtvideo.training.demo import scenes
+from rtvideo.training.demo.classify import classify, dominant_colour
+from rtvideo.training.demo.evaluate import evaluate, judge_ground_truth
+from rtvideo.training.demo.metrics import (
     BARS,
     JUMP_PX,
     StreamJudge,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from training.demo import scenes
-from training.demo.classify import classify
-from training.demo.train import TINY, fit_codec
-from workers.demo.codec import LinearVideoCodec
+from rtvideo.training.demo import scenes
+from rtvideo.training.demo.classify import classify
+from rtvideo.training.demo.train import TINY, fit_codec
+from rtvideo.workers.demo.codec import LinearVideoCodec
 
 SIZE = 64
 
@@ -106,7 +106,7 @@ def test_codec_latents_are_whitened(codec):
 def test_a_streamed_decode_equals_a_one_shot_decode_and_saves_and_loads(codec, tmp_path):
     """The pipeline's streaming decoder (latent frame by latent frame, chunk by chunk) on the
     codec equals its one-shot decode; the codec round-trips through save/from_pretrained."""
-    from workers.pipelines.vae_stream import StreamingDecoder
+    from rtvideo.workers.pipelines.vae_stream import StreamingDecoder
 
     codec.save_pretrained(tmp_path / "vae")
     loaded = LinearVideoCodec.from_pretrained(tmp_path / "vae")

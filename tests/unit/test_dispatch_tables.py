@@ -1,5 +1,5 @@
 """The API process dispatches each message family by a table of (type -> handler)
-(``server.dispatch``): every type of a family has an entry, so a wire type or
+(``rtvideo.server.dispatch``): every type of a family has an entry, so a wire type or
 client event added without a handler fails here; and a type without one gets
 a clear error naming it (a server bug: a session's pump fails the session),
 or, for a client event, the protocol's ``unknown_type`` reply."""
@@ -14,16 +14,16 @@ from typing import Literal, get_args
 import pytest
 from pydantic import BaseModel
 
-from engine import messages as m
-from server.dispatch import TypeDispatcher, UnhandledMessageError
-from server.jobs import Job, JobRun
-from server.live_session import LiveSession
-from server.metrics import Metrics
-from server.output import SessionOutput
-from server.realtime import Close, Event, RealtimeConnection
-from server.schemas import CLIENT_EVENT_TYPES, ClientEvent, JobRequest, SessionResumeEvent, SessionStartEvent
-from server.session_registry import SessionRegistry
-from server.settings import ServerSettings
+from rtvideo.engine import messages as m
+from rtvideo.server.dispatch import TypeDispatcher, UnhandledMessageError
+from rtvideo.server.jobs import Job, JobRun
+from rtvideo.server.live_session import LiveSession
+from rtvideo.server.metrics import Metrics
+from rtvideo.server.output import SessionOutput
+from rtvideo.server.realtime import Close, Event, RealtimeConnection
+from rtvideo.server.schemas import CLIENT_EVENT_TYPES, ClientEvent, JobRequest, SessionResumeEvent, SessionStartEvent
+from rtvideo.server.session_registry import SessionRegistry
+from rtvideo.server.settings import ServerSettings
 from tests.unit.test_live_session_limits import CONFIG, Engine, Handle, Viewer, end, session_with
 
 # Every result naming a session reaches its handle, but the answer to its start,
@@ -201,7 +201,7 @@ async def test_a_result_without_a_handler_fails_its_session_naming_the_type(capl
     session = LiveSession(handle, output, StoppingEngine(handle), ServerSettings(), metrics, SessionRegistry())
     controller = Viewer()
     session.attach_first(controller)
-    with caplog.at_level(logging.ERROR, logger="server.live_session"):
+    with caplog.at_level(logging.ERROR, logger="rtvideo.server.live_session"):
         handle.results.put_nowait(m.SessionRejected(session_id="s", code="server_full", message="full"))
         await session.close()
     assert "LiveSession result: no handler for a SessionRejected message" in caplog.text

@@ -1,4 +1,4 @@
-"""The drain's wait (``server.drain.Drainer``): a session is over for it once
+"""The drain's wait (``rtvideo.server.drain.Drainer``): a session is over for it once
 the engine ended it and every realtime connection attached to one has
 written its last event and close."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from server.drain import Drainer
+from rtvideo.server.drain import Drainer
 
 
 class _Engine:

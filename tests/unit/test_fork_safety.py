@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-PRINT_SETTING = "import workers, os; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"
+PRINT_SETTING = "import rtvideo.workers, os; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"
 
 
 def _setting_after_import(environment: dict[str, str]) -> str:

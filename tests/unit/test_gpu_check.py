@@ -95,7 +95,9 @@ def test_every_step_runs_in_order_and_a_failed_one_is_named_with_the_command_to_
     summary = json.loads((machine / "out" / "summary.json").read_text())
     assert summary["failed"] == ["wan-versus-fp8"] and summary["skipped_for_time"] == []
     assert summary["wan-versus-fp8"] is None
-    assert summary["wan-bf16"]["args"].startswith("-m bench.pipeline --preset wan2.1-1.3b --width 832 --height 480")
+    assert summary["wan-bf16"]["args"].startswith(
+        "-m rtvideo.bench.pipeline --preset wan2.1-1.3b --width 832 --height 480"
+    )
     assert "--sessions 2,3 --with tiny-decoder,cuda-graphs,fp8" in summary["wan-fastest-sessions"]["args"]
     assert "--ignore tests/gpu/test_config_matrix_on_gpu.py" in summary["tests"]["args"]
     assert set(summary) == {"failed", "skipped_for_time", *STEPS}

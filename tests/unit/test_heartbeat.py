@@ -3,8 +3,8 @@ floor, and one forward against a deadline derived from measured chunks."""
 
 from __future__ import annotations
 
-from engine.client.heartbeat import FACTOR, Heartbeat
-from engine.messages import ProbeReply
+from rtvideo.engine.client.heartbeat import FACTOR, Heartbeat
+from rtvideo.engine.messages import ProbeReply
 
 
 class Clock:

@@ -1,11 +1,11 @@
-"""The CPU worker's memory budget for sessions (``workers.host_memory``): read
+"""The CPU worker's memory budget for sessions (``rtvideo.workers.host_memory``): read
 from a fake ``/proc`` and ``/sys/fs/cgroup`` tree."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from workers.host_memory import (
+from rtvideo.workers.host_memory import (
     available_bytes,
     cgroup_room,
     host_session_budget,

@@ -1,11 +1,11 @@
 """The house's import direction, by process: server -> engine <- workers; the tools on top.
 
-- ``server/`` (the API process) and ``engine/client/`` (the engine's API side)
+- ``rtvideo/server/`` (the API process) and ``rtvideo/engine/client/`` (the engine's API side)
   import no torch and nothing of ``workers``, ``bench``, ``training`` or ``cli``;
-- the engine core (``engine/`` outside ``engine/client/``, in worker rank 0)
-  imports neither ``engine.client`` nor ``server``, nor torch;
-- ``workers/`` imports nothing of ``server`` or the tools;
-- ``bench/``, ``training/`` and ``cli/`` are tools: they may import the rest,
+- the engine core (``rtvideo/engine/`` outside ``rtvideo/engine/client/``, in worker rank 0)
+  imports neither ``rtvideo.engine.client`` nor ``server``, nor torch;
+- ``rtvideo/workers/`` imports nothing of ``server`` or the tools;
+- ``rtvideo/bench/``, ``rtvideo/training/`` and ``rtvideo/cli/`` are tools: they may import the rest,
   ``cli`` everything, and nothing imports ``cli``.
 """
 
@@ -20,17 +20,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "rtvideo"
 TORCH = ("torch", "diffusers", "transformers")
-TOOLS = ("bench", "training", "cli")
+
+
+def own(*names: str) -> tuple[str, ...]:
+    """The package's modules ``names`` (``"engine.client"``), by their import names."""
+    return tuple(f"rtvideo.{name}" for name in names)
+
+
+TOOLS = own("bench", "training", "cli")
 FORBIDDEN = {
-    "server": ("workers", *TOOLS, *TORCH),
-    "engine/client": ("server", "workers", *TOOLS, *TORCH),
-    "engine": ("engine.client", "server", "workers", *TOOLS, *TORCH),
-    "workers": ("server", "engine.client", *TOOLS),
-    "bench": ("cli", "training"),
-    "training": ("server", "engine.client", "bench", "cli"),
+    "server": (*own("workers"), *TOOLS, *TORCH),
+    "engine/client": (*own("server", "workers"), *TOOLS, *TORCH),
+    "engine": (*own("engine.client", "server", "workers"), *TOOLS, *TORCH),
+    "workers": (*own("server", "engine.client"), *TOOLS),
+    "bench": own("cli", "training"),
+    "training": own("server", "engine.client", "bench", "cli"),
 }
-"""Each folder's ``.py`` files (``engine``: those outside ``engine/client/``) and
+"""Each folder's ``.py`` files (``engine``: those outside ``rtvideo/engine/client/``) and
 the modules they may not import: a name and everything under it."""
 
 
@@ -47,10 +55,10 @@ def imported(path: Path) -> set[str]:
 
 
 def sources(folder: str) -> list[Path]:
-    paths = sorted((ROOT / folder).rglob("*.py"))
+    paths = sorted((PACKAGE / folder).rglob("*.py"))
     if folder == "engine":
-        paths = [p for p in paths if (ROOT / "engine" / "client") not in p.parents]
-    assert paths, f"no Python files under {folder}/"
+        paths = [p for p in paths if (PACKAGE / "engine" / "client") not in p.parents]
+    assert paths, f"no Python files under rtvideo/{folder}/"
     return paths
 
 
@@ -67,7 +75,7 @@ def test_no_module_imports_against_the_direction(folder):
 def test_nothing_imports_the_command_line():
     folders = ("server", "engine", "workers", "bench", "training")
     offenders = {
-        str(p.relative_to(ROOT)): against(imported(p), ("cli",)) for folder in folders for p in sources(folder)
+        str(p.relative_to(ROOT)): against(imported(p), own("cli")) for folder in folders for p in sources(folder)
     }
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -75,23 +83,23 @@ def test_nothing_imports_the_command_line():
 def test_the_check_sees_an_import_against_the_direction(tmp_path):
     """The scan finds a lazy import of the engine's API side inside a function (it can fail)."""
     module = tmp_path / "core.py"
-    module.write_text("def f():\n    from engine.client.heartbeat import Heartbeat\n    import torch.nn\n")
+    module.write_text("def f():\n    from rtvideo.engine.client.heartbeat import Heartbeat\n    import torch.nn\n")
     found = against(imported(module), FORBIDDEN["engine"])
-    assert found == ["engine.client.heartbeat", "engine.client.heartbeat.Heartbeat", "torch.nn"]
+    assert found == ["rtvideo.engine.client.heartbeat", "rtvideo.engine.client.heartbeat.Heartbeat", "torch.nn"]
 
 
-NOT_ON_THE_API_SIDE = (*TORCH, "workers", "bench", "training")
+NOT_ON_THE_API_SIDE = (*TORCH, *own("workers", "bench", "training"))
 API_SIDE_LOADS = f"""
 import sys
-import cli.main, engine.client.engine_client, server.app
+import rtvideo.cli.main, rtvideo.engine.client.engine_client, rtvideo.server.app
 try:
-    cli.main.main(["serve", "--model", "/nonexistent/model"])  # every import of serve, then the model check
+    rtvideo.cli.main.main(["serve", "--model", "/nonexistent/model"])  # every import of serve, then the model check
 except SystemExit as stop:
     assert "no such directory" in str(stop), stop
 else:
     raise AssertionError("rtvideo serve started without a model")
-assert "server.app" in sys.modules and "uvicorn" in sys.modules, sorted(sys.modules)
-bad = sorted({{m.split(".")[0] for m in sys.modules}}.intersection({NOT_ON_THE_API_SIDE!r}))
+assert "rtvideo.server.app" in sys.modules and "uvicorn" in sys.modules, sorted(sys.modules)
+bad = sorted(m for m in sys.modules if any(m == n or m.startswith(n + ".") for n in {NOT_ON_THE_API_SIDE!r}))
 print("loaded:", bad)
 sys.exit(1 if bad else 0)
 """

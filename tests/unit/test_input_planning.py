@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession, SubmitInput, VideoInput
-from engine.plan import StepRow
-from engine.session import ChunkEvents, ChunkInFlight, passes_for
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession, SubmitInput, VideoInput
+from rtvideo.engine.plan import StepRow
+from rtvideo.engine.session import ChunkEvents, ChunkInFlight, passes_for
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.support import inline_loop
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 W, H = 8, 6
 

@@ -1,4 +1,4 @@
-"""The job store (server/job_store.py) on a real directory: records, videos
+"""The job store (rtvideo/server/job_store.py) on a real directory: records, videos
 written chunk by chunk and renamed into place, pages, expiry, jobs cut short by
 a restart, and one server per directory."""
 
@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from server.job_store import INTERRUPTED, DataDirInUseError, JobStore, UnknownCursorError
+from rtvideo.server.job_store import INTERRUPTED, DataDirInUseError, JobStore, UnknownCursorError
 
 TTL = 100.0
 

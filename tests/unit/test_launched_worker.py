@@ -1,16 +1,16 @@
 """What the API process needs to attach a worker group started by a launcher:
 its configuration as plain data, the TCP pipes, and the stand-in for a child
-process handle (``engine.client.launched_worker``)."""
+process handle (``rtvideo.engine.client.launched_worker``)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from engine.client.launched_worker import LaunchedWorker
-from engine.config import EngineConfig, PipelineSpec, config_from_wire, config_to_wire
-from engine.messages import AttachWorker, Terminate, WorkerHello
-from engine.transport import Endpoints, decode_control, encode_control
+from rtvideo.engine.client.launched_worker import LaunchedWorker
+from rtvideo.engine.config import EngineConfig, PipelineSpec, config_from_wire, config_to_wire
+from rtvideo.engine.messages import AttachWorker, Terminate, WorkerHello
+from rtvideo.engine.transport import Endpoints, decode_control, encode_control
 
 
 def test_the_configuration_crosses_as_plain_data_and_comes_back_equal():
@@ -85,8 +85,8 @@ def test_the_control_receiver_of_a_launched_worker_obeys_terminate_and_notices_a
 
     import zmq
 
-    from engine import receiver as receiver_module
-    from engine.messages import Probe, Shutdown
+    from rtvideo.engine import receiver as receiver_module
+    from rtvideo.engine.messages import Probe, Shutdown
 
     exits: list[int] = []
     exited = threading.Event()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engine.limits import MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
-from engine.messages import Interaction, StartSession, VideoInput
-from engine.validation import check_interaction, check_start
-from server.schemas import InteractionPayload, ScheduledPrompt, VideoRequest
+from rtvideo.engine.limits import MAX_PROMPT_CHARS, MAX_SEED, MAX_TRANSITION_CHUNKS, PROMPT_CHANGE_MODES
+from rtvideo.engine.messages import Interaction, StartSession, VideoInput
+from rtvideo.engine.validation import check_interaction, check_start
+from rtvideo.server.schemas import InteractionPayload, ScheduledPrompt, VideoRequest
 
 
 def engine_admits(**start) -> bool:
@@ -72,13 +72,13 @@ def test_interactions_share_the_limits():
     ],
 )
 def test_json_depth_counts_nesting_outside_strings(text, depth):
-    from server.limits import json_depth
+    from rtvideo.server.limits import json_depth
 
     assert json_depth(text) == depth
 
 
 def test_an_integer_too_long_is_named_by_its_field():
-    from server.limits import MAX_JSON_INT_DIGITS, IntegerTooLongError, long_integers, parse_json
+    from rtvideo.server.limits import MAX_JSON_INT_DIGITS, IntegerTooLongError, long_integers, parse_json
 
     long = "9" * (MAX_JSON_INT_DIGITS + 1)
     text = f'{{"seed": 1, "interactions": [{{"at_chunk": {long}}}], "num_chunks": -{long}}}'

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from cli.main import listen
+from rtvideo.cli.main import listen
 
 
 async def test_connections_on_the_early_socket_get_tcp_nodelay():

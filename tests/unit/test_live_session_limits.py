@@ -9,14 +9,14 @@ import asyncio
 
 import pytest
 
-from engine.mailbox import EVENT_ID_WINDOW, InteractionMailbox, OfferStatus
-from engine.messages import Interaction, InteractionQueued, InteractionSuperseded
-from server.live_session import JoinRefused, LiveSession
-from server.metrics import Metrics
-from server.output import SessionOutput
-from server.schemas import EffectiveConfig
-from server.session_registry import SessionRegistry
-from server.settings import ServerSettings
+from rtvideo.engine.mailbox import EVENT_ID_WINDOW, InteractionMailbox, OfferStatus
+from rtvideo.engine.messages import Interaction, InteractionQueued, InteractionSuperseded
+from rtvideo.server.live_session import JoinRefused, LiveSession
+from rtvideo.server.metrics import Metrics
+from rtvideo.server.output import SessionOutput
+from rtvideo.server.schemas import EffectiveConfig
+from rtvideo.server.session_registry import SessionRegistry
+from rtvideo.server.settings import ServerSettings
 
 CONFIG = EffectiveConfig(
     model="stub", prompt="p", negative_prompt="", seed=0, width=4, height=4, fps=16.0, num_frames=None,

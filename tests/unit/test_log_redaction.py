@@ -1,4 +1,4 @@
-"""``server.logs.redact``: every credential a log line can carry is masked,
+"""``rtvideo.server.logs.redact``: every credential a log line can carry is masked,
 whatever the spelling of its name, and nothing else changes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from server.logs import RedactSecrets, redact
+from rtvideo.server.logs import RedactSecrets, redact
 
 
 @pytest.mark.parametrize(

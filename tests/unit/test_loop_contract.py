@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.messages import (
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.messages import (
     ChunkReady,
     EngineStats,
     Interaction,
@@ -29,10 +29,10 @@ from engine.messages import (
     StopSession,
     SubmitInteraction,
 )
-from engine.plan import MicroStep
+from rtvideo.engine.plan import MicroStep
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.support import inline_loop
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 STAGES = ("apply", "prepare", "denoise")
 

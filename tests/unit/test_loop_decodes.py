@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import threading
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.loop import EngineLoop
-from engine.messages import ChunkReady, SessionDone, SessionFailed, Shutdown, StartSession
-from engine.pacing import DECODE_RUN_AHEAD, max_chunks_decoding
-from engine.plan import DecodeResult
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.loop import EngineLoop
+from rtvideo.engine.messages import ChunkReady, SessionDone, SessionFailed, Shutdown, StartSession
+from rtvideo.engine.pacing import DECODE_RUN_AHEAD, max_chunks_decoding
+from rtvideo.engine.plan import DecodeResult
+from rtvideo.workers.executor import LocalExecutor
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
+from rtvideo.workers.runner_sessions import RunnerSessions
 from tests.unit.fakes import QuietStage
-from workers.executor import LocalExecutor
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
-from workers.runner_sessions import RunnerSessions
 
 
 class AbandoningStage(QuietStage):

@@ -7,13 +7,13 @@ whose micro-steps finish when the test says (``tests.unit.fakes.HeldExecutor``).
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.loop import EngineLoop
-from engine.messages import SessionDone, StartSession, StopSession
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.loop import EngineLoop
+from rtvideo.engine.messages import SessionDone, StartSession, StopSession
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.unit.fakes import HeldExecutor
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 
 def test_a_stopped_session_is_released_only_after_its_micro_steps_in_flight_came_back():

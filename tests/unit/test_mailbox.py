@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.mailbox import EVENT_ID_WINDOW, IdWindow, InteractionMailbox, OfferStatus
-from engine.messages import Interaction, ScheduledInteraction
+from rtvideo.engine.mailbox import EVENT_ID_WINDOW, IdWindow, InteractionMailbox, OfferStatus
+from rtvideo.engine.messages import Interaction, ScheduledInteraction
 
 
 def test_last_write_wins_and_returns_the_superseded_one():

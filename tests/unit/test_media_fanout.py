@@ -1,7 +1,7 @@
 """A chunk is made once for all of a session's viewers: encoded once per
 format (``Rendition``, the session's ``SessionOutput``), and written to every
 connection as the same bytes, framed by ``rtvideo.send_media``
-(``server.ws_protocol``) without a copy or a compression per viewer; and a
+(``rtvideo.server.ws_protocol``) without a copy or a compression per viewer; and a
 spectator that falls behind is dropped, never held for."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.uri import parse_uri
 
-from server.metrics import Metrics
-from server.realtime import END, RealtimeConnection
-from server.rendition import Rendition
-from server.resume_buffer import BufferedChunk
-from server.settings import ServerSettings
-from server.ws_protocol import SEND_MEDIA, ClientDisconnected, RealtimeWebSocketProtocol
+from rtvideo.server.metrics import Metrics
+from rtvideo.server.realtime import END, RealtimeConnection
+from rtvideo.server.rendition import Rendition
+from rtvideo.server.resume_buffer import BufferedChunk
+from rtvideo.server.settings import ServerSettings
+from rtvideo.server.ws_protocol import SEND_MEDIA, ClientDisconnected, RealtimeWebSocketProtocol
 
 # -- the frames send_media writes -------------------------------------------------------
 

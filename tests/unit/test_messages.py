@@ -7,8 +7,15 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine import messages as m
-from engine.transport import decode_control, decode_rank, decode_result, encode_control, encode_rank, encode_result
+from rtvideo.engine import messages as m
+from rtvideo.engine.transport import (
+    decode_control,
+    decode_rank,
+    decode_result,
+    encode_control,
+    encode_rank,
+    encode_result,
+)
 
 GEOMETRY = m.SessionGeometry(
     width=64,
@@ -292,8 +299,8 @@ def test_a_malformed_decode_frame_is_an_error_naming_what_is_wrong(data, kind, n
 
 
 def test_a_malformed_decode_frame_from_a_rank_is_a_bad_message_naming_the_ranks():
-    """What the ranks' sockets raise for it (``workers.parallel.link.frame_header``)."""
-    from workers.parallel.link import BadMessage, frame_header
+    """What the ranks' sockets raise for it (``rtvideo.workers.parallel.link.frame_header``)."""
+    from rtvideo.workers.parallel.link import BadMessage, frame_header
 
     with pytest.raises(BadMessage, match=r"^rank 2: a decoded chunk from rank 0: not a valid Decoded: .*`ms`"):
         frame_header(_frame("decoded", **_WHOLE), m.Decoded, 2, 0, "a decoded chunk")

@@ -3,8 +3,8 @@ other prompt as the one it shares the most words with: a pure, deterministic rul
 
 from __future__ import annotations
 
-from training.demo.scenes import CAPTIONS
-from workers.pipelines.conditioning import nearest_known
+from rtvideo.training.demo.scenes import CAPTIONS
+from rtvideo.workers.pipelines.conditioning import nearest_known
 
 
 def test_a_known_prompt_is_itself():

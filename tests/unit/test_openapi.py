@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from server.app import create_app
-from server.settings import ServerSettings
+from rtvideo.server.app import create_app
+from rtvideo.server.settings import ServerSettings
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""What the kernel knows of the worker's threads (``workers.os_threads``):
+"""What the kernel knows of the worker's threads (``rtvideo.workers.os_threads``):
 the names and the nice the threads really get, read back from ``/proc``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from workers.ordered_thread import OrderedThread
-from workers.os_threads import DEFAULT_CPU_NICE, MAX_NICE, decode_nice, lower_this_thread, name_this_thread
+from rtvideo.workers.ordered_thread import OrderedThread
+from rtvideo.workers.os_threads import DEFAULT_CPU_NICE, MAX_NICE, decode_nice, lower_this_thread, name_this_thread
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 

@@ -1,4 +1,4 @@
-"""Pacing policy (``engine.pacing``) with the clock passed in: the playhead, the
+"""Pacing policy (``rtvideo.engine.pacing``) with the clock passed in: the playhead, the
 lead, and when a session may begin its next chunk; then the loop deciding on
 an injected clock. Values are chosen exact in binary floating point."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.loop import EngineLoop
-from engine.messages import ChunkReady, Delivered, Playback, SessionGeometry, StartSession
-from engine.pacing import (
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.loop import EngineLoop
+from rtvideo.engine.messages import ChunkReady, Delivered, Playback, SessionGeometry, StartSession
+from rtvideo.engine.pacing import (
     DECODE_RUN_AHEAD,
     EPSILON_S,
     lead_seconds,
@@ -18,10 +18,10 @@ from engine.pacing import (
     playhead_seconds,
     wait_seconds,
 )
-from engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase
+from rtvideo.engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.support import inline_loop
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 GEOMETRY = SessionGeometry(
     width=32,
@@ -272,8 +272,8 @@ def test_a_session_whose_server_reports_delivery_is_held_before_the_first_report
 
 
 def test_a_live_start_says_its_server_reports_delivery_and_a_job_start_does_not():
-    from server.schemas import JobRequest, resolve
-    from server.settings import ServerSettings
+    from rtvideo.server.schemas import JobRequest, resolve
+    from rtvideo.server.settings import ServerSettings
 
     for paced in (True, False):  # a live session's start is paced; a job's is not
         start, _ = resolve(JobRequest(prompt="p", num_chunks=2), "s", GEOMETRY, ServerSettings(), "stub", paced=paced)

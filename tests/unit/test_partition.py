@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from workers.parallel.partition import StageCosts, pace, rank_seconds, split_blocks, split_decoder
+from rtvideo.workers.parallel.partition import StageCosts, pace, rank_seconds, split_blocks, split_decoder
 
 
 def brute_force(costs: StageCosts, ranks: int) -> float:

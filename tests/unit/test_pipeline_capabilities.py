@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 
-from engine.config import PipelineSpec
-from engine.messages import StartSession, VideoInput
-from workers.pipelines import build_pipeline
-from workers.pipelines.capabilities import PROTOCOLS, Capabilities, PipelineContractError, check_pipeline
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
+from rtvideo.engine.config import PipelineSpec
+from rtvideo.engine.messages import StartSession, VideoInput
+from rtvideo.workers.pipelines import build_pipeline
+from rtvideo.workers.pipelines.capabilities import PROTOCOLS, Capabilities, PipelineContractError, check_pipeline
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 
 HERE = "tests.unit.test_pipeline_capabilities"
 

@@ -1,5 +1,5 @@
-"""Where pipeline ranks run (``workers.parallel.placement``) and how a backend's
-timeout reads (``workers.parallel.link.timed_out``), on hosts of every shape,
+"""Where pipeline ranks run (``rtvideo.workers.parallel.placement``) and how a backend's
+timeout reads (``rtvideo.workers.parallel.link.timed_out``), on hosts of every shape,
 the GPUs a host shows stood in for by patching what torch reports of them
 (the decisions are read off that report and the configuration)."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig, PipelineSpec
-from workers.parallel import placement
-from workers.parallel.link import LinkTimeout, RingLink, timed_out
-from workers.parallel.placement import PlacementError
+from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.workers.parallel import placement
+from rtvideo.workers.parallel.link import LinkTimeout, RingLink, timed_out
+from rtvideo.workers.parallel.placement import PlacementError
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""The page's playback buffer policy, as ``bench/playback.py`` mirrors it, and the
+"""The page's playback buffer policy, as ``rtvideo/bench/playback.py`` mirrors it, and the
 simulated viewer ``rtvideo bench realtime`` plays each session through.
 
-The policy's constants are read from the page itself (``server/static/index.html``,
+The policy's constants are read from the page itself (``rtvideo/server/static/index.html``,
 ``const LEAD``): the two copies cannot drift apart unnoticed. That both take the
 same decisions on the same events is checked in Chromium
 (``tests/browser/test_key_to_pixel.py``)."""
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import playback
-from bench.playback import LeadPolicy, SimulatedPlayer
+from rtvideo.bench import playback
+from rtvideo.bench.playback import LeadPolicy, SimulatedPlayer
 
-PAGE = Path(__file__).resolve().parents[2] / "server" / "static" / "index.html"
+PAGE = Path(__file__).resolve().parents[2] / "rtvideo" / "server" / "static" / "index.html"
 
 
 def page_constants() -> dict[str, float]:

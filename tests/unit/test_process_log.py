@@ -1,4 +1,4 @@
-"""A worker process's log (``workers.process_log``): its own lines at the
+"""A worker process's log (``rtvideo.workers.process_log``): its own lines at the
 configured level, other libraries' warnings only, every line tagged."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import logging, sys
-from workers import process_log
+from rtvideo.workers import process_log
 process_log.configure("launch[1]")
 logging.getLogger("rtvideo.launch").debug("not yet: info until the API process says")
 process_log.configure("worker[1]", sys.argv[1])
-logging.getLogger("workers.runner").debug("a traceback would follow")
-logging.getLogger("engine.loop").info("a session opened")
+logging.getLogger("rtvideo.workers.runner").debug("a traceback would follow")
+logging.getLogger("rtvideo.engine.loop").info("a session opened")
 logging.getLogger("rtvideo.worker").warning("a worker warning")
 logging.getLogger("torch.distributed").info("a dependency's detail")
 logging.getLogger("diffusers").warning("a dependency's warning")

@@ -1,4 +1,4 @@
-"""``engine.progress``: a bar on a terminal, nothing anywhere else, and stdout lines
+"""``rtvideo.engine.progress``: a bar on a terminal, nothing anywhere else, and stdout lines
 printed through it as they would be without it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from engine.progress import Progress
+from rtvideo.engine.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -1,9 +1,9 @@
 """docs/PROTOCOL.md names everything a client can meet, as the code defines it.
 
 Every name is read from the code, not from a list kept here: the client event
-schemas (``server.schemas``), the server event models (``server.events``) and
+schemas (``rtvideo.server.schemas``), the server event models (``rtvideo.server.events``) and
 any event built as a plain dict, every error code passed to an error helper or
-an engine refusal in ``server/`` and ``engine/``, the close codes of the
+an engine refusal in ``rtvideo/server/`` and ``rtvideo/engine/``, the close codes of the
 realtime endpoint, and the app's routes. A name counts as documented when it
 appears inside a code span (backticks) of the page, or, for close codes, as a
 number anywhere in it. Adding any of these without documenting it fails here.
@@ -82,20 +82,20 @@ def literal_values(model: type[BaseModel], field: str) -> set[str]:
 
 
 def client_event_models() -> list[type[BaseModel]]:
-    from server.schemas import ClientEvent
+    from rtvideo.server.schemas import ClientEvent
 
     return _models_in(ClientEvent)
 
 
 def server_event_models() -> list[type[BaseModel]]:
-    import server.events
+    import rtvideo.server.events
 
     return [
         value
-        for value in vars(server.events).values()
+        for value in vars(rtvideo.server.events).values()
         if isinstance(value, type)
         and issubclass(value, BaseModel)
-        and value.__module__ == server.events.__name__
+        and value.__module__ == rtvideo.server.events.__name__
         and "type" in value.model_fields
     ]
 
@@ -212,7 +212,9 @@ def close_codes_in(sources: dict[str, str]) -> set[int]:
 
 def package_sources(*packages: str) -> dict[str, str]:
     return {
-        str(path.relative_to(ROOT)): path.read_text() for package in packages for path in (ROOT / package).rglob("*.py")
+        str(path.relative_to(ROOT)): path.read_text()
+        for package in packages
+        for path in (ROOT / "rtvideo" / package).rglob("*.py")
     }
 
 
@@ -222,7 +224,7 @@ DOC_TEXT = DOC.read_text()
 
 
 def test_every_client_event_type_is_documented():
-    from server.schemas import CLIENT_EVENT_TYPES
+    from rtvideo.server.schemas import CLIENT_EVENT_TYPES
 
     types_ = set(CLIENT_EVENT_TYPES)
     for model in client_event_models():
@@ -232,7 +234,7 @@ def test_every_client_event_type_is_documented():
 
 
 def test_every_client_field_is_documented():
-    from server.schemas import JobRequest
+    from rtvideo.server.schemas import JobRequest
 
     fields = model_fields(client_event_models() + [JobRequest])
     assert {"prompt", "position_seconds", "event_id", "at_chunk"} <= fields
@@ -256,7 +258,7 @@ def test_every_server_event_field_is_documented():
 def test_every_field_of_the_effective_config_is_documented():
     from dataclasses import fields
 
-    from server.schemas import EffectiveConfig
+    from rtvideo.server.schemas import EffectiveConfig
 
     names = {f.name for f in fields(EffectiveConfig)}
     assert {"first_chunk_frames", "frames_per_chunk", "max_lead_seconds"} <= names
@@ -280,8 +282,8 @@ def test_every_close_code_is_documented():
 def test_every_route_is_documented():
     from fastapi.routing import APIRoute, APIWebSocketRoute
 
-    from server.app import create_app
-    from server.settings import ServerSettings
+    from rtvideo.server.app import create_app
+    from rtvideo.server.settings import ServerSettings
 
     app = create_app(ServerSettings())  # routes only: the engine starts with the lifespan, not here
     names = set()
@@ -367,7 +369,7 @@ def test_every_server_limit_is_in_the_limits_table():
     """docs/SERVER.md lists every limit option with its default and what a client gets past it."""
     from dataclasses import fields
 
-    from server.settings import ServerSettings
+    from rtvideo.server.settings import ServerSettings
 
     server_doc = (ROOT / "docs" / "SERVER.md").read_text()
     table = server_doc[server_doc.index("## Limits") :].split("\n## ")[0]

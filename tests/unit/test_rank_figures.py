@@ -7,14 +7,14 @@ executor with stand-ins for the ring runner and the decode stage."""
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.loop import EngineLoop
-from engine.messages import RankFigures
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.loop import EngineLoop
+from rtvideo.engine.messages import RankFigures
+from rtvideo.workers.executor import LocalExecutor
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.unit.fakes import HeldExecutor, QuietStage
-from workers.executor import LocalExecutor
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 
 def loop_over(executor_figures: tuple[RankFigures, ...]) -> EngineLoop:

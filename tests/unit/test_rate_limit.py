@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.rate_limit import TokenBucket
+from rtvideo.server.rate_limit import TokenBucket
 
 
 def test_a_full_bucket_takes_a_burst_then_refuses_until_a_token_grows_back():

@@ -12,9 +12,9 @@ import av
 import numpy as np
 import pytest
 
-from server import rendition as rendition_module
-from server.media import split_jpeg_payload
-from server.rendition import MAX_BACKLOG, Rendition
+from rtvideo.server import rendition as rendition_module
+from rtvideo.server.media import split_jpeg_payload
+from rtvideo.server.rendition import MAX_BACKLOG, Rendition
 
 
 class Viewer:

@@ -8,10 +8,10 @@ import asyncio
 
 import numpy as np
 
-from engine.messages import ChunkReady, ChunkTiming, SessionDone
-from server.metrics import Metrics
-from server.output import SessionOutput
-from server.schemas import EffectiveConfig
+from rtvideo.engine.messages import ChunkReady, ChunkTiming, SessionDone
+from rtvideo.server.metrics import Metrics
+from rtvideo.server.output import SessionOutput
+from rtvideo.server.schemas import EffectiveConfig
 
 
 def _output() -> SessionOutput:

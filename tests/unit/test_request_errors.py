@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.messages import SessionGeometry
-from server.app import describe_body_errors
-from server.schemas import JobRequest, RequestError, resolve
-from server.settings import ServerSettings
+from rtvideo.engine.messages import SessionGeometry
+from rtvideo.server.app import describe_body_errors
+from rtvideo.server.schemas import JobRequest, RequestError, resolve
+from rtvideo.server.settings import ServerSettings
 
 # The tiny model's shape: 9 frames in chunk 0, then 12 a chunk, 16 fps.
 TINY = SessionGeometry(
@@ -63,7 +63,7 @@ def test_a_body_that_is_not_a_json_object_says_what_was_wrong():
 
 
 def test_a_job_without_a_length_is_four_seconds_and_a_session_runs_until_stopped():
-    from server.schemas import DEFAULT_JOB_SECONDS
+    from rtvideo.server.schemas import DEFAULT_JOB_SECONDS
 
     request = JobRequest(prompt="p")
     _, job = resolve(request, "job", TINY, ServerSettings(), "tiny", paced=False, default_seconds=DEFAULT_JOB_SECONDS)

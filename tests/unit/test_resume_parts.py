@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.resume_buffer import BufferedChunk, ChunkBuffer, ResumeGapError
-from server.session_registry import SessionRegistry, new_token
+from rtvideo.server.resume_buffer import BufferedChunk, ChunkBuffer, ResumeGapError
+from rtvideo.server.session_registry import SessionRegistry, new_token
 
 
 def chunk(index: int, frames: int = 4, fps: float = 16.0, init: bytes = b"") -> BufferedChunk:

@@ -1,4 +1,4 @@
-"""The row executor (``workers.row_executor``): each pipeline call's outcome is
+"""The row executor (``rtvideo.workers.row_executor``): each pipeline call's outcome is
 typed (``Ok``, ``Failed``, ``Cancelled``); a failed call fails its session and
 says what else went wrong releasing it; a batch that fails fails nothing (its
 rows run alone next); a call over stopping sessions is abandoned and its rows
@@ -13,10 +13,10 @@ from __future__ import annotations
 import inspect
 from typing import Protocol
 
-from engine.plan import StepResult
-from workers.pipelines.base import abandon_point
-from workers.pipelines.stub import StubPipeline
-from workers.row_executor import Cancelled, Failed, Ok, RowExecutor, StageCall
+from rtvideo.engine.plan import StepResult
+from rtvideo.workers.pipelines.base import abandon_point
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.row_executor import Cancelled, Failed, Ok, RowExecutor, StageCall
 
 
 def protocol_methods(protocol: type) -> dict[str, object]:
@@ -94,12 +94,12 @@ def test_both_runners_hold_the_sessions_and_offer_the_same_methods():
     overridden with another signature crashed once): both hold a
     ``RunnerSessions``, which the executor and the decode stages take
     (``runner.sessions``), and every method of what the executor drives
-    (``WorkerRunner``: ``engine.plan.Runner``'s and ``rank_figures``) is
+    (``WorkerRunner``: ``rtvideo.engine.plan.Runner``'s and ``rank_figures``) is
     defined on both, with the protocol's signature. Neither hands
     session-level calls on: there is one way to reach them."""
-    from workers.parallel.ring import RingRunner
-    from workers.runner import ModelRunner, WorkerRunner
-    from workers.runner_sessions import RunnerSessions
+    from rtvideo.workers.parallel.ring import RingRunner
+    from rtvideo.workers.runner import ModelRunner, WorkerRunner
+    from rtvideo.workers.runner_sessions import RunnerSessions
 
     assert not issubclass(RingRunner, ModelRunner) and not issubclass(ModelRunner, RingRunner)
     methods = protocol_methods(WorkerRunner)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.messages import SessionGeometry
-from engine.scheduler import ChunkScheduler
-from engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase
+from rtvideo.engine.messages import SessionGeometry
+from rtvideo.engine.scheduler import ChunkScheduler
+from rtvideo.engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase
 
 GEOMETRY = SessionGeometry(
     width=8,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from engine.messages import SessionGeometry, StartSession
-from workers.pipelines.base import BatchRow, ChunkOrderError, ChunkRecord, SessionState
+from rtvideo.engine.messages import SessionGeometry, StartSession
+from rtvideo.workers.pipelines.base import BatchRow, ChunkOrderError, ChunkRecord, SessionState
 
 GEOMETRY = SessionGeometry(
     width=32,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.session import ChunkEvents, EventTracker
+from rtvideo.engine.session import ChunkEvents, EventTracker
 
 
 def test_hard_cut_starts_and_completes_in_one_chunk():

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.loop import EngineLoop
-from engine.messages import (
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.loop import EngineLoop
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionQueued,
@@ -24,11 +24,11 @@ from engine.messages import (
     StopSession,
     SubmitInteraction,
 )
-from engine.plan import ChunkOutput, DecodeResult
-from engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase, chunk_frames, first_frame
+from rtvideo.engine.plan import ChunkOutput, DecodeResult
+from rtvideo.engine.session import ChunkEvents, ChunkInFlight, EngineSession, Phase, chunk_frames, first_frame
+from rtvideo.workers.pipelines.stub import StubPipeline
+from rtvideo.workers.runner import ModelRunner
 from tests.unit.fakes import HeldExecutor
-from workers.pipelines.stub import StubPipeline
-from workers.runner import ModelRunner
 
 GEOMETRY = SessionGeometry(
     width=8,

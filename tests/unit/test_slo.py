@@ -1,4 +1,4 @@
-"""SLO control (``engine.slo``): the micro-step budget worked out by hand, and
+"""SLO control (``rtvideo.engine.slo``): the micro-step budget worked out by hand, and
 the rows controller driven by scripted timing traces. Times are chosen exact
 in binary floating point, and most traces use ``alpha=1`` (the average is the
 last step) or ``alpha=0.5`` so every average is exact too."""
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from engine.slo import SloController, SloDecision, SloTarget, micro_step_budget
+from rtvideo.engine.slo import SloController, SloDecision, SloTarget, micro_step_budget
 
 
 def run(ctrl: SloController, trace: list[tuple[float, float | None, int | None]]) -> list[tuple[str, int]]:

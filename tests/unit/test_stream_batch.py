@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.control import ControlPlane
-from engine.loop import EngineLoop
-from engine.messages import (
+from rtvideo.engine.config import EngineConfig
+from rtvideo.engine.control import ControlPlane
+from rtvideo.engine.loop import EngineLoop
+from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
     InteractionApplied,
@@ -21,10 +21,10 @@ from engine.messages import (
     StopSession,
     SubmitInteraction,
 )
-from engine.pacing import Playhead
-from engine.plan import ChunkOutput, MicroStep, StepResult
-from engine.stream_batch import StreamBatchScheduler
-from workers.pipelines.stub import StubPipeline
+from rtvideo.engine.pacing import Playhead
+from rtvideo.engine.plan import ChunkOutput, MicroStep, StepResult
+from rtvideo.engine.stream_batch import StreamBatchScheduler
+from rtvideo.workers.pipelines.stub import StubPipeline
 
 
 class SimulatedRing:

@@ -1,4 +1,4 @@
-"""``bench.thread_cpu``: the benchmarks' per-thread CPU, read from ``/proc``."""
+"""``rtvideo.bench.thread_cpu``: the benchmarks' per-thread CPU, read from ``/proc``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from bench import thread_cpu
-from workers.os_threads import name_this_thread
+from rtvideo.bench import thread_cpu
+from rtvideo.workers.os_threads import name_this_thread
 
 
 def test_a_stat_line_names_the_thread_even_with_spaces_and_parentheses():

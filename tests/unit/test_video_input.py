@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from engine.messages import SessionGeometry, VideoInput
-from server.media import JpegEncoder, split_jpeg_payload
-from server.metrics import Metrics
-from server.schemas import ClientEvent, RequestError, check_input_message, describe_validation_error, resolve
-from server.settings import ServerSettings
-from server.video_input import (
+from rtvideo.engine.messages import SessionGeometry, VideoInput
+from rtvideo.server.media import JpegEncoder, split_jpeg_payload
+from rtvideo.server.metrics import Metrics
+from rtvideo.server.schemas import ClientEvent, RequestError, check_input_message, describe_validation_error, resolve
+from rtvideo.server.settings import ServerSettings
+from rtvideo.server.video_input import (
     HEADER,
     MAX_CHUNKS_AHEAD,
     MAX_CHUNKS_WAITING,

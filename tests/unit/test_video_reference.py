@@ -10,10 +10,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.messages import SessionGeometry
-from server.schemas import RequestError
-from server.video_input import MAX_CHUNKS_AHEAD
-from server.video_reference import ReferenceFeeder, ReferenceVideo
+from rtvideo.engine.messages import SessionGeometry
+from rtvideo.server.schemas import RequestError
+from rtvideo.server.video_input import MAX_CHUNKS_AHEAD
+from rtvideo.server.video_reference import ReferenceFeeder, ReferenceVideo
 from tests.support import video_file
 
 W, H = 16, 12
