@@ -239,11 +239,12 @@ def session_chunks(chunks: int) -> int:
 
 def graphs_added(before: dict | None, after: dict | None) -> dict | None:
     """What ran between two readings of a pipeline's captured-step counts
-    (``graph_figures``): captures, replays and eager first uses; None without
-    captured steps."""
+    (``graph_figures``): captures, replays, eager runs (first uses, or all
+    since a capture failed) and failed captures (the worker's log says why);
+    None without captured steps."""
     if before is None or after is None:
         return None
-    return {name: after[name] - before[name] for name in ("captures", "replays", "fallbacks")}
+    return {name: after[name] - before[name] for name in ("captures", "replays", "fallbacks", "capture_failures")}
 
 
 def window_chunks(pipeline: CausalWanPipeline) -> int:

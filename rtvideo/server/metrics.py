@@ -209,7 +209,11 @@ class EngineStatsCollector:
             "captures": CounterMetricFamily("rtvideo_step_graph_captures", "Chunk steps captured as CUDA graphs"),
             "replays": CounterMetricFamily("rtvideo_step_graph_replays", "Chunk steps run by replaying a graph"),
             "fallbacks": CounterMetricFamily(
-                "rtvideo_step_graph_fallbacks", "Chunk steps of static shapes run eagerly, before their capture"
+                "rtvideo_step_graph_fallbacks",
+                "Chunk steps of static shapes run eagerly, before their capture or after a failed one",
+            ),
+            "capture_failures": CounterMetricFamily(
+                "rtvideo_step_graph_capture_failures", "Captures that failed (then every chunk step runs eagerly)"
             ),
         }
         held = GaugeMetricFamily("rtvideo_step_graphs_held", "Captured chunk-step graphs held now")

@@ -42,11 +42,13 @@ async def test_a_worker_reports_its_captured_steps_and_the_metrics_export_them()
     # chunk 2: the denoise key's first use eager, its second captured; the commit key's first use eager;
     # chunk 3 captures the commit; then 4 + 1 replays a chunk (3 in chunk 2, 5 in chunks 3 and 4)
     assert (graphs["captures"], graphs["fallbacks"], graphs["replays"], graphs["held"]) == (2, 2, 13, 2), graphs
+    assert graphs["capture_failures"] == 0  # each capture was rehearsed under the rules and passed
     text = exported(stats)
     assert "rtvideo_step_graph_captures_total 2.0" in text
     assert "rtvideo_step_graph_replays_total 13.0" in text
     assert "rtvideo_step_graph_fallbacks_total 2.0" in text
     assert "rtvideo_step_graphs_held 2.0" in text
+    assert "rtvideo_step_graph_capture_failures_total 0.0" in text
 
 
 async def test_a_pipeline_without_captured_steps_reports_none(make_engine):

@@ -77,6 +77,7 @@ def test_cudnn_captured_tracks_cudnn_eager():
     eager = _latents(_pipeline(attention="cudnn"))
     captured = _pipeline(attention="cudnn", cuda_graphs=True)
     got = _latents(captured)
+    assert captured.step_graphs.failure is None, captured.step_graphs.failure  # a capture that failed says why
     figures = captured.graph_figures()
     assert figures["captures"] == 2 and figures["replays"] > 4 and figures["fallbacks"] == 0
     _close(got, eager)

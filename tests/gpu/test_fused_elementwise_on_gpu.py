@@ -92,6 +92,7 @@ def test_fused_and_captured_tracks_the_eager_route_and_captures_compile_nothing(
         assert (got.float() - want.float()).abs().max().item() <= tolerance * want.abs().max().item(), chunk
     release(eager, a)
     release(fused, b)
+    assert fused.step_graphs.failure is None, fused.step_graphs.failure  # a capture that failed says why
     figures = fused.graph_figures()
     assert figures["captures"] == 2 and figures["replays"] > 4
     assert inside == [0, 0]

@@ -179,6 +179,7 @@ def test_cuda_graph_replays_track_the_eager_forwards(monkeypatch, dtype, toleran
             assert _max_error(got, want) <= tolerance * want.abs().max().item(), (name, chunk)
         release(eager, a)
         release(graphs, b)
+    assert graphs.step_graphs.failure is None, graphs.step_graphs.failure  # a capture that failed says why
     figures = graphs.graph_figures()
     assert figures["captures"] == 2 and figures["replays"] > 10 and figures["held"] == 2  # the first session's
     assert figures["caches_taken_over"] == 1 and figures["kept_caches"] == 1
@@ -211,5 +212,6 @@ def test_batched_rows_replay_their_graphs_and_track_the_eager_forwards(monkeypat
     for chunk, (want, got) in enumerate(zip(latents["eager"], latents["graphs"], strict=True)):
         for a, b in zip(want, got, strict=True):
             assert _max_error(b, a) <= tolerance * a.abs().max().item(), chunk
+    assert graphs.step_graphs.failure is None, graphs.step_graphs.failure  # a capture that failed says why
     figures = graphs.graph_figures()
     assert figures["captures"] == 2 and figures["fallbacks"] == 2 and figures["replays"] > 10

@@ -24,7 +24,12 @@ def test_versus_all_runs_each_variant_and_names_the_refused_ones():
     assert summary["median_fps_ratios"] == {"cuda-graphs": graphs["median_fps_ratio"]}
     [one] = graphs["rounds"]
     # captured at warm-up: the round's session only replays (2 full-window chunks: 2 steps and a commit each)
-    assert one["variant"]["step_graphs"] == {"captures": 0, "replays": 2 * (2 + 1), "fallbacks": 0}
+    assert one["variant"]["step_graphs"] == {
+        "captures": 0,
+        "replays": 2 * (2 + 1),
+        "fallbacks": 0,
+        "capture_failures": 0,
+    }
     assert one["default"]["step_graphs"] is None and one["quality"]["identical"]
 
 

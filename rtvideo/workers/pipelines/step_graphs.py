@@ -27,6 +27,13 @@ for good: a released session's cache kept for the next session keeps its
 graphs, ``causal_wan_graphs.KeptCaches``). Whatever is not captured runs
 eagerly (``fallbacks``).
 
+A capture that fails never fails its step: the first failure is logged with
+its cause (``failure``), the graphs held are dropped and every later step of
+the pipeline runs eagerly (``capture_failures``, exported as a metric). Each
+capture is rehearsed first under ``capture_rules.CaptureRules``, so a step
+that reads a value back to the host, has a data-dependent size or draws random
+numbers is named before the capture begins, on a GPU and on a CPU alike.
+
 Before each replay the caller refreshes what the graph reads but does not
 compute (the held keys roped for the cache's current version), copies the
 inputs into the graph's static ones (``run``), and takes a copy of the output
@@ -48,6 +55,7 @@ path with no capture, on any device (tests, debugging).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,6 +64,9 @@ from typing import Literal, Protocol
 import torch
 
 from rtvideo.workers.pipelines.base import abandon_when
+from rtvideo.workers.pipelines.capture_rules import rehearse
+
+log = logging.getLogger(__name__)
 
 Output = torch.Tensor | tuple[torch.Tensor, ...]
 Replay = Callable[[], Output]
@@ -81,8 +92,10 @@ class Capture(Protocol):
 
 
 class CudaGraphCapture:
-    """Capture on a CUDA device: one warm-up run on a side stream (lazy library
-    state is made there, outside the graph), then the capture, into one memory
+    """Capture on a CUDA device: a rehearsal under ``CaptureRules`` on a side
+    stream (``CaptureBreak`` names an operator no graph can hold before the
+    capture begins), one warm-up run there (lazy library state and compiled
+    code are made outside the graph), then the capture, into one memory
     pool shared by every graph (they replay one at a time on the loop's thread,
     and each output is copied before the next replay)."""
 
@@ -99,7 +112,8 @@ class CudaGraphCapture:
         # No abandon point fires inside: a capture is not left half made (the
         # caller checked just before; a replay has no block boundaries either).
         with abandon_when(None), torch.cuda.stream(self.stream):
-            function()
+            rehearse(function)
+            function()  # compiled code and lazy library state made on this stream, outside the graph
         current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the decode stage's thread keeps using the device meanwhile
@@ -120,9 +134,13 @@ class CudaGraphCapture:
 class EagerReplay:
     """No capture: each replay runs the function again over the same static
     buffers. What a CPU runs to test the keying, the static inputs and the
-    copies of ``StepGraphs`` with the very forward a GPU captures."""
+    copies of ``StepGraphs`` with the very forward a GPU captures. The
+    "capture" rehearses the function once under ``CaptureRules``, so a step
+    no CUDA graph could hold raises ``CaptureBreak`` here as on a GPU."""
 
     def capture(self, function: Replay) -> Replay:
+        with abandon_when(None):
+            rehearse(function)
         return function
 
 
@@ -143,7 +161,8 @@ class StepGraphs:
         self.after_uses = after_uses
         self.graphs: OrderedDict[StepKey, _Captured] = OrderedDict()  # least recently used first
         self.uses: Counter[StepKey] = Counter()  # uses of keys not captured (yet)
-        self.captures = self.replays = self.fallbacks = self.evictions = 0
+        self.captures = self.replays = self.fallbacks = self.evictions = self.capture_failures = 0
+        self.failure: str | None = None  # the first capture's failure: every step eager since
 
     def run(
         self,
@@ -156,7 +175,11 @@ class StepGraphs:
         ``key`` is not captured, then by replaying its capture with ``inputs``
         copied into its static ones. The result is the caller's: a copy when
         replayed, unless ``copy`` is false (then the graph's own output, which
-        its next replay overwrites: the caller is done with it before)."""
+        its next replay overwrites: the caller is done with it before). A
+        capture that fails runs this step eagerly, and every later one."""
+        if self.failure is not None:
+            self.fallbacks += 1
+            return forward(inputs)
         captured = self.graphs.get(key)
         if captured is None:
             self.uses[key] += 1
@@ -165,7 +188,13 @@ class StepGraphs:
                 return forward(inputs)
             del self.uses[key]
             statics = {name: tensor.clone() for name, tensor in inputs.items()}
-            captured = self.graphs[key] = _Captured(statics, self.capture.capture(lambda: forward(statics)))
+            try:
+                replay = self.capture.capture(lambda: forward(statics))
+            except Exception as error:  # any failure of a capture: the step runs eagerly (Abandoned is no Exception)
+                self._give_up(key, error)
+                self.fallbacks += 1
+                return forward(inputs)
+            captured = self.graphs[key] = _Captured(statics, replay)
             self.captures += 1
             while len(self.graphs) > self.most:
                 self.graphs.popitem(last=False)
@@ -180,6 +209,14 @@ class StepGraphs:
             return output
         return output.clone() if isinstance(output, torch.Tensor) else tuple(t.clone() for t in output)
 
+    def _give_up(self, key: StepKey, error: Exception) -> None:
+        self.capture_failures += 1
+        rows = len(key.caches)
+        self.failure = f"capturing a {key.kind} step of {rows} row(s) failed: {type(error).__name__}: {error}"
+        log.warning("cuda_graphs: %s; every step of this worker runs eagerly from now on", self.failure)
+        self.graphs.clear()
+        self.uses.clear()
+
     def forget(self, cache: int) -> None:
         """Drop every graph and count that reads the cache ``cache`` (its
         session is released), those of the batches it was a row of too."""
@@ -190,12 +227,15 @@ class StepGraphs:
 
     def figures(self) -> dict[str, int]:
         """Counts since start: captures made, replays, eager runs of keys not
-        captured, graphs dropped to stay within ``most``, and graphs held."""
+        captured (or after a failed capture), graphs dropped to stay within
+        ``most``, captures that failed (at most 1: the first stops capturing),
+        and graphs held."""
         return {
             "captures": self.captures,
             "replays": self.replays,
             "fallbacks": self.fallbacks,
             "evictions": self.evictions,
+            "capture_failures": self.capture_failures,
             "held": len(self.graphs),
         }
 
