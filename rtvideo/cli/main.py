@@ -176,6 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
     from rtvideo.server.drain import DrainingServer
     from rtvideo.server.http_protocol import MAX_HEAD_BYTES, guarded_h11
     from rtvideo.server.logs import logging_config
+    from rtvideo.server.prompt_policy import PromptPolicyError, load_prompt_policy
     from rtvideo.server.startup import OneLineLifespan
     from rtvideo.server.ws_protocol import RealtimeWebSocketProtocol
 
@@ -184,6 +185,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     if settings.worker_listen is None:  # a launched group loads the model on its own machines
         check_model(settings.model)
+    try:  # before anything loads; the app loads it again at start (create_app is the API's whole contract)
+        load_prompt_policy(settings.prompt_policy, settings.prompt_policy_timeout_s)
+    except PromptPolicyError as error:
+        raise SystemExit(f"rtvideo serve: --prompt-policy {error.spec}: {error.what}") from None
     sock = listen(settings.host, settings.port)  # before the app exists: nothing loads for a port we cannot have
     app = create_app(settings)
     config = uvicorn.Config(

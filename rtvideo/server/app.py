@@ -38,6 +38,7 @@ from rtvideo.server.logs import AnswersToGoneClients, redact_uvicorn_loggers
 from rtvideo.server.media import CONTENT_TYPES
 from rtvideo.server.metrics import Metrics
 from rtvideo.server.openapi import with_limits
+from rtvideo.server.prompt_policy import PromptPolicyError, PromptRefused, load_prompt_policy
 from rtvideo.server.realtime import RealtimeConnection
 from rtvideo.server.schemas import (
     DeletedVideo,
@@ -103,6 +104,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
+            app.state.prompt_policy = load_prompt_policy(settings.prompt_policy, settings.prompt_policy_timeout_s)
+        except PromptPolicyError as error:
+            raise _cannot_start(app, error) from None
+        try:
             store = await open_job_store(settings)  # first: a data_dir in use stops the start before the model loads
         except StoreError as error:
             raise _cannot_start(app, error) from None
@@ -121,7 +126,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
         app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
         app.state.jobs = JobManager(
-            engine, settings, engine.ready.pipeline, app.state.capacity, app.state.metrics, app.state.drainer, store
+            engine,
+            settings,
+            engine.ready.pipeline,
+            app.state.capacity,
+            app.state.metrics,
+            app.state.drainer,
+            store,
+            prompt_policy=app.state.prompt_policy,
         )
         await app.state.jobs.open()
         try:
@@ -315,6 +327,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             state.drainer,
             sessions=state.live_sessions,
             capacity=state.capacity,
+            prompt_policy=state.prompt_policy,
         )
         try:
             await connection.serve()
@@ -327,7 +340,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         status_code=202,
         tags=["videos"],
         dependencies=[Depends(authorized)],
-        responses=errors(401, 413, 422, 429, 503),
+        responses=errors(400, 401, 413, 422, 429, 503),
         openapi_extra=OPENAPI_FORMS,
     )
     async def create_video(body: JobRequest, request: Request) -> VideoObject:
@@ -341,7 +354,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         tags=["videos"],
         dependencies=[Depends(authorized)],
         response_class=Response,
-        responses={**VIDEO_CONTENT, **errors(401, 413, 422, 429, 499, 500, 503)},
+        responses={**VIDEO_CONTENT, **errors(400, 401, 413, 422, 429, 499, 500, 503)},
         openapi_extra=OPENAPI_FORMS,
     )
     async def create_video_sync(body: JobRequest, request: Request) -> Response:
@@ -497,6 +510,8 @@ async def _create(request: Request, body: JobRequest):
         return await request.app.state.jobs.create(body, request.scope.get(INPUT_REFERENCE))
     except RequestError as error:
         raise HTTPException(422, detail={"code": "invalid_request", "message": str(error)}) from None
+    except PromptRefused as error:
+        raise HTTPException(400, detail={"code": "prompt_refused", "message": str(error)}) from None
     except JobsFullError as error:
         retry = {"Retry-After": str(math.ceil(error.retry_after_s))}
         raise HTTPException(429, detail={"code": error.code, "message": error.message}, headers=retry) from None
@@ -520,6 +535,7 @@ def _content(video: VideoObject, path: Path, background: BackgroundTask | None =
 
 
 ERROR_MEANINGS = {
+    400: "the server's prompt policy refused one of its prompts; the message names the field (prompt_refused)",
     401: "an API key is configured and the request did not present it (unauthorized)",
     404: "no such video (not_found)",
     409: "the video is not completed yet (not_ready)",

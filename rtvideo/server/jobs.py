@@ -56,6 +56,7 @@ from rtvideo.server.drain import Drainer
 from rtvideo.server.job_store import INTERRUPTED, INTERRUPTED_MESSAGE, JobStore, StoredJob, UnknownCursorError
 from rtvideo.server.metrics import Metrics
 from rtvideo.server.output import SessionOutput
+from rtvideo.server.prompt_policy import PromptPolicy, PromptRefused
 from rtvideo.server.schemas import (
     DEFAULT_INPUT_STRENGTH,
     DEFAULT_JOB_SECONDS,
@@ -276,8 +277,10 @@ class JobManager:
         metrics: Metrics,
         drainer: Drainer,
         store: JobStore,
+        prompt_policy: PromptPolicy | None = None,
     ) -> None:
         self.engine = engine
+        self.prompt_policy = prompt_policy
         self.drainer = drainer
         self.metrics = metrics
         self.settings = settings
@@ -331,12 +334,18 @@ class JobManager:
         """Validate and start a job (``DEFAULT_JOB_SECONDS`` long when the request
         gives no length, the input video's length with a ``reference``: the bytes of
         its ``input_reference`` file, ``with_reference``); ``RequestError`` names
-        what is wrong. The
+        what is wrong, ``PromptRefused`` a prompt the prompt policy refuses. The
         first start attempt happens here, so the worker's own checks (sizes,
         steps) refuse a bad request at once; a full engine leaves it queued.
         The job is in the store (``queued``) when this returns."""
         if (unavailable := self.engine.unavailable()) is not None:
             raise unavailable  # answered 503 before anything is kept
+        if self.prompt_policy is not None:
+            try:
+                await self.prompt_policy.check(job_prompts(request))
+            except PromptRefused:
+                self.metrics.prompts_refused.labels("job").inc()
+                raise
         # Counted with the creates still on their way to the store (the awaits below), so
         # a burst of concurrent requests cannot all pass the check before any is kept.
         async with self._admission:
@@ -565,6 +574,13 @@ class JobManager:
         """Seconds until a kept job expires (a fair Retry-After when the store is full)."""
         soonest = await self.store.soonest_expiry()
         return CAPACITY_RETRY_S if soonest is None else max(1.0, soonest - time.time())
+
+
+def job_prompts(request: JobRequest) -> dict[str, str | None]:
+    """Every prompt a job request carries, by field, as the prompt policy checks them."""
+    prompts = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    prompts.update({f"interactions[{i}].prompt": item.prompt for i, item in enumerate(request.interactions)})
+    return prompts
 
 
 async def _stop_and_drain(engine: EngineClient, handle: SessionHandle) -> None:

@@ -72,6 +72,7 @@ from rtvideo.server.dispatch import TypeDispatcher
 from rtvideo.server.events import VideoStart
 from rtvideo.server.metrics import Metrics
 from rtvideo.server.output import SessionOutput, error_event
+from rtvideo.server.prompt_policy import PromptPolicy, PromptRefused
 from rtvideo.server.rate_limit import TokenBucket
 from rtvideo.server.rendition import Rendition
 from rtvideo.server.resume_buffer import BufferedChunk, ChunkBuffer, ResumeGapError
@@ -135,8 +136,10 @@ class LiveSession:
         shared_control: bool = False,
         on_end: Callable[[], Awaitable[None]] | None = None,
         video_input: VideoInput | None = None,
+        prompt_policy: PromptPolicy | None = None,
     ) -> None:
         self.handle = handle
+        self.prompt_policy = prompt_policy
         self.output = output
         self.engine = engine
         self.settings = settings
@@ -336,7 +339,10 @@ class LiveSession:
     async def interact(self, viewer: Viewer, event_id: str, interaction: Interaction) -> None:
         """Hand a controller's interaction to the engine, unless the session sent more than
         ``max_interactions_per_s`` allows: then ``viewer`` gets ``error{code: "rate_limited"}``
-        (kept for a resume like any answer to it), nothing is queued, and the session goes on."""
+        (kept for a resume like any answer to it), nothing is queued, and the session goes on;
+        or unless the prompt policy refuses its prompt: ``error{code: "prompt_refused"}``, the same way.
+        A policy's check holds this connection's later messages until it answers (in order:
+        ``prompt_policy_timeout_s`` at most)."""
         wait = self._interactions.take(time.monotonic())
         if wait is not None:
             self.metrics.interactions.labels("rejected").inc()
@@ -348,6 +354,14 @@ class LiveSession:
             )
             event = error_event("rate_limited", message, request_id=self.request_id, event_id=event_id)
             return self._to_controller(viewer.controller_id, event)
+        if self.prompt_policy is not None:
+            try:
+                await self.prompt_policy.check({"interaction.event.prompt": interaction.prompt})
+            except PromptRefused as refused:
+                self.metrics.interactions.labels("rejected").inc()
+                self.metrics.prompts_refused.labels("interaction").inc()
+                event = error_event("prompt_refused", str(refused), request_id=self.request_id, event_id=event_id)
+                return self._to_controller(viewer.controller_id, event)
         self.output.senders.setdefault(event_id, viewer.controller_id)
         self._answer_to.setdefault(event_id, deque()).append(viewer.controller_id)
         await self.engine.interact(self.session_id, event_id, interaction)

@@ -41,7 +41,9 @@ REJECTION_REASONS = (
     "invalid_request",
     "start_timeout",
     "shutting_down",
+    "prompt_refused",
 )
+PROMPT_CHECKS = ("start", "interaction", "job")
 INTERACTION_OUTCOMES = ("queued", "applied", "superseded", "rejected")
 JOB_STATUSES = ("completed", "failed", "cancelled")
 SLO_ACTIONS = ("hold", "decrease", "increase")
@@ -119,6 +121,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.prompts_refused = Counter(
+            "rtvideo_prompts_refused",
+            "Prompts the prompt policy refused, by where they came (start, interaction, job)",
+            ["where"],
+            registry=r,
+        )
         self.frames = Counter("rtvideo_frames_generated", "Frames delivered (realtime and jobs)", registry=r)
         self.chunks = Counter("rtvideo_chunks_delivered", "Realtime chunks handed to clients", registry=r)
         self.deadline_misses = Counter(
@@ -166,6 +174,7 @@ class Metrics:
             (self.sessions, SESSION_OUTCOMES),
             (self.rejections, REJECTION_REASONS),
             (self.interactions, INTERACTION_OUTCOMES),
+            (self.prompts_refused, PROMPT_CHECKS),
             (self.jobs, JOB_STATUSES),
         ):
             for value in values:

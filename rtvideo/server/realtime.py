@@ -74,6 +74,7 @@ from rtvideo.server.live_session import JoinRefused, LiveSession, ResumeRefused
 from rtvideo.server.media import FORMATS
 from rtvideo.server.metrics import Metrics, SessionClock
 from rtvideo.server.output import SessionOutput, error_event
+from rtvideo.server.prompt_policy import PromptPolicy, PromptRefused
 from rtvideo.server.resume_buffer import BufferedChunk
 from rtvideo.server.schemas import (
     CLIENT_EVENT_TYPES,
@@ -183,8 +184,10 @@ class RealtimeConnection:
         drainer: Drainer,
         sessions: SessionRegistry | None = None,
         capacity: asyncio.Condition | None = None,
+        prompt_policy: PromptPolicy | None = None,
     ) -> None:
         self.drainer = drainer
+        self.prompt_policy = prompt_policy
         self.ws = websocket
         self.engine = engine
         self.settings = settings
@@ -348,6 +351,12 @@ class RealtimeConnection:
             check_input_message(video_input, self.settings)
         except RequestError as error:
             return await self._fatal("invalid_request", str(error), CLOSE_POLICY)
+        if self.prompt_policy is not None:
+            try:
+                await self.prompt_policy.check({"prompt": start.prompt, "negative_prompt": start.negative_prompt})
+            except PromptRefused as refused:
+                self.metrics.prompts_refused.labels("start").inc()
+                return await self._fatal("prompt_refused", str(refused), CLOSE_POLICY)
         try:
             handle = await self.engine.start_session(engine_start)
         except SessionRejectedError as error:
@@ -366,6 +375,7 @@ class RealtimeConnection:
             shared_control=start.shared_control,
             on_end=self._capacity_freed,
             video_input=engine_start.input,
+            prompt_policy=self.prompt_policy,
         )
         await self._attached(session, session.attach_first)
 

@@ -20,6 +20,7 @@ GROUPS = {
     "capacity": "how many sessions at once, how large, and how long a video",
     "sessions": "realtime sessions: start, stalls, slow clients, spectators, interactions, resumes",
     "jobs": "/v1/videos jobs: how many, where they are kept, and for how long",
+    "prompts": "which prompts this server refuses (a policy of the operator's)",
     "parallel ranks": "pipeline parallelism (--pp): the ranks, their transport, and stream batch",
     "workers": "the worker processes: start, restarts, wedged workers, and the drain at shutdown",
     "observability": "what the server logs",
@@ -235,6 +236,14 @@ class ServerSettings:
     a model call that failed a session raised, its whole traceback."""
     shutdown_grace_s: float = setting("workers", 30.0)
     """On SIGTERM: how long running sessions and jobs may go on before they are ended."""
+    prompt_policy: str | None = setting("prompts", None)
+    """Prompts to refuse, checked before anything starts: a JSON file ('{"deny": ["regex", ...],
+    "reason": "..."}': refused when a pattern matches, case ignored) or module:function (called with
+    each prompt, returns None or the reason to refuse it; may be async). Refused: prompt_refused,
+    naming the field and the reason. A check that fails or takes longer than prompt_policy_timeout_s
+    refuses. Null: every prompt is taken (docs/SERVER.md, Prompt policy)."""
+    prompt_policy_timeout_s: float = setting("prompts", 5.0)
+    """How long the prompt policy may take over one prompt before that prompt is refused."""
     resume_grace_s: float = setting("sessions", 30.0)
     """How long a realtime session whose controlling socket dropped (not closed with
     1000, not stopped) is kept for a ``session.resume``; generation waits meanwhile

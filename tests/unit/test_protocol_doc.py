@@ -362,6 +362,7 @@ NOT_LIMITS = {
     "stream_batch",
     "worker_listen",
     "log_level",
+    "prompt_policy",
 }
 
 

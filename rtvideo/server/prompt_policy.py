@@ -1,0 +1,158 @@
+"""The operator's prompt policy: which prompts this server refuses.
+
+API process. Off unless ``--prompt-policy`` (``RTVIDEO_PROMPT_POLICY``) names
+one; then every prompt that reaches the server is checked before anything is
+started or queued: a realtime session's ``prompt`` and ``negative_prompt``, each
+``session.interaction``'s prompt (the owner's and a shared controller's), and a
+job's prompt, negative prompt and scheduled prompts. A refused prompt gets
+``prompt_refused`` naming the field and the policy's reason (a fatal error at a
+start, a non-fatal one for an interaction, HTTP 400 for a job); nothing else of
+the session or the server is touched. Two kinds:
+
+- a JSON file, ``{"deny": ["regex", ...], "reason": "..."}``: a prompt is
+  refused when any pattern matches anywhere in it (Python ``re``, case
+  ignored); ``reason`` is what the client is told (default: "it matches a
+  pattern this server refuses"), never which pattern matched;
+- ``module:function``, importable in the API process: called with each prompt
+  (``str``), it returns None to take it or the reason to refuse it (a string),
+  or an awaitable of either (a moderation service's client). A plain function
+  runs in a thread. One that raises, answers anything else, or takes longer
+  than ``prompt_policy_timeout_s`` refuses the prompt ("the prompt check
+  failed"), logged with its cause: the policy fails closed.
+
+``load_prompt_policy`` reads it at start; ``PromptPolicyError`` names what is
+wrong (a missing or malformed file, a pattern that does not compile, a
+function that cannot be imported), and the server does not start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REASON = "it matches a pattern this server refuses"
+CHECK_FAILED = "the prompt check failed"
+
+
+class PromptPolicyError(ValueError):
+    """A prompt policy that cannot be loaded: ``spec`` (what named it) and ``what``
+    is wrong; the message says both."""
+
+    def __init__(self, spec: object, what: str) -> None:
+        super().__init__(f"prompt policy {spec}: {what}")
+        self.spec, self.what = str(spec), what
+
+
+class PromptRefused(Exception):
+    """A prompt the policy refuses: ``field`` (``prompt``, ``negative_prompt``,
+    ``prompt_schedule[1].prompt``) and the policy's ``reason``."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: refused by this server's prompt policy: {reason}")
+        self.field, self.reason = field, reason
+
+
+class PromptPolicy:
+    """A loaded policy: ``check`` refuses the first field whose text it refuses."""
+
+    def __init__(self, name: str, judge: Callable[[str], Awaitable[str | None]], timeout_s: float) -> None:
+        self.name, self._judge, self.timeout_s = name, judge, timeout_s
+
+    async def check(self, fields: Mapping[str, str | None]) -> None:
+        """``PromptRefused`` for the first of ``fields`` (name -> text; None or
+        blank: nothing to check) that the policy refuses, in order."""
+        for field, text in fields.items():
+            if text is None or not text.strip():
+                continue
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    reason = await self._judge(text)
+            except TimeoutError:
+                log.warning("prompt policy %s: no answer within %g s for %s; refused", self.name, self.timeout_s, field)
+                reason = CHECK_FAILED
+            except Exception as error:  # any failure of the operator's check refuses: the policy fails closed
+                log.warning(
+                    "prompt policy %s failed on %s (%s: %s); refused", self.name, field, type(error).__name__, error
+                )
+                reason = CHECK_FAILED
+            if reason is not None and not isinstance(reason, str):
+                log.warning(
+                    "prompt policy %s answered %r for %s, not a reason or None; refused", self.name, reason, field
+                )
+                reason = CHECK_FAILED
+            if reason is not None:
+                log.info("prompt policy %s refused %s", self.name, field)
+                raise PromptRefused(field, reason or DEFAULT_REASON)
+
+
+def deny_list(path: Path, timeout_s: float) -> PromptPolicy:
+    """The JSON file's policy (see the module's docstring)."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise PromptPolicyError(path, f"cannot be read ({error.strerror or error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PromptPolicyError(path, f"not a JSON file ({error})") from None
+    if not isinstance(spec, dict) or set(spec) - {"deny", "reason"} or not isinstance(spec.get("deny"), list):
+        raise PromptPolicyError(
+            path,
+            f'expected an object {{"deny": ["pattern", ...], "reason": "..."}} '
+            f"(reason optional), got {json.dumps(spec)[:200]}",
+        )
+    reason = spec.get("reason", DEFAULT_REASON)
+    if not isinstance(reason, str) or not reason.strip():
+        raise PromptPolicyError(path, f"reason must be a non-blank string, got {reason!r}")
+    patterns = []
+    for index, pattern in enumerate(spec["deny"]):
+        if not isinstance(pattern, str) or not pattern:
+            raise PromptPolicyError(path, f"deny[{index}] must be a non-empty string, got {pattern!r}")
+        try:
+            patterns.append(re.compile(pattern, re.IGNORECASE))
+        except re.error as error:
+            raise PromptPolicyError(path, f"deny[{index}] {pattern!r} is no regex ({error})") from None
+
+    async def judge(text: str) -> str | None:
+        return reason if any(pattern.search(text) for pattern in patterns) else None
+
+    return PromptPolicy(str(path), judge, timeout_s)
+
+
+def function_policy(spec: str, timeout_s: float) -> PromptPolicy:
+    """``module:function``'s policy (see the module's docstring)."""
+    module_name, _, attribute = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except Exception as error:  # an import error of any kind names the spec
+        raise PromptPolicyError(spec, f"cannot be imported ({type(error).__name__}: {error})") from None
+    if not callable(function):
+        raise PromptPolicyError(spec, f"{attribute} is not a function")
+
+    async def judge(text: str) -> Any:
+        if inspect.iscoroutinefunction(function):
+            return await function(text)
+        answer = await asyncio.to_thread(function, text)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    return PromptPolicy(spec, judge, timeout_s)
+
+
+def load_prompt_policy(spec: str | None, timeout_s: float) -> PromptPolicy | None:
+    """The policy ``spec`` names: None (no policy), ``module:function``, or a JSON
+    file's path; ``PromptPolicyError`` names what is wrong with it."""
+    if spec is None or not spec.strip():
+        return None
+    path = Path(spec)
+    if path.exists() or spec.endswith(".json") or ":" not in spec:
+        if not path.is_file():
+            raise PromptPolicyError(spec, "no such file (a JSON file, or module:function)")
+        return deny_list(path, timeout_s)
+    return function_policy(spec, timeout_s)
