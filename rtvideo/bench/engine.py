@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
+from rtvideo.bench.machine import this_machine
 from rtvideo.bench.stats import percentiles
 from rtvideo.engine.client.engine_client import EngineClient, SessionHandle
 from rtvideo.engine.config import EngineConfig, PipelineSpec
@@ -259,6 +260,7 @@ async def run(options: BenchOptions, progress: Progress | None = None) -> dict:
     rng = random.Random(options.seed)
     summary: dict = {
         "bench": "engine",
+        "machine": this_machine(),
         "step_ms": options.step_ms,
         "step_wait": "spin" if options.spin else "sleep",
         "chunks_per_run": options.chunks,

@@ -42,6 +42,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from rtvideo.bench.machine import this_machine
 from rtvideo.bench.settings import parse_with, pipeline_options, refusal
 from rtvideo.engine.messages import StartSession
 from rtvideo.engine.progress import Progress
@@ -184,6 +185,7 @@ def run(
         "bench": "pipeline",
         "preset": preset,
         "device": str(pipeline.device),
+        "machine": this_machine(pipeline.device),
         "with": list(with_settings),
         "dtype": str(pipeline.dtype).replace("torch.", ""),
         "vae_dtype": str(pipeline.vae_dtype).replace("torch.", ""),

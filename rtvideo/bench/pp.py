@@ -70,6 +70,7 @@ import time
 from dataclasses import dataclass
 
 from rtvideo.bench import thread_cpu
+from rtvideo.bench.machine import this_machine
 from rtvideo.engine.client.engine_client import EngineClient
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import (
@@ -391,6 +392,7 @@ def main(options: PpBenchOptions, as_json: bool = False, configs=CONFIGS, sized_
     per_round = {name: _round_ratios(runs, a, b) for name, (a, b) in RATIOS.items()}
     summary = {
         "bench": "pp",
+        "machine": this_machine(),
         "model": options.model,
         "size": options.size,
         "chunks": options.chunks,

@@ -46,6 +46,7 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
+from rtvideo.bench.machine import http_of, served_by
 from rtvideo.bench.playback import REPORT_EVERY_S, START_S, LeadPolicy, SimulatedPlayer
 from rtvideo.bench.stats import percentiles
 from rtvideo.engine.progress import Progress
@@ -233,6 +234,7 @@ async def run(options: RealtimeBenchOptions, progress: Progress | None = None) -
     return {
         "bench": "realtime",
         "url": options.url,
+        "served_by": await asyncio.to_thread(served_by, http_of(options.url), options.api_key),
         "sessions": options.sessions,
         "chunks_per_session": options.chunks,
         "max_lead_seconds": options.max_lead_seconds,

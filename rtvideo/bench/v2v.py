@@ -38,6 +38,7 @@ import av
 import numpy as np
 from websockets.asyncio.client import ClientConnection
 
+from rtvideo.bench.machine import served_by
 from rtvideo.bench.realtime import session_events, session_socket, session_start
 from rtvideo.bench.stats import percentiles
 from rtvideo.engine.progress import Progress
@@ -213,6 +214,7 @@ async def run(options: V2vBenchOptions, progress: Progress | None = None) -> dic
     return {
         "bench": "v2v",
         "url": options.url,
+        "served_by": await asyncio.to_thread(served_by, options.http_url(), options.api_key),
         "sessions": options.sessions,
         "chunks_per_session": options.chunks,
         "strength": options.strength,

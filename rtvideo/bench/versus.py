@@ -91,6 +91,7 @@ import msgspec
 import numpy as np
 import torch
 
+from rtvideo.bench.machine import this_machine
 from rtvideo.bench.pipeline import graphs_added, one_session, session_chunks, untimed_chunks, window_chunks
 from rtvideo.bench.settings import COMBINED, SETTINGS, SHORT_WINDOW_FRAMES, parts, pipeline_options, refusal
 from rtvideo.engine.messages import StartSession
@@ -225,6 +226,7 @@ def versus(
         "with": list(given),
         "pipelines": {name: _settings(*contender) for name, contender in contenders.items()},
         "device": str(default.device),
+        "machine": this_machine(default.device),
         "width": start.width or default.default_size[0],
         "height": start.height or default.default_size[1],
         "steps": start.num_inference_steps,

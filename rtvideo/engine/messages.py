@@ -268,6 +268,20 @@ ControlMessage = (
 # --------------------------------------------------------------------------
 
 
+class DeviceInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker computes on (``rtvideo.workers.device_info``): ``/health`` and
+    the benchmarks' summaries carry it, so a figure says which machine made it."""
+
+    kind: str  # torch's device type: cuda, cpu, ...
+    name: str  # the GPU's name (NVIDIA H200), or the CPU's model on a CPU
+    memory_bytes: int | None = None  # the GPU's memory, or the host's on a CPU; None: not known
+    capability: str | None = None  # a CUDA GPU's compute capability (9.0); None elsewhere
+    cpu: str = "unknown"  # the host CPU's model
+    cpu_cores: int = 1  # the cores this process may run on
+    torch: str | None = None  # the version of torch imported, else installed; None: none installed
+    cuda: str | None = None  # the CUDA version torch was built with; None on a CPU build
+
+
 class WorkerReady(_Wire, tag="worker_ready"):
     """The READY handshake: the pipeline is built and the loop is running."""
 
@@ -288,6 +302,7 @@ class WorkerReady(_Wire, tag="worker_ready"):
     max_realtime_load: float | None = None  # admission by chunk cost (EngineConfig.max_realtime_load); None: off
     prompts: tuple[str, ...] = ()  # prompts the model knows, for clients to suggest (a demo model's); () if none
     cpu_threads: int | None = None  # CPU threads rank 0's kernels run on (workers.cpu_threads); None: not on a CPU
+    device: DeviceInfo | None = None  # what rank 0 computes on; None: not said
 
 
 class WorkerHello(_Wire, tag="worker_hello"):

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Literal
 
+import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -272,6 +273,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                         "alive": True,
                         "restarts": engine.restarts,
                         "cpu_threads": engine.ready.cpu_threads,
+                        "device": msgspec.to_builtins(engine.ready.device),
                     }
                 ],
                 "sessions": len(engine.open_sessions()),

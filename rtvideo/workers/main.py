@@ -46,6 +46,7 @@ from rtvideo.engine.transport import Endpoints, ResultSender
 from rtvideo.workers import process_log
 from rtvideo.workers.calibrate import Calibration, calibrate
 from rtvideo.workers.decode_stage import decode_batch_rows
+from rtvideo.workers.device_info import describe_device
 from rtvideo.workers.executor import LocalExecutor
 from rtvideo.workers.os_threads import decode_nice
 from rtvideo.workers.parallel.group import decode_placement
@@ -194,6 +195,7 @@ def run_worker(
             max_realtime_load=config.max_realtime_load,
             prompts=known_prompts(config.pipeline),
             cpu_threads=cpu_threads,
+            device=describe_device(pipeline.device),
         )
     )
     exit_code, why = 0, "shut down"

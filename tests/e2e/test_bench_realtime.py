@@ -12,6 +12,8 @@ def test_bench_realtime_reports_every_figure(server):
     flags = ("--url", server.http, "--sessions", "2", "--chunks", "6", "--interact-at", "1", "--interact-every", "2")
     summary = rtvideo_summary(*BENCH, *flags, "--json", timeout=120)
     assert summary["bench"] == "realtime" and summary["sessions"] == 2 and summary["failed_sessions"] == []
+    served = summary["served_by"]  # the server's worker, as its /health says (the stub: this host's CPU)
+    assert served["kind"] == "cpu" and served["name"] == served["cpu"] and served["cpu_cores"] >= 1, served
     assert summary["max_lead_seconds"] == "adaptive"
     for key in (
         "ttff_ms",

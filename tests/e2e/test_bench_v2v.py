@@ -13,6 +13,7 @@ def test_bench_v2v_reports_latency_drops_and_throughput(server):
     flags = ("--url", server.http, "--sessions", "2", "--chunks", "5", "--interact-at", "1", "--format", "jpeg")
     summary = rtvideo_summary(*BENCH, *flags, "--json", timeout=120)
     assert summary["bench"] == "v2v" and summary["failed_sessions"] == []
+    assert summary["served_by"]["kind"] == "cpu", summary["served_by"]
     assert (summary["width"], summary["height"], summary["fps"]) == (32, 32, 16.0)  # the stub's defaults
     # chunk 0 takes first_chunk_frames input frames, every later one frames_per_chunk: each output frame is one
     assert summary["input_frames_used"] == summary["output_frames"] > 0

@@ -93,6 +93,8 @@ def test_the_shipped_demo_model_runs_on_the_cpu_threads_its_worker_measured():
     server = start_server(model="demo", unset=("OMP_NUM_THREADS",))
     try:
         workers = server.health()["workers"]
+        device = workers[0]["device"]  # what the worker computes on, by name
+        assert device["kind"] == ("cuda" if torch.cuda.is_available() else "cpu") and device["name"], device
         if torch.cuda.is_available():
             assert workers[0]["cpu_threads"] is None, workers  # on a GPU there is no count to choose
         else:

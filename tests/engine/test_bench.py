@@ -10,6 +10,7 @@ def test_bench_engine_prints_a_complete_json_summary_last():
         "bench", "engine", "--json", "--step-ms", "2", "--chunks", "4", "--interactions", "3", "--repeats", "1"
     )
     assert summary["bench"] == "engine"
+    assert summary["machine"]["kind"] == "cpu" and summary["machine"]["cpu_cores"] >= 1
     for mode in ("grouped", "ungrouped"):
         overhead = summary[mode]["overhead"]
         assert [r["steps_per_chunk"] for r in overhead["runs"]] == [1, 2, 3, 4]

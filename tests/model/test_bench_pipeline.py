@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.support import rtvideo_summary
 
@@ -33,6 +34,8 @@ def _bench_here(capsys, *flags: str) -> dict:
 def test_bench_pipeline_prints_the_per_chunk_split_and_fps():
     summary = _bench()
     assert summary["bench"] == "pipeline" and summary["preset"] == "tiny" and summary["steps"] == 2
+    machine = summary["machine"]  # the figures' label: what they were measured on
+    assert machine["kind"] == "cpu" and machine["torch"] == torch.__version__ and machine["name"] == machine["cpu"]
     assert set(summary["per_chunk_ms"]) == {"denoise_ms", "commit_ms", "decode_ms", "total_ms"}
     assert all(value > 0 for value in summary["per_chunk_ms"].values())
     assert summary["time_to_first_chunk_s"] > 0 and summary["generated_fps"] > 0
