@@ -20,7 +20,7 @@ import torch
 
 from rtvideo.engine.messages import StartSession
 from rtvideo.workers.chunk_driver import ChunkDriver
-from rtvideo.workers.pipelines.capture_rules import CaptureBreak, rehearse
+from rtvideo.workers.pipelines.capture_rules import CaptureBreak, CaptureRules, rehearse
 from rtvideo.workers.pipelines.causal_wan import build
 from rtvideo.workers.pipelines.step_graphs import EagerReplay, StepGraphs, StepKey
 
@@ -138,3 +138,20 @@ def test_a_rehearsal_runs_compiled_code_as_its_source_and_leaves_it_compiled():
     assert torch.equal(compiled(X), scaled(X))
     with pytest.raises(CaptureBreak, match="_local_scalar_dense"):
         rehearse(lambda: compiled(X).sum().item())
+
+
+def test_a_steady_eager_chunk_never_makes_the_host_wait_on_the_device():
+    """Without captured steps too: a chunk over a full window (boundary, denoise
+    steps, commit, decode) reads nothing back and sizes nothing by the data, so
+    on a GPU the host runs ahead queueing kernels and the device never idles on
+    it. Its noise is drawn on the host (seeded per session) and copied in: allowed."""
+    span = {"sink_frames": 3, "window_frames": 3}
+    pipeline = build("tiny", device="cpu", warm_up_chunks=0, **span)
+    driver = ChunkDriver(pipeline, max_rows=1)
+    driver.open(StartSession(session_id="s", prompt="a red fox", seed=2, width=32, height=32))
+    driver.run(["s"], 3)  # the window fills
+    with torch.compiler.set_stance("force_eager"), CaptureRules(host_waits_only=True):
+        chunks = driver.run(["s"], 2)["s"]
+    assert len(chunks) == 2
+    with pytest.raises(CaptureBreak, match="the host waits on the device"), CaptureRules(host_waits_only=True):
+        torch.ones(3).sum().item()

@@ -99,13 +99,24 @@ def _copies_from_the_host(func: Any, args: tuple, kwargs: dict, out: Any) -> boo
 
 
 class CaptureRules(TorchDispatchMode):
-    """Raise ``CaptureBreak`` at the first operator a CUDA graph cannot capture."""
+    """Raise ``CaptureBreak`` at the first operator a CUDA graph cannot capture.
+    ``host_waits_only``: only those that make the host wait on the device (a read
+    back, a data-dependent size; random numbers and copies in pass): the rules of
+    an eager chunk that keeps a GPU busy (``tests/model/test_capture_rules.py``)."""
+
+    def __init__(self, host_waits_only: bool = False) -> None:
+        super().__init__()
+        self.host_waits_only = host_waits_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         why = BREAKERS.get(func.overloadpacket)
         if why is None:
             why = _data_sized(func, args, kwargs)
+        if self.host_waits_only:
+            if why is not None:
+                raise CaptureBreak(f"{func} {why}: the host waits on the device there")
+            return func(*args, **kwargs)
         if why is None and _draws(func, args, kwargs):
             why = "draws random numbers (a replay would draw the captured ones again)"
         if why is not None:
