@@ -54,7 +54,7 @@ class PromptPolicyError(ValueError):
 
 class PromptRefused(Exception):
     """A prompt the policy refuses: ``field`` (``prompt``, ``negative_prompt``,
-    ``prompt_schedule[1].prompt``) and the policy's ``reason``."""
+    ``interaction.event.prompt``, a job's ``interactions[1].prompt``) and the policy's ``reason``."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: refused by this server's prompt policy: {reason}")
