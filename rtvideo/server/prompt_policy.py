@@ -16,7 +16,9 @@ the session or the server is touched. Two kinds:
 - ``module:function``, importable in the API process: called with each prompt
   (``str``), it returns None to take it or the reason to refuse it (a string),
   or an awaitable of either (a moderation service's client). A plain function
-  runs in a thread. One that raises, answers anything else, or takes longer
+  runs on one of ``POLICY_THREADS`` daemon threads of its own: one that hangs
+  holds one of them, never the threads that encode every session's media, and
+  never holds the process at exit. One that raises, answers anything else, or takes longer
   than ``prompt_policy_timeout_s`` refuses the prompt ("the prompt check
   failed"), logged with its cause: the policy fails closed.
 
@@ -32,13 +34,16 @@ import importlib
 import inspect
 import json
 import logging
+import queue
 import re
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
+POLICY_THREADS = 4
 DEFAULT_REASON = "it matches a pattern this server refuses"
 CHECK_FAILED = "the prompt check failed"
 
@@ -126,6 +131,48 @@ def deny_list(path: Path, timeout_s: float) -> PromptPolicy:
     return PromptPolicy(str(path), judge, timeout_s)
 
 
+class PolicyThreads:
+    """``size`` daemon threads that run a plain policy function, apart from the
+    event loop's default executor (media encoding, frame decoding use that one):
+    calls beyond them queue, and a call that hangs holds its thread only. The
+    threads start with the first call (a policy loaded only to be checked starts none)."""
+
+    def __init__(self, size: int) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.size = size
+        self.threads: list[threading.Thread] = []
+
+    def run(self, function: Callable[[str], Any], text: str) -> asyncio.Future:
+        """``function(text)`` on one of the threads; its answer (or exception) on the returned future."""
+        if not self.threads:
+            self.threads = [
+                threading.Thread(target=self._serve, name=f"prompt-policy-{i}", daemon=True) for i in range(self.size)
+            ]
+            for thread in self.threads:
+                thread.start()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((loop, future, function, text))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            loop, future, function, text = self._calls.get()
+            try:
+                outcome, failed = function(text), False
+            except Exception as error:  # handed to the awaiting check, which refuses
+                outcome, failed = error, True
+            try:
+                loop.call_soon_threadsafe(_settle, future, outcome, failed)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+
+def _settle(future: asyncio.Future, outcome: Any, failed: bool) -> None:
+    if not future.done():  # a check that timed out cancelled it
+        future.set_exception(outcome) if failed else future.set_result(outcome)
+
+
 def function_policy(spec: str, timeout_s: float) -> PromptPolicy:
     """``module:function``'s policy (see the module's docstring)."""
     module_name, _, attribute = spec.partition(":")
@@ -136,10 +183,12 @@ def function_policy(spec: str, timeout_s: float) -> PromptPolicy:
     if not callable(function):
         raise PromptPolicyError(spec, f"{attribute} is not a function")
 
+    threads = None if inspect.iscoroutinefunction(function) else PolicyThreads(POLICY_THREADS)
+
     async def judge(text: str) -> Any:
-        if inspect.iscoroutinefunction(function):
+        if threads is None:
             return await function(text)
-        answer = await asyncio.to_thread(function, text)
+        answer = await threads.run(function, text)
         return await answer if inspect.isawaitable(answer) else answer
 
     return PromptPolicy(spec, judge, timeout_s)

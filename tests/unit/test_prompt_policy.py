@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import threading
 import types
@@ -18,6 +19,7 @@ from rtvideo.server.jobs import job_prompts
 from rtvideo.server.prompt_policy import (
     CHECK_FAILED,
     DEFAULT_REASON,
+    POLICY_THREADS,
     PromptPolicyError,
     PromptRefused,
     load_prompt_policy,
@@ -148,3 +150,24 @@ def test_every_prompt_of_a_job_is_checked_by_its_field():
         "interactions[0].prompt": "a storm",
         "interactions[1].prompt": "a calm sea",
     }
+
+
+async def test_a_hanging_function_holds_only_the_policys_own_threads(monkeypatch):
+    """A plain function runs on the policy's daemon threads, not the loop's default
+    executor that encodes every session's media: with all of them hung, checks
+    are refused on time and the server's other threaded work goes on."""
+    release = threading.Event()
+
+    def hangs(text):
+        release.wait(10)
+
+    name = _module(monkeypatch, "policy_hangs", hangs=hangs)
+    policy = load_prompt_policy(f"{name}:hangs", 0.3)
+    default_executor = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's threads
+    checks = [policy.check({"prompt": f"prompt {i}"}) for i in range(max(POLICY_THREADS, default_executor) + 1)]
+    results = await asyncio.gather(*checks, return_exceptions=True)
+    assert all(isinstance(r, PromptRefused) and r.reason == CHECK_FAILED for r in results), results
+    assert await asyncio.wait_for(asyncio.to_thread(lambda: "encoded"), 2) == "encoded"
+    ours = [t for t in threading.enumerate() if t.name.startswith("prompt-policy-")]
+    assert len(ours) >= POLICY_THREADS and all(t.daemon for t in ours)  # never holds the process at exit
+    release.set()
