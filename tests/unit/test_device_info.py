@@ -10,9 +10,10 @@ import os
 import subprocess
 import sys
 
-from rtvideo.engine.messages import SessionGeometry, WorkerReady
+from rtvideo.engine.messages import WorkerReady
 from rtvideo.engine.transport import decode_result, encode_result
 from rtvideo.workers.device_info import cpu_model, describe_device
+from tests.unit.test_messages import GEOMETRY
 
 
 def test_the_host_is_described_by_its_cpu_its_cores_and_its_memory():
@@ -38,16 +39,7 @@ def test_the_description_crosses_the_wire_in_worker_ready():
         supports_chunk_step_grouping=True,
         grouping=True,
         max_sessions=1,
-        defaults=SessionGeometry(
-            width=64,
-            height=64,
-            fps=16.0,
-            num_inference_steps=4,
-            first_chunk_frames=9,
-            frames_per_chunk=12,
-            num_chunks=None,
-            transition_chunks=0,
-        ),
+        defaults=GEOMETRY,
         device=describe_device(None),
     )
     assert decode_result(encode_result(ready)).device == ready.device
