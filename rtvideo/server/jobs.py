@@ -536,21 +536,23 @@ class JobManager:
                     return job.fail(error.code, error.message)
             except EngineRestartingError:
                 pass  # a queued job outlives a worker restart: try again once it is up
-        job.waiting = False
-        job.status = "in_progress"
-        await self.store.update(job.id, job.body())
-        feeder = feeding = None
-        if job.reference is not None:
-            feeder = ReferenceFeeder(job.reference, handle, job.config.num_chunks)
-            feeding = asyncio.create_task(self._feed(job, feeder), name=f"job-input-{job.id}")
-        run = JobRun(job, SessionOutput(job.id, job.config, self.metrics), self.store, feeder)
-        try:
-            async with asyncio.timeout(self.settings.max_session_seconds):
-                async for message in handle:
-                    await run.result(message)
-        except TimeoutError:
-            await self.engine.stop(job.id, "max_duration")
-            job.fail("max_duration", f"the job ran longer than {self.settings.max_session_seconds:g} s")
+        feeding = None
+        try:  # from here the engine session is this job's: whatever happens, it is stopped and read to its end
+            job.waiting = False
+            job.status = "in_progress"
+            await self.store.update(job.id, job.body())
+            feeder = None
+            if job.reference is not None:
+                feeder = ReferenceFeeder(job.reference, handle, job.config.num_chunks)
+                feeding = asyncio.create_task(self._feed(job, feeder), name=f"job-input-{job.id}")
+            run = JobRun(job, SessionOutput(job.id, job.config, self.metrics), self.store, feeder)
+            try:
+                async with asyncio.timeout(self.settings.max_session_seconds):
+                    async for message in handle:
+                        await run.result(message)
+            except TimeoutError:
+                await self.engine.stop(job.id, "max_duration")
+                job.fail("max_duration", f"the job ran longer than {self.settings.max_session_seconds:g} s")
         finally:
             if feeding is not None:
                 feeding.cancel()

@@ -364,9 +364,17 @@ class LiveSession:
                 return self._to_controller(viewer.controller_id, event)
         self.output.senders.setdefault(event_id, viewer.controller_id)
         self._answer_to.setdefault(event_id, deque()).append(viewer.controller_id)
-        await self.engine.interact(self.session_id, event_id, interaction)
+        try:
+            await self.engine.interact(self.session_id, event_id, interaction)
+        except UnknownSessionError:  # the session's end has come from the engine, not yet to its viewers
+            self._answer(event_id)  # no answer will come from the engine
+            self.metrics.interactions.labels("rejected").inc()
+            message = "the session ended before this interaction reached a chunk boundary"
+            event = error_event("session_ended", message, request_id=self.request_id, event_id=event_id)
+            self._to_controller(viewer.controller_id, event)
 
     async def playback(self, position_seconds: float) -> None:
+        """A controller's playhead (pacing); not answered, also after the session's end."""
         self.output.clock.playhead = position_seconds
         await self.engine.playback(self.session_id, position_seconds)
 

@@ -1,7 +1,8 @@
 """``LiveSession``'s per-session bounds, with the engine's answers made by a real
 mailbox: what it keeps per ``event_id`` stays bounded however many
 interactions a session sends; interactions past the rate are answered
-``rate_limited`` and never reach the engine; spectators past the cap are refused."""
+``rate_limited`` and never reach the engine; spectators past the cap are refused;
+an interaction that meets the session's end is answered, never lost."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import asyncio
 
 import pytest
 
+from rtvideo.engine.client.engine_client import UnknownSessionError
 from rtvideo.engine.mailbox import EVENT_ID_WINDOW, InteractionMailbox, OfferStatus
 from rtvideo.engine.messages import Interaction, InteractionQueued, InteractionSuperseded
 from rtvideo.server.live_session import JoinRefused, LiveSession
-from rtvideo.server.metrics import Metrics
+from rtvideo.server.metrics import Metrics, SessionClock
 from rtvideo.server.output import SessionOutput
 from rtvideo.server.schemas import EffectiveConfig
 from rtvideo.server.session_registry import SessionRegistry
@@ -48,8 +50,11 @@ class Engine:
         self.handle = handle
         self.mailbox = InteractionMailbox(default_transition_chunks=0)
         self.received: list[str] = []
+        self.ended = False  # the session's end came from the worker: the client refuses what follows, as it does
 
     async def interact(self, session_id: str, event_id: str, interaction: Interaction) -> None:
+        if self.ended:
+            raise UnknownSessionError(f"no open session {session_id!r}")
         self.received.append(event_id)
         offer = self.mailbox.offer(event_id, interaction, now=0.0)
         assert offer.status is not OfferStatus.CONFLICT
@@ -65,6 +70,9 @@ class Engine:
             duplicate=offer.status is OfferStatus.DUPLICATE,
         )
         self.handle.results.put_nowait(queued)
+
+    async def playback(self, session_id: str, position_seconds: float) -> None:
+        pass  # a no-op after the end, as the client's
 
     async def stop(self, session_id: str, reason: str) -> None:
         pass
@@ -97,7 +105,7 @@ async def session_with(**settings) -> tuple[LiveSession, Engine, Viewer]:
     metrics = Metrics(lambda: True)
     handle = Handle()
     engine = Engine(handle)
-    output = SessionOutput("rtv-1", CONFIG, metrics)
+    output = SessionOutput("rtv-1", CONFIG, metrics, SessionClock(metrics))
     session = LiveSession(handle, output, engine, ServerSettings(**settings), metrics, SessionRegistry())
     controller = Viewer()
     session.attach_first(controller)
@@ -164,4 +172,19 @@ async def test_a_spectator_past_max_spectators_is_refused_and_a_controller_is_no
     gone = next(v for v in session.viewers if v.role == "spectator")
     await session.leave(gone, "client_disconnected")
     session.join(Viewer("spectator"))  # a place came free
+    end(session)
+
+
+async def test_an_interaction_that_meets_the_sessions_end_is_answered_session_ended():
+    """The engine's end of the session arrived, and the pump has not yet told the
+    viewers: an interaction sent then is answered with its event_id (a resume gets
+    it too)."""
+    session, engine, controller = await session_with()
+    engine.ended = True
+    await session.interact(controller, "late", Interaction(prompt="p"))
+    errors = [e for e in controller.events if e["type"] == "error"]
+    assert [(e["code"], e["event_id"], e["fatal"]) for e in errors] == [("session_ended", "late", False)]
+    assert "ended before this interaction reached a chunk boundary" in errors[0]["message"]
+    assert session._answer_to == {}  # no answer is awaited from the engine
+    assert [event for _, event in session.kept if event["type"] == "error"] == errors
     end(session)

@@ -148,8 +148,7 @@ class SessionHandle:
             raise StopAsyncIteration
         message = await self._queue.get()
         if isinstance(message, TERMINAL):
-            self.finished = True
-            self._client._forget(self.session_id)
+            self.finished = True  # the client closed the session as the message arrived
         return message
 
     async def next(self, timeout: float | None = None) -> ResultMessage:
@@ -218,6 +217,7 @@ class EngineClient:
         self._sessions: dict[str, asyncio.Queue] = {}
         self._state_bytes: dict[str, int] = {}  # open sessions' device memory (geometry.state_bytes)
         self._probes: dict[int, asyncio.Future] = {}
+        self._background: set[asyncio.Task] = set()  # stops of abandoned starts, under way
         self._probe_ids = itertools.count(1)
         self._dead_reason: str | None = None
         self._process: SpawnedWorker | LaunchedWorker | None = None
@@ -580,10 +580,28 @@ class EngineClient:
             return
         sent.add_done_callback(lambda done: done.cancelled() or done.exception())
 
+    def _stop_unread(self, session_id: str) -> None:
+        """Stop, from a task of its own, a session whose start was abandoned (the
+        caller that asked for it was cancelled): its stop must not wait on that caller."""
+        task = asyncio.create_task(self._stop_quietly(session_id), name=f"stop-unread-{session_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _stop_quietly(self, session_id: str) -> None:
+        with contextlib.suppress(EngineError, zmq.ZMQError):
+            await self._send(StopSession(session_id=session_id, reason="cancelled"))
+
     def _to_session(self, message: ResultMessage) -> None:
-        queue = self._sessions.get(getattr(message, "session_id", None))
+        """A session's result onto its stream. Its terminal result also closes it
+        here, as it arrives: the client's open sessions are the worker's, whether
+        or not anyone reads the stream to its end (a caller that stops reading
+        leaves nothing behind)."""
+        session_id = getattr(message, "session_id", None)
+        queue = self._sessions.get(session_id)
         if queue is not None:
             queue.put_nowait(message)
+            if isinstance(message, TERMINAL):
+                self._forget(session_id)
 
     def _fail_all(self, code: str, reason: str) -> None:
         """Every open session's stream ends with ``SessionFailed``, once: a failed
@@ -699,13 +717,21 @@ class EngineClient:
             await self._send(start)
             first = await queue.get()
         except BaseException:
-            self._forget(start.session_id)
+            # Cancelled, or the pipe failed, after the start may have reached the
+            # worker: it is told to end the session (idempotent, a no-op for one it
+            # never opened), or it would run a session whose results nobody takes.
+            if self._sessions.get(start.session_id) is queue:
+                self._forget(start.session_id)
+                if self.alive:
+                    self._stop_unread(start.session_id)
             raise
         if isinstance(first, SessionStarted):
-            self._state_bytes[start.session_id] = first.geometry.state_bytes
-            self._sizes[start.session_id] = (first.geometry.width, first.geometry.height)
+            if self._sessions.get(start.session_id) is queue:  # not ended already (its end arrived with it)
+                self._state_bytes[start.session_id] = first.geometry.state_bytes
+                self._sizes[start.session_id] = (first.geometry.width, first.geometry.height)
             return SessionHandle(self, first, queue)
-        self._forget(start.session_id)
+        if self._sessions.get(start.session_id) is queue:
+            self._forget(start.session_id)
         if isinstance(first, SessionRejected):
             raise SessionRejectedError(first.code, first.message)
         raise EngineDeadError(getattr(first, "message", "the session failed to start"))
@@ -740,15 +766,15 @@ class EngineClient:
 
     async def delivered(self, session_id: str, media_seconds: float) -> None:
         """Tell the worker the session's media up to ``media_seconds`` was written
-        to its client's socket (transport backpressure for pacing)."""
-        if session_id not in self._sessions:
-            raise UnknownSessionError(f"no open session {session_id!r}")
-        await self._send(Delivered(session_id=session_id, media_seconds=media_seconds))
+        to its client's socket (transport backpressure for pacing). A no-op for a
+        session already gone: its end may have arrived before its last chunks were read."""
+        if session_id in self._sessions:
+            await self._send(Delivered(session_id=session_id, media_seconds=media_seconds))
 
     async def playback(self, session_id: str, position_seconds: float) -> None:
-        if session_id not in self._sessions:
-            raise UnknownSessionError(f"no open session {session_id!r}")
-        await self._send(Playback(session_id=session_id, position_seconds=position_seconds))
+        """The client's playhead (pacing); a no-op for a session already gone, as ``delivered``."""
+        if session_id in self._sessions:
+            await self._send(Playback(session_id=session_id, position_seconds=position_seconds))
 
     async def stop(self, session_id: str, reason: str = "stopped") -> None:
         """End a session; idempotent, and a no-op for a session already gone."""
