@@ -14,7 +14,7 @@ from rtvideo.engine.client.engine_client import UnknownSessionError
 from rtvideo.engine.mailbox import EVENT_ID_WINDOW, InteractionMailbox, OfferStatus
 from rtvideo.engine.messages import Interaction, InteractionQueued, InteractionSuperseded
 from rtvideo.server.live_session import JoinRefused, LiveSession
-from rtvideo.server.metrics import Metrics, SessionClock
+from rtvideo.server.metrics import Metrics
 from rtvideo.server.output import SessionOutput
 from rtvideo.server.schemas import EffectiveConfig
 from rtvideo.server.session_registry import SessionRegistry
@@ -71,9 +71,6 @@ class Engine:
         )
         self.handle.results.put_nowait(queued)
 
-    async def playback(self, session_id: str, position_seconds: float) -> None:
-        pass  # a no-op after the end, as the client's
-
     async def stop(self, session_id: str, reason: str) -> None:
         pass
 
@@ -105,7 +102,7 @@ async def session_with(**settings) -> tuple[LiveSession, Engine, Viewer]:
     metrics = Metrics(lambda: True)
     handle = Handle()
     engine = Engine(handle)
-    output = SessionOutput("rtv-1", CONFIG, metrics, SessionClock(metrics))
+    output = SessionOutput("rtv-1", CONFIG, metrics)
     session = LiveSession(handle, output, engine, ServerSettings(**settings), metrics, SessionRegistry())
     controller = Viewer()
     session.attach_first(controller)
