@@ -61,6 +61,7 @@ from functools import partial
 from rtvideo.engine.config import EngineConfig
 from rtvideo.engine.control import ControlPlane
 from rtvideo.engine.messages import (
+    ENDED_BEFORE_BOUNDARY,
     AppliedInteraction,
     ChunkReady,
     ChunkTiming,
@@ -608,8 +609,7 @@ class EngineLoop:
             self._reject_leftovers(sid, "session_failed", message)
             self.send(SessionFailed(session_id=sid, code=session.failure_code, message=session.failure))
             return
-        message = "the session ended before this interaction reached a chunk boundary"
-        self._reject_leftovers(sid, "session_ended", message)
+        self._reject_leftovers(sid, "session_ended", ENDED_BEFORE_BOUNDARY)
         self.send(
             SessionDone(
                 session_id=sid,

@@ -408,6 +408,11 @@ class InteractionSuperseded(_Wire, tag="interaction_superseded"):
     by_event_id: str
 
 
+ENDED_BEFORE_BOUNDARY = "the session ended before this interaction reached a chunk boundary"
+"""``session_ended``'s message for an interaction still waiting when its session ended: the
+worker's, for those its mailbox held, and the API process's, for one sent as the end arrived."""
+
+
 class InteractionRejected(_Wire, tag="interaction_rejected"):
     """The interaction was refused. ``code``: unknown_session, invalid_interaction,
     event_id_conflict, interaction_too_late, session_ended (the session is

@@ -57,6 +57,7 @@ from typing import Any, Protocol
 
 from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError, SessionHandle, UnknownSessionError
 from rtvideo.engine.messages import (
+    ENDED_BEFORE_BOUNDARY,
     ChunkReady,
     Interaction,
     InteractionApplied,
@@ -369,8 +370,7 @@ class LiveSession:
         except UnknownSessionError:  # the session's end has come from the engine, not yet to its viewers
             self._answer(event_id)  # no answer will come from the engine
             self.metrics.interactions.labels("rejected").inc()
-            message = "the session ended before this interaction reached a chunk boundary"
-            event = error_event("session_ended", message, request_id=self.request_id, event_id=event_id)
+            event = error_event("session_ended", ENDED_BEFORE_BOUNDARY, request_id=self.request_id, event_id=event_id)
             self._to_controller(viewer.controller_id, event)
 
     async def playback(self, position_seconds: float) -> None:
