@@ -20,9 +20,13 @@ is late. So the lead starts at ``START_S``, grows by ``STEP_S`` after each
 underrun (up to ``MAX_S``) and shrinks back by ``SHRINK_S`` after each
 ``CALM_S`` seconds of playback without one (never below ``START_S``). The
 client asks for ``max_lead_seconds = START_S`` in ``session.start`` and
-reports ``reported(position)``, its playhead less what the lead has grown by,
-every ``REPORT_EVERY_S``: the server then runs the current lead ahead of what
-is on screen, with no change to the protocol.
+reports ``reported(position)``, its playhead plus what the lead has grown by,
+every ``REPORT_EVERY_S``: the server, which begins a chunk only while it is
+less than ``START_S`` ahead of the reported playhead, then runs the current
+lead ahead of what is on screen, with no change to the protocol. (Reported
+behind instead, a lead grown by ``START_S`` or more would hold the session
+for good once the picture caught up: the server would wait for a playhead
+past the end of the media it sent.)
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ class LeadPolicy:
             self.lead_s = max(self.start_s, self.lead_s - SHRINK_S)
 
     def reported(self, position: float) -> float:
-        """The ``position_seconds`` to report for a playhead at ``position``: behind
-        it by what the lead grew by, so a server paced at ``start_s`` runs ``lead_s`` ahead."""
-        return max(0.0, position - (self.lead_s - self.start_s))
+        """The ``position_seconds`` to report for a playhead at ``position``: ahead
+        of it by what the lead grew by, so a server paced at ``start_s`` runs ``lead_s`` ahead."""
+        return position + (self.lead_s - self.start_s)
 
 
 @dataclass

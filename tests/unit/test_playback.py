@@ -16,7 +16,11 @@ import pytest
 
 from rtvideo.bench import playback
 from rtvideo.bench.playback import LeadPolicy, SimulatedPlayer
+from rtvideo.engine.messages import SessionGeometry
+from rtvideo.engine.pacing import wait_seconds
+from rtvideo.engine.session import EngineSession, Phase
 
+FPS, CHUNK_FRAMES = 16.0, 12  # the page's usual session: chunks of 0.75 s
 PAGE = Path(__file__).resolve().parents[2] / "rtvideo" / "server" / "static" / "index.html"
 
 
@@ -60,12 +64,54 @@ def test_the_lead_starts_small_grows_after_each_underrun_up_to_the_most_and_shri
     assert policy.lead_s == playback.START_S
 
 
-def test_the_reported_playhead_is_behind_by_what_the_lead_grew_by():
+def test_the_reported_playhead_is_ahead_by_what_the_lead_grew_by():
     policy = LeadPolicy()
     assert policy.reported(3.0) == 3.0  # at the start: the truth, and the server's budget is the lead
     policy.underrun()
-    assert policy.reported(3.0) == pytest.approx(3.0 - playback.STEP_S)
-    assert policy.reported(0.1) == 0.0  # never negative
+    assert policy.reported(3.0) == pytest.approx(3.0 + playback.STEP_S)
+    assert policy.reported(0.0) == pytest.approx(playback.STEP_S)
+
+
+@pytest.mark.parametrize("underruns", range(8))
+def test_the_server_paced_on_the_reported_playhead_runs_the_current_lead_ahead_of_the_picture(underruns):
+    """The page's policy against the engine's own pacing decision: the session asks
+    for ``START_S`` and reports ``reported(position)``; after any number of
+    underruns the server begins a chunk exactly while what it generated is less
+    than the current lead ahead of the picture. So a picture that has caught up
+    with everything generated never holds the session (a playhead reported
+    behind held it for good once the lead had grown by ``START_S``)."""
+    policy = LeadPolicy()
+    for _ in range(underruns):
+        policy.underrun()
+    chunk_s = CHUNK_FRAMES / FPS
+    for chunks in range(1, 9):
+        session = paced_session(chunks, budget=policy.start_s)
+        generated = chunks * chunk_s
+        for ahead in (0.0, chunk_s / 2, policy.lead_s - chunk_s / 4, policy.lead_s, policy.lead_s + chunk_s):
+            position = generated - ahead
+            if position < 0:
+                continue
+            wait = wait_seconds(session, policy.reported(position), now=1000.0)
+            assert (wait == 0.0) == (ahead < policy.lead_s), (underruns, chunks, ahead, wait)
+
+
+def paced_session(chunks: int, budget: float) -> EngineSession:
+    """A session between chunks that has made ``chunks`` chunks, paced at ``budget``."""
+    geometry = SessionGeometry(
+        width=32,
+        height=32,
+        fps=FPS,
+        num_inference_steps=4,
+        first_chunk_frames=CHUNK_FRAMES,
+        frames_per_chunk=CHUNK_FRAMES,
+        num_chunks=None,
+        transition_chunks=0,
+    )
+    session = EngineSession(
+        "s", geometry, opened=True, next_chunk=chunks, chunks_done=chunks, first_emit_at=0.0, max_lead_seconds=budget
+    )
+    assert session.phase is Phase.BOUNDARY
+    return session
 
 
 def test_a_fixed_lead_never_moves():
