@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from rtvideo.bench.machine import http_of, served_by
 from rtvideo.bench.playback import REPORT_EVERY_S, START_S, LeadPolicy, SimulatedPlayer
@@ -52,6 +53,7 @@ from rtvideo.bench.stats import percentiles
 from rtvideo.engine.progress import Progress
 
 ADAPTIVE = "adaptive"
+STALL_TIMEOUT_S = 120.0  # a session that hears nothing from the server for this long has failed
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class RealtimeBenchOptions:
     max_lead_seconds: float | str | None = ADAPTIVE  # "adaptive": the page's policy; a number: fixed; None: unpaced
     api_key: str | None = None
     prompt: str = "a paper boat drifting down a rainy street"
+    stall_timeout_s: float = STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         lead = self.max_lead_seconds
@@ -71,6 +74,8 @@ class RealtimeBenchOptions:
             raise ValueError(f"max_lead_seconds must be {ADAPTIVE!r}, a number > 0 or None, got {lead!r}")
         if self.interact_at < 0 or self.interact_every < 0:
             raise ValueError("interact_at and interact_every must be >= 0")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 
     def policy(self) -> LeadPolicy:
         """A session's buffer policy (its start value is the ``max_lead_seconds`` it asks for)."""
@@ -126,16 +131,45 @@ def session_start(prompt: str, index: int, chunks: int, max_lead_seconds: float 
     }
 
 
-async def session_events(ws: ClientConnection) -> AsyncIterator[tuple[str, dict, float]]:
+class SessionLost(Exception):
+    """A bench session that ended neither with ``session.done`` nor with a fatal
+    ``error``: the socket closed, or the server sent nothing for the stall timeout."""
+
+
+SESSION_FAILURES = (SessionLost, OSError, WebSocketException)
+"""What a bench session can fail with, besides a fatal ``error`` event: it is
+recorded as that session's failure, and the other sessions and the summary go
+on (connecting: refused, a handshake the server answered with an HTTP error)."""
+
+
+def failure(error: BaseException) -> str:
+    """A session's failure, as ``failed_sessions`` lists it."""
+    return str(error) if isinstance(error, SessionLost) else f"{type(error).__name__}: {error}"
+
+
+async def session_events(
+    ws: ClientConnection, stall_timeout_s: float = STALL_TIMEOUT_S
+) -> AsyncIterator[tuple[str, dict, float]]:
     """The JSON events a realtime socket sends, each as its type, the event and
     when it was read (``time.perf_counter``), up to and including
-    ``session.done``; binary messages (the media) are skipped. A socket that
-    closes before ``session.done`` raises ``ConnectionClosed`` from here."""
+    ``session.done``, or a fatal ``error`` and the close after it; binary
+    messages (the media) are skipped. Raises ``SessionLost`` when the socket
+    closes otherwise, or when no message comes for ``stall_timeout_s``."""
+    fatal = False
     while True:
-        message = await ws.recv()
+        try:
+            async with asyncio.timeout(stall_timeout_s):
+                message = await ws.recv()
+        except TimeoutError:
+            raise SessionLost(f"no message from the server for {stall_timeout_s:g} s (--stall-timeout)") from None
+        except ConnectionClosed as closed:
+            if fatal:
+                return
+            raise SessionLost(f"the server closed the socket before session.done: {closed}") from None
         if isinstance(message, bytes):
             continue
         event = json.loads(message)
+        fatal = fatal or (event["type"] == "error" and bool(event.get("fatal")))
         yield event["type"], event, time.perf_counter()
         if event["type"] == "session.done":
             return
@@ -165,42 +199,45 @@ async def _session(options: RealtimeBenchOptions, index: int, progress: Progress
     player = SimulatedPlayer(options.policy())
     moments = random.Random(index)  # when within a chunk period each prompt is sent: seeded, so runs compare
     tasks: set[asyncio.Task] = set()
-    async with session_socket(options.url, options.api_key) as ws:
-        start = session_start(options.prompt, index, options.chunks, options.budget())
-        result.started = time.perf_counter()
-        await ws.send(json.dumps(start))
-        fps, period = 16.0, 0.75
-        if options.max_lead_seconds is not None:
-            tasks.add(asyncio.create_task(_report(ws, player)))
-        try:
-            async for kind, event, now in session_events(ws):
-                if kind == "video.start":
-                    fps = event["config"]["fps"]
-                    period = event["config"]["frames_per_chunk"] / fps
-                elif kind == "video.chunk_metadata":
-                    progress.advance()
-                    result.arrivals.append(now)
-                    result.compute_ms.append(event["compute_ms"])
-                    result.media_start.append(event["media_start_seconds"])
-                    result.media_seconds += event["num_frames"] / fps
-                    player.received(now, event["media_start_seconds"] + event["num_frames"] / fps)
-                    for event_id in event["started_event_ids"]:
-                        result.visible.setdefault(event_id, now)
-                    if options.prompt_after(len(result.arrivals)):
-                        event_id = f"bench-{index}-{len(result.sent)}-{uuid.uuid4().hex[:8]}"
-                        prompt = f"a storm at sea #{index}.{len(result.sent)}"
-                        delay = moments.uniform(0.0, period)
-                        tasks.add(asyncio.create_task(_prompt(ws, result, event_id, prompt, delay)))
-                elif kind == "session.interaction.applied" and event["event_id"] in result.sent:
-                    player.watch(event["media_start_seconds"], result.sent[event["event_id"]])
-                elif kind == "error" and event.get("fatal"):
-                    result.error = f"{event['code']}: {event['message']}"
-                elif kind == "session.done":
-                    player.finish(now)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # their cancels, not this task's
+    try:
+        async with session_socket(options.url, options.api_key) as ws:
+            start = session_start(options.prompt, index, options.chunks, options.budget())
+            result.started = time.perf_counter()
+            await ws.send(json.dumps(start))
+            fps, period = 16.0, 0.75
+            if options.max_lead_seconds is not None:
+                tasks.add(asyncio.create_task(_report(ws, player)))
+            try:
+                async for kind, event, now in session_events(ws, options.stall_timeout_s):
+                    if kind == "video.start":
+                        fps = event["config"]["fps"]
+                        period = event["config"]["frames_per_chunk"] / fps
+                    elif kind == "video.chunk_metadata":
+                        progress.advance()
+                        result.arrivals.append(now)
+                        result.compute_ms.append(event["compute_ms"])
+                        result.media_start.append(event["media_start_seconds"])
+                        result.media_seconds += event["num_frames"] / fps
+                        player.received(now, event["media_start_seconds"] + event["num_frames"] / fps)
+                        for event_id in event["started_event_ids"]:
+                            result.visible.setdefault(event_id, now)
+                        if options.prompt_after(len(result.arrivals)):
+                            event_id = f"bench-{index}-{len(result.sent)}-{uuid.uuid4().hex[:8]}"
+                            prompt = f"a storm at sea #{index}.{len(result.sent)}"
+                            delay = moments.uniform(0.0, period)
+                            tasks.add(asyncio.create_task(_prompt(ws, result, event_id, prompt, delay)))
+                    elif kind == "session.interaction.applied" and event["event_id"] in result.sent:
+                        player.watch(event["media_start_seconds"], result.sent[event["event_id"]])
+                    elif kind == "error" and event.get("fatal"):
+                        result.error = f"{event['code']}: {event['message']}"
+                    elif kind == "session.done":
+                        player.finish(now)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # their cancels, not this task's
+    except SESSION_FAILURES as error:
+        result.error = failure(error)
     result.key_to_pixel_s = player.shown_after()
     result.underruns = player.policy.underruns
     if result.arrivals:

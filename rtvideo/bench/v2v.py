@@ -39,7 +39,14 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection
 
 from rtvideo.bench.machine import served_by
-from rtvideo.bench.realtime import session_events, session_socket, session_start
+from rtvideo.bench.realtime import (
+    SESSION_FAILURES,
+    STALL_TIMEOUT_S,
+    failure,
+    session_events,
+    session_socket,
+    session_start,
+)
 from rtvideo.bench.stats import percentiles
 from rtvideo.engine.progress import Progress
 
@@ -61,6 +68,7 @@ class V2vBenchOptions:
     interact_at: int = 3  # a new prompt once this many chunks arrived; negative: none
     api_key: str | None = None
     prompt: str = "a watercolour painting of a city street"
+    stall_timeout_s: float = STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.chunks < 1:
@@ -69,6 +77,8 @@ class V2vBenchOptions:
             raise ValueError(f"strength must be between 0 and 1, got {self.strength}")
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 
     def http_url(self) -> str:
         base = self.url.removesuffix("/v1/realtime/video")
@@ -162,43 +172,46 @@ async def _session(
     result = SessionResult()
     sender: asyncio.Task | None = None
     event_id = f"bench-v2v-{index}-{uuid.uuid4().hex[:8]}"
-    async with session_socket(options.url, options.api_key) as ws:
-        video = {
-            "kind": "video",
-            "strength": options.strength,
-            "format": options.format,
-            "width": shape.width,
-            "height": shape.height,
-            "fps": shape.fps,
-        }
-        start = session_start(options.prompt, index, options.chunks, None, input=video)
-        result.started = time.perf_counter()
-        await ws.send(json.dumps(start))
-        try:
-            async for kind, event, now in session_events(ws):
-                if kind == "video.start":
-                    sender = asyncio.create_task(_send_frames(ws, images, shape.fps, result))
-                elif kind == "video.chunk_metadata":
-                    progress.advance()
-                    result.arrivals.append(now)
-                    result.frames_out += event["num_frames"]
-                    result.media_seconds += event["num_frames"] / shape.fps
-                    made_from = event.get("input_frame_indexes") or []
-                    result.used += len(made_from)
-                    result.input_to_output_s += [now - result.sent_at[i] for i in made_from if i in result.sent_at]
-                    result.dropped = event.get("input_frames_dropped", result.dropped)
-                    if event_id in event["started_event_ids"] and result.prompt_visible is None:
-                        result.prompt_visible = now
-                    if len(result.arrivals) - 1 == options.interact_at:
-                        result.prompt_sent = time.perf_counter()
-                        interaction = {"event_id": event_id, "event": {"prompt": f"a neon night scene #{index}"}}
-                        await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
-                elif kind == "error" and event.get("fatal"):
-                    result.error = f"{event['code']}: {event['message']}"
-        finally:
-            if sender is not None:
-                sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)  # its cancel, not this task's
+    try:
+        async with session_socket(options.url, options.api_key) as ws:
+            video = {
+                "kind": "video",
+                "strength": options.strength,
+                "format": options.format,
+                "width": shape.width,
+                "height": shape.height,
+                "fps": shape.fps,
+            }
+            start = session_start(options.prompt, index, options.chunks, None, input=video)
+            result.started = time.perf_counter()
+            await ws.send(json.dumps(start))
+            try:
+                async for kind, event, now in session_events(ws, options.stall_timeout_s):
+                    if kind == "video.start":
+                        sender = asyncio.create_task(_send_frames(ws, images, shape.fps, result))
+                    elif kind == "video.chunk_metadata":
+                        progress.advance()
+                        result.arrivals.append(now)
+                        result.frames_out += event["num_frames"]
+                        result.media_seconds += event["num_frames"] / shape.fps
+                        made_from = event.get("input_frame_indexes") or []
+                        result.used += len(made_from)
+                        result.input_to_output_s += [now - result.sent_at[i] for i in made_from if i in result.sent_at]
+                        result.dropped = event.get("input_frames_dropped", result.dropped)
+                        if event_id in event["started_event_ids"] and result.prompt_visible is None:
+                            result.prompt_visible = now
+                        if len(result.arrivals) - 1 == options.interact_at:
+                            result.prompt_sent = time.perf_counter()
+                            interaction = {"event_id": event_id, "event": {"prompt": f"a neon night scene #{index}"}}
+                            await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
+                    elif kind == "error" and event.get("fatal"):
+                        result.error = f"{event['code']}: {event['message']}"
+            finally:
+                if sender is not None:
+                    sender.cancel()
+                    await asyncio.gather(sender, return_exceptions=True)  # its cancel, not this task's
+    except SESSION_FAILURES as error:
+        result.error = failure(error)
     return result
 
 

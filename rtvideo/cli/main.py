@@ -238,6 +238,17 @@ def _max_lead(text: str) -> float | str | None:
     return seconds
 
 
+def _positive_seconds(text: str) -> float:
+    """A number of seconds > 0 (finite), for an option."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
+    return seconds
+
+
 def _realtime_url(given: str) -> str:
     """A bench's ``--url`` (http(s):// or ws(s)://, with or without the path) as the realtime socket's URL."""
     url = given if given.endswith("/v1/realtime/video") else given.rstrip("/") + "/v1/realtime/video"
@@ -256,6 +267,7 @@ def _bench_realtime(args: argparse.Namespace) -> int:
         interact_every=args.interact_every,
         max_lead_seconds=args.max_lead,
         api_key=args.api_key,
+        stall_timeout_s=args.stall_timeout,
     )
     return bench_realtime.main(options, as_json=args.json)
 
@@ -276,6 +288,7 @@ def _bench_v2v(args: argparse.Namespace) -> int:
             fps=args.fps,
             interact_at=args.interact_at,
             api_key=args.api_key,
+            stall_timeout_s=args.stall_timeout,
         )
     except ValueError as error:
         raise SystemExit(f"rtvideo bench v2v: {error}") from None
@@ -336,6 +349,12 @@ def _server_bench(benches: argparse._SubParsersAction, name: str, about: str, se
     bench.add_argument("--sessions", type=int, default=sessions, help=f"concurrent sessions (default {sessions})")
     bench.add_argument("--chunks", type=int, default=12, help="chunks per session (default 12)")
     bench.add_argument("--api-key", default=None)
+    bench.add_argument(
+        "--stall-timeout",
+        type=_positive_seconds,
+        default=120.0,
+        help="a session that hears nothing from the server for this many seconds fails (default 120)",
+    )
     bench.add_argument("--json", action="store_true", help="print only the JSON summary")
     return bench
 

@@ -1,9 +1,12 @@
 """``rtvideo bench realtime`` against a test server: its JSON has every figure,
-key to pixel and underruns under the page's buffer policy included."""
+key to pixel and underruns under the page's buffer policy included; a session
+the server refuses, or one it goes silent on, is a failed session named in the
+summary, which still prints as the last line."""
 
 from __future__ import annotations
 
-from tests.support import rtvideo_summary, run_rtvideo
+from tests.e2e.conftest import start_server, stop_server
+from tests.support import last_json, rtvideo_summary, run_rtvideo
 
 BENCH = ("bench", "realtime")
 
@@ -39,3 +42,38 @@ def test_bench_realtime_refuses_a_pacing_it_does_not_know():
     result = run_rtvideo(*BENCH, "--max-lead", "0", timeout=60)
     assert result.returncode == 2
     assert "argument --max-lead: '0': expected adaptive, off or a number of seconds > 0" in result.stderr
+
+
+def test_a_session_the_server_refuses_fails_and_the_others_still_count():
+    """Two sessions against room for one: the second is refused (a fatal
+    ``server_full`` error, then the close), the first plays to its end."""
+    server = start_server("--max-sessions", "1", pipeline={"step_time_s": 0.005})
+    try:
+        result = run_rtvideo(*BENCH, "--url", server.http, "--sessions", "2", "--chunks", "4", "--json", timeout=120)
+    finally:
+        stop_server(server)
+    assert result.returncode == 1, result.stderr
+    summary = last_json(result.stdout)
+    [refused] = summary["failed_sessions"]
+    assert refused.startswith("server_full: "), refused
+    assert summary["ttff_ms"]["max"] > 0 and summary["viewing_s"] > 0  # the session that ran is counted
+
+
+def test_a_session_the_server_goes_silent_on_fails_on_the_stall_timeout():
+    """A model far slower than the stall timeout (chunks of 4 steps of 2 s): after
+    ``video.start`` nothing comes for 0.5 s, and the session fails saying so."""
+    server = start_server(pipeline={"step_time_s": 2.0})
+    try:
+        flags = ("--url", server.http, "--sessions", "1", "--chunks", "2", "--stall-timeout", "0.5", "--json")
+        result = run_rtvideo(*BENCH, *flags, timeout=120)
+    finally:
+        stop_server(server)
+    assert result.returncode == 1, result.stderr
+    summary = last_json(result.stdout)
+    assert summary["failed_sessions"] == ["no message from the server for 0.5 s (--stall-timeout)"], summary
+
+
+def test_bench_realtime_refuses_a_stall_timeout_that_is_not_a_time():
+    result = run_rtvideo(*BENCH, "--stall-timeout", "0", timeout=60)
+    assert result.returncode == 2
+    assert "argument --stall-timeout: '0': expected a number of seconds > 0" in result.stderr

@@ -1,10 +1,12 @@
 """``rtvideo bench v2v`` against a test server (the stub model, which makes
 each output frame from its input frame): every input frame it sends is
-accounted for, and its JSON has every figure."""
+accounted for, and its JSON has every figure; a session the server refuses is
+a failed session named in the summary, which still prints."""
 
 from __future__ import annotations
 
-from tests.support import rtvideo_summary, run_rtvideo
+from tests.e2e.conftest import start_server, stop_server
+from tests.support import last_json, rtvideo_summary, run_rtvideo
 
 BENCH = ("bench", "v2v")
 
@@ -28,3 +30,16 @@ def test_bench_v2v_refuses_a_strength_out_of_range():
     result = run_rtvideo(*BENCH, "--strength", "1.5", timeout=60)
     assert result.returncode == 1
     assert "strength must be between 0 and 1, got 1.5" in result.stderr
+
+
+def test_a_session_the_server_refuses_fails_and_the_summary_still_prints():
+    server = start_server("--max-sessions", "1", pipeline={"step_time_s": 0.005})
+    try:
+        result = run_rtvideo(*BENCH, "--url", server.http, "--sessions", "2", "--chunks", "3", "--json", timeout=120)
+    finally:
+        stop_server(server)
+    assert result.returncode == 1, result.stderr
+    summary = last_json(result.stdout)
+    [refused] = summary["failed_sessions"]
+    assert refused.startswith("server_full: "), refused
+    assert summary["output_frames"] > 0  # the session that ran is counted
