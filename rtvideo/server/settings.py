@@ -8,6 +8,7 @@ field is declared with ``setting(group, default)``: the group is the section of
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -256,8 +257,12 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if not math.isfinite(value):  # NaN passes every comparison, infinity every bound
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
             may_be_zero = f.name in ("port", "max_worker_restarts", "decode_nice")
-            if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0 and not may_be_zero:
+            if value <= 0 and not may_be_zero:
                 raise ValueError(f"{f.name} must be > 0, got {value}")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")

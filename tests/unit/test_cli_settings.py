@@ -33,6 +33,9 @@ def test_environment_then_flags():
         (("--pipeline-options", "[1]"), {}, "pipeline-options"),
         ((), {"RTVIDEO_GROUP_CHUNK_STEPS": "maybe"}, "group-chunk-steps"),
         (("--session-memory-gib", "0"), {}, "session_memory_gib"),
+        (("--session-memory-gib", "inf"), {}, "session_memory_gib must be a finite number, got inf"),
+        ((), {"RTVIDEO_SLO_FIRST_CHUNK_S": "nan"}, "slo_first_chunk_s must be a finite number, got nan"),
+        ((), {"RTVIDEO_MAX_REALTIME_LOAD": "-inf"}, "max_realtime_load must be a finite number"),
     ],
 )
 def test_bad_values_exit_naming_the_option(argv, env, names):
