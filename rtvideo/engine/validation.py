@@ -16,7 +16,7 @@ from rtvideo.engine.limits import (
     MAX_TRANSITION_CHUNKS,
     PROMPT_CHANGE_MODES,
 )
-from rtvideo.engine.messages import Interaction, StartSession, VideoInput
+from rtvideo.engine.messages import Interaction, SessionGeometry, StartSession, VideoInput
 
 
 def check_prompt(prompt: str, field: str) -> None:
@@ -51,6 +51,27 @@ def check_input(given: VideoInput) -> None:
             raise ValueError(f"input.{name} must be >= 1, got {value}")
     if not 0.0 < given.fps < float("inf"):
         raise ValueError(f"input.fps must be > 0, got {given.fps}")
+
+
+def check_geometry(geometry: SessionGeometry, what: str) -> None:
+    """A session shape a model described (``what`` says whose, e.g. the model's
+    default session): sizes of at least 2, a finite rate > 0, at least one step,
+    chunks of at least one frame. The server divides by these: a model that
+    declares otherwise is refused at start rather than failing each session."""
+    for name, value, least in (
+        ("width", geometry.width, 2),
+        ("height", geometry.height, 2),
+        ("num_inference_steps", geometry.num_inference_steps, 1),
+        ("first_chunk_frames", geometry.first_chunk_frames, 1),
+        ("frames_per_chunk", geometry.frames_per_chunk, 1),
+    ):
+        if value < least:
+            raise ValueError(f"{what}: {name} must be >= {least}, got {value}")
+    if not 0.0 < geometry.fps < float("inf"):
+        raise ValueError(f"{what}: fps must be a finite number > 0, got {geometry.fps}")
+    if geometry.num_chunks is not None and geometry.num_chunks < 1:
+        raise ValueError(f"{what}: num_chunks must be >= 1 or unset, got {geometry.num_chunks}")
+    check_transition(geometry.transition_chunks, f"{what}: transition_chunks")
 
 
 def check_start(start: StartSession) -> None:

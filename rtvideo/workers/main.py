@@ -36,6 +36,7 @@ from rtvideo.engine.messages import (
     ChunkReady,
     EngineDead,
     ModelLimits,
+    SessionGeometry,
     StartSession,
     WorkerExiting,
     WorkerReady,
@@ -43,6 +44,7 @@ from rtvideo.engine.messages import (
 )
 from rtvideo.engine.receiver import ControlReceiver
 from rtvideo.engine.transport import Endpoints, ResultSender
+from rtvideo.engine.validation import check_geometry
 from rtvideo.workers import process_log
 from rtvideo.workers.calibrate import Calibration, calibrate
 from rtvideo.workers.decode_stage import decode_batch_rows
@@ -80,6 +82,7 @@ def run_worker(
 
             torch.set_num_threads(config.cpu_threads)
         pipeline = build_pipeline(_rank_0_spec(config, site), config.max_batch_rows)
+        defaults = _default_session(pipeline)
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
             group = _spawn_ranks(config, pipeline, sender, ending, site)
         warm_up_s = warm_up(pipeline)
@@ -184,7 +187,7 @@ def run_worker(
             supports_chunk_step_grouping=pipeline.supports_chunk_step_grouping,
             grouping=grouping,
             max_sessions=config.max_sessions,
-            defaults=pipeline.describe(StartSession(session_id="defaults", prompt="defaults")),
+            defaults=defaults,
             session_memory_bytes=budget,
             max_batch_rows=pipeline.max_batch_rows,
             overlap_decode=overlap,
@@ -340,6 +343,19 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
         return torch.get_num_threads()
     torch.set_num_threads(chosen)
     return chosen
+
+
+def _default_session(pipeline) -> SessionGeometry:
+    """The shape of a session that asks for nothing (``WorkerReady.defaults``),
+    checked: a model whose options make it invalid (chunks of no frames, a rate
+    of 0) is refused at start, naming the field, rather than failing each session."""
+    what = f"the default session of pipeline {pipeline.name!r}"
+    try:
+        defaults = pipeline.describe(StartSession(session_id="defaults", prompt="defaults"))
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from error
+    check_geometry(defaults, what)
+    return defaults
 
 
 def _overlap_decode(config: EngineConfig, pipeline) -> bool:

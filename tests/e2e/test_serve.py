@@ -12,6 +12,7 @@ import time
 from urllib.parse import urlparse
 
 import httpx
+import pytest
 
 from tests.e2e.conftest import ROOT
 
@@ -81,7 +82,7 @@ def test_a_worker_that_cannot_start_ends_in_one_line_its_traceback_at_debug():
     ran = serve(*argv, "--log-level", "info")
     why = (
         "api ERROR rtvideo serve: worker could not start: "
-        "TypeError: StubPipeline.__init__() got an unexpected keyword argument 'no_such_option'"
+        "ValueError: pipeline 'stub' takes no option 'no_such_option' (set by --pipeline-options)"
     )
     errors = [line for line in ran.stderr.splitlines() if " ERROR " in line]
     assert ran.returncode != 0 and len(errors) == 1 and errors[0].endswith(why), ran.stderr
@@ -89,6 +90,50 @@ def test_a_worker_that_cannot_start_ends_in_one_line_its_traceback_at_debug():
     debug = serve(*argv, "--log-level", "debug")
     assert debug.returncode != 0 and debug.stderr.splitlines()[-1].endswith(why), debug.stderr
     assert "worker[0] DEBUG could not build or warm up pipeline 'stub'\nTraceback" in debug.stderr, debug.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (("--decoder", "tiny"), "ValueError: pipeline 'stub' takes no option 'decoder' (set by --decoder or "),
+        (
+            ("--pipeline-options", '{"fps": 0}'),
+            "ValueError: the default session of pipeline 'stub': fps must be between 1 and 120, got 0",
+        ),
+        (
+            ("--pipeline-options", '{"frames_per_chunk": 0, "first_chunk_frames": 4}'),
+            "ValueError: the default session of pipeline 'stub': frames_per_chunk must be >= 1, got 0",
+        ),
+    ],
+)
+def test_a_model_whose_options_make_no_valid_session_is_refused_at_start_naming_the_option(argv, why):
+    """Options a model cannot serve with (a decoder it does not have; a default
+    session of no frames a chunk, or of 0 fps) end the start in one line naming
+    them, never in a traceback or in sessions that fail one by one."""
+    ran = serve("--model", "stub", *argv)
+    errors = [line for line in ran.stderr.splitlines() if " ERROR " in line]
+    assert ran.returncode != 0 and len(errors) == 1, ran.stderr
+    assert f"rtvideo serve: worker could not start: {why}" in errors[0] and "Traceback" not in ran.stderr
+
+
+def test_port_0_is_printed_whatever_the_log_level():
+    """``--port 0`` picks a free port: under a log level that hides uvicorn's
+    "running on" line the server still says where it listens, and answers there."""
+    data_dir = tempfile.mkdtemp(prefix="rtvideo-data-")
+    command = [sys.executable, "-m", "rtvideo.cli", "serve", "--port", "0", "--data-dir", data_dir]
+    process = subprocess.Popen(
+        [*command, "--model", "stub", "--log-level", "warning"], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = process.stderr.readline()
+        assert line.startswith("rtvideo serve: listening on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    assert process.returncode == 0
 
 
 def test_a_data_dir_in_use_ends_the_start_in_one_line(make_server):

@@ -123,3 +123,17 @@ def test_capabilities_must_be_declared_as_such():
 
 def test_every_capability_has_its_protocol():
     assert {f.name for f in dataclasses.fields(Capabilities)} == set(PROTOCOLS)
+
+
+def fails_inside(**options) -> StubPipeline:
+    """A factory whose own code makes a call with a keyword its callee lacks."""
+    return StubPipeline(**options, no_such_keyword=1)
+
+
+def test_an_option_the_pipeline_does_not_take_is_refused_by_name_and_a_bug_inside_it_is_not_disguised():
+    with pytest.raises(ValueError, match=r"^pipeline 'stub' takes no option 'colour' \(set by --pipeline-options\)$"):
+        build_pipeline(PipelineSpec("stub", {"colour": "red"}), 2)
+    with pytest.raises(ValueError, match=r"takes no option 'quantize' \(set by --quantize or --pipeline-options\)"):
+        build_pipeline(PipelineSpec("stub", {"quantize": "fp8"}), 2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_keyword'"):
+        build_pipeline(PipelineSpec(f"{HERE}:fails_inside", {"width": 32}), 2)

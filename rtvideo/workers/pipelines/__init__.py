@@ -4,6 +4,7 @@ serves the stub never imports torch."""
 from __future__ import annotations
 
 import importlib
+import re
 
 from rtvideo.engine.config import PipelineSpec
 from rtvideo.workers.pipelines.base import ChunkPipeline
@@ -25,7 +26,8 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
     processes). ``ValueError`` names an unknown pipeline or a refused option.
     Either way the pipeline built is checked against the contract and its
     declared capabilities (``rtvideo.workers.pipelines.capabilities.check_pipeline``):
-    ``PipelineContractError`` names the pipeline and what it lacks."""
+    ``PipelineContractError`` names the pipeline and what it lacks. An option
+    the pipeline does not take is a ``ValueError`` naming it."""
     target = REGISTRY.get(spec.name) or (spec.name if ":" in spec.name else None)
     if target is None:
         known = ", ".join(sorted(REGISTRY))
@@ -36,7 +38,23 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
         )
     module, _, attr = target.partition(":")
     factory = getattr(importlib.import_module(module), attr)
-    return check_pipeline(factory(**spec.options, max_batch_rows=max_batch_rows))
+    try:
+        pipeline = factory(**spec.options, max_batch_rows=max_batch_rows)
+    except TypeError as error:
+        unknown = _UNEXPECTED_OPTION.search(str(error))
+        if unknown is None or unknown.group(1) not in spec.options:
+            raise
+        option = unknown.group(1)
+        how = f"--{option} or " if option in SERVER_FLAG_OPTIONS else ""
+        raise ValueError(
+            f"pipeline {spec.name!r} takes no option {option!r} (set by {how}--pipeline-options)"
+        ) from None
+    return check_pipeline(pipeline)
+
+
+_UNEXPECTED_OPTION = re.compile(r"unexpected keyword argument '(\w+)'")
+SERVER_FLAG_OPTIONS = ("decoder", "quantize")
+"""Pipeline options the server sets from flags of their own (``--decoder``, ``--quantize``)."""
 
 
 def known_prompts(spec: PipelineSpec) -> tuple[str, ...]:

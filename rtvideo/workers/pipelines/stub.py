@@ -182,6 +182,9 @@ class StubPipeline:
                 pass
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        for name, seconds in (("step_time_s", step_time_s), ("decode_time_s", decode_time_s)):
+            if not 0.0 <= seconds < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {seconds}")
         self.max_batch_rows = max_batch_rows
         self.defaults = (width, height, fps, default_steps)
         self.frames_per_chunk = frames_per_chunk
