@@ -16,6 +16,7 @@ import errno
 import functools
 import inspect
 import json
+import logging
 import os
 import socket
 import sys
@@ -213,12 +214,18 @@ def _serve(args: argparse.Namespace) -> int:
 
     class ListeningServer(DrainingServer):
         """Serves on the socket bound above, and still says where it listens
-        (uvicorn logs "Uvicorn running on ..." only for sockets it bound itself)."""
+        (uvicorn logs "Uvicorn running on ..." only for sockets it bound itself);
+        with ``--port 0`` under a log level that hides that line, the port chosen
+        is printed on stderr all the same: nobody could reach the server otherwise."""
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started and sockets:
                 self._log_started_message(sockets)
+                if settings.port == 0 and not logging.getLogger("uvicorn.error").isEnabledFor(logging.INFO):
+                    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+                    port = sockets[0].getsockname()[1]
+                    print(f"rtvideo serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
 
     server = ListeningServer(config, drain=lambda: app.state.drainer.drain())
     server.run(sockets=[sock])
