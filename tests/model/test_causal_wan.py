@@ -401,6 +401,25 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
     assert open_session(overridden, "wide").kv.capacity == 21
 
 
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ({"latent_frames_per_chunk": 0}, r"^latent_frames_per_chunk must be >= 1, got 0$"),
+        ({"latent_frames_per_chunk": -1}, r"^latent_frames_per_chunk must be >= 1, got -1$"),
+        (
+            {"latent_frames_per_chunk": 5},
+            r"^sink_frames \(3\) and window_frames \(15\) must be multiples of latent_frames_per_chunk \(5\)$",
+        ),
+        ({"sink_frames": 0, "window_frames": 0}, r"window_frames >= latent_frames_per_chunk \(3\), got 0 and 0$"),
+        ({"seed": 2**70}, r"^seed must be between 0 and 9223372036854775807, got 1180591620717411303424$"),
+        ({"seed": -1}, r"^seed must be between 0 and"),
+    ],
+)
+def test_options_out_of_range_are_refused_naming_the_option_and_its_value(options, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        build("tiny", device="cpu", **options)
+
+
 @pytest.mark.parametrize("bad", ["15", -3, 1.5, True])
 def test_a_bad_span_in_rtvideo_json_is_named(tmp_path, bad):
     save_directory(build_tiny(), tmp_path / "model")

@@ -216,10 +216,19 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         # The attention span is the weights' (the preset's, or the model directory's rtvideo.json); options override.
         sink_frames = components.sink_frames if sink_frames is None else sink_frames
         window_frames = components.window_frames if window_frames is None else window_frames
-        if sink_frames % latent_frames_per_chunk or window_frames % latent_frames_per_chunk:
-            raise ValueError("sink_frames and window_frames must be multiples of latent_frames_per_chunk")
-        if sink_frames < 0 or window_frames < latent_frames_per_chunk:
-            raise ValueError("need sink_frames >= 0 and window_frames >= latent_frames_per_chunk")
+        per = latent_frames_per_chunk
+        if per < 1:
+            raise ValueError(f"latent_frames_per_chunk must be >= 1, got {per}")
+        if sink_frames % per or window_frames % per:
+            raise ValueError(
+                f"sink_frames ({sink_frames}) and window_frames ({window_frames}) must be multiples of "
+                f"latent_frames_per_chunk ({per})"
+            )
+        if sink_frames < 0 or window_frames < per:
+            raise ValueError(
+                f"need sink_frames >= 0 and window_frames >= latent_frames_per_chunk ({per}), "
+                f"got {sink_frames} and {window_frames}"
+            )
         self.sink_frames, self.window_frames = sink_frames, window_frames
         self.fps = fps
         self.max_size = max_size

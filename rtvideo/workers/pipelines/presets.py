@@ -28,6 +28,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer, UMT5Config, UMT5EncoderMo
 from transformers.utils import logging as hf_logging
 
 from rtvideo.engine.config import MODEL_DIR_PARTS
+from rtvideo.engine.limits import MAX_SEED
 
 COMPONENTS = MODEL_DIR_PARTS  # the folders a model directory needs (the API process checks them at start too)
 
@@ -93,7 +94,10 @@ class Components:
 
 
 def build_tiny(seed: int = 0) -> Components:
-    """The tiny preset: random weights from ``seed``; builds in well under a second on a CPU."""
+    """The tiny preset: random weights from ``seed`` (0 to 2^63 - 1); builds in well
+    under a second on a CPU."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be between 0 and {MAX_SEED}, got {seed}")
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
