@@ -236,23 +236,17 @@ def _max_lead(text: str) -> float | str | None:
     """``bench realtime --max-lead``: ``adaptive``, ``off`` (None) or seconds > 0."""
     if text in ("adaptive", "off"):
         return None if text == "off" else text
+    return _positive_seconds(text, "adaptive, off or ")
+
+
+def _positive_seconds(text: str, others: str = "") -> float:
+    """A finite number of seconds > 0, for an option (``others``: what else it takes, for the error)."""
     try:
         seconds = float(text)
     except ValueError:
         seconds = 0.0
     if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected adaptive, off or a number of seconds > 0")
-    return seconds
-
-
-def _positive_seconds(text: str) -> float:
-    """A number of seconds > 0 (finite), for an option."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {others}a number of seconds > 0")
     return seconds
 
 

@@ -44,18 +44,25 @@ def test_bench_realtime_refuses_a_pacing_it_does_not_know():
     assert "argument --max-lead: '0': expected adaptive, off or a number of seconds > 0" in result.stderr
 
 
-def test_a_session_the_server_refuses_fails_and_the_others_still_count():
-    """Two sessions against room for one: the second is refused (a fatal
-    ``server_full`` error, then the close), the first plays to its end."""
+def two_sessions_against_room_for_one(bench: tuple[str, ...], chunks: int) -> dict:
+    """``rtvideo BENCH`` with two sessions against a server with room for one: the
+    second is refused (a fatal ``server_full`` error, then the close). The
+    bench exits 1 with its summary, which names that one failure; returned."""
     server = start_server("--max-sessions", "1", pipeline={"step_time_s": 0.005})
     try:
-        result = run_rtvideo(*BENCH, "--url", server.http, "--sessions", "2", "--chunks", "4", "--json", timeout=120)
+        flags = ("--url", server.http, "--sessions", "2", "--chunks", str(chunks), "--json")
+        result = run_rtvideo(*bench, *flags, timeout=120)
     finally:
         stop_server(server)
     assert result.returncode == 1, result.stderr
     summary = last_json(result.stdout)
     [refused] = summary["failed_sessions"]
     assert refused.startswith("server_full: "), refused
+    return summary
+
+
+def test_a_session_the_server_refuses_fails_and_the_others_still_count():
+    summary = two_sessions_against_room_for_one(BENCH, chunks=4)
     assert summary["ttff_ms"]["max"] > 0 and summary["viewing_s"] > 0  # the session that ran is counted
 
 
