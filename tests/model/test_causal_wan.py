@@ -413,6 +413,9 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
         ({"sink_frames": 0, "window_frames": 0}, r"window_frames >= latent_frames_per_chunk \(3\), got 0 and 0$"),
         ({"seed": 2**70}, r"^seed must be between 0 and 9223372036854775807, got 1180591620717411303424$"),
         ({"seed": -1}, r"^seed must be between 0 and"),
+        ({"vae_dtype": "x"}, r"^vae_dtype must be auto, bfloat16 or float32, got 'x'$"),
+        ({"compile": "yes"}, r"^compile must be true or false, got 'yes'$"),
+        ({"fused_elementwise": 1}, r"^fused_elementwise must be true or false, got 1$"),
     ],
 )
 def test_options_out_of_range_are_refused_naming_the_option_and_its_value(options, refusal):

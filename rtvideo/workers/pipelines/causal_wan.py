@@ -158,9 +158,14 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         self-attention (``auto``, torch's choice; ``flash``, ``cudnn``,
         ``efficient``, ``math``), refused here where torch will not run it
         (``attention_backend``)."""
+        switches = {"compile": compile, "commit_from_last_step": commit_from_last_step}
+        for option, value in {**switches, "fused_elementwise": fused_elementwise}.items():
+            if not isinstance(value, bool):  # JSON's "yes" or 1 would pass an if
+                raise ValueError(f"{option} must be true or false, got {value!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
-        self.vae_dtype = self.dtype if vae_dtype in (None, "auto") else resolve_dtype(vae_dtype, self.device)
+        auto = vae_dtype in (None, "auto")
+        self.vae_dtype = self.dtype if auto else resolve_dtype(vae_dtype, self.device, "vae_dtype")
         self.name = name
         self.transformer = cast(components.transformer, self.device, self.dtype).eval()
         self.vae = cast(components.vae, self.device, self.vae_dtype).eval()

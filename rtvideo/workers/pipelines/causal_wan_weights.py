@@ -16,13 +16,14 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str | None, device: torch.device, option: str = "dtype") -> torch.dtype:
     """``None`` or ``"auto"``: bf16 on a GPU, fp32 elsewhere; else ``bfloat16`` /
-    ``float32`` (or ``bf16`` / ``fp32``). ``ValueError`` names anything else."""
+    ``float32`` (or ``bf16`` / ``fp32``). ``ValueError`` names anything else, as
+    the pipeline option ``option``."""
     if name is None or name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ValueError(f"{option} must be auto, bfloat16 or float32, got {name!r}")
     return DTYPES[name]
 
 
