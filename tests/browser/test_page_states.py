@@ -159,12 +159,14 @@ def test_a_server_that_goes_away_is_said_in_words(browser):
         page = open_page(browser, server)
         page.click("#start")
         wait_state(page, "playing")
+        page.evaluate("RESUME.forS = 2")  # how long the page tries to resume a dropped session (10 s as shipped)
         server.process.kill()  # no close frame: the socket just drops (1006)
+        wait_state(page, "reconnecting")
         lost = wait_state(page, "gone")
         assert lost["title"] == "Connection lost" and lost["veil"] == "Connection lost" and lost["paused"]
         assert re.fullmatch(
-            r"The connection to the server was lost after \d+ chunks: the server stopped or the "
-            r"network dropped \(WebSocket close 1006\)\. Start tries again\.",
+            r"The connection to the server was lost after \d+ chunks and the session could not be resumed within "
+            r"2 s: the server stopped or the network dropped \(WebSocket close 1006\)\. Start tries again\.",
             lost["detail"],
         ), lost
         assert lost["start"] and not lost["stop"]
@@ -178,7 +180,7 @@ def test_a_server_that_goes_away_is_said_in_words(browser):
         assert unreachable["detail"] == (
             f"Could not reach the server at {host}: it is not running, or the network is down. Start tries again."
         )
-        assert in_order(shown(page), ["playing", "gone", "connecting", "gone"]), shown(page)
+        assert in_order(shown(page), ["playing", "reconnecting", "gone", "connecting", "gone"]), shown(page)
     finally:
         stop_server(server)
     wait_gone(worker, within=10.0)
