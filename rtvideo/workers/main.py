@@ -36,7 +36,6 @@ from rtvideo.engine.messages import (
     ChunkReady,
     EngineDead,
     ModelLimits,
-    SessionGeometry,
     StartSession,
     WorkerExiting,
     WorkerReady,
@@ -59,6 +58,8 @@ from rtvideo.workers.runner import ModelRunner
 from rtvideo.workers.warmup import warm_up
 
 log = logging.getLogger("rtvideo.worker")
+DEFAULT_START = StartSession(session_id="defaults", prompt="defaults")
+"""A start that asks for nothing: its geometry is ``WorkerReady.defaults``."""
 
 
 def run_worker(
@@ -82,7 +83,7 @@ def run_worker(
 
             torch.set_num_threads(config.cpu_threads)
         pipeline = build_pipeline(_rank_0_spec(config, site), config.max_batch_rows)
-        defaults = _default_session(pipeline)
+        _check_default_session(pipeline)  # before the warm-up: a model that cannot serve fails at once
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
             group = _spawn_ranks(config, pipeline, sender, ending, site)
         warm_up_s = warm_up(pipeline)
@@ -187,7 +188,7 @@ def run_worker(
             supports_chunk_step_grouping=pipeline.supports_chunk_step_grouping,
             grouping=grouping,
             max_sessions=config.max_sessions,
-            defaults=defaults,
+            defaults=pipeline.describe(DEFAULT_START),  # its state_bytes as the ranks' split makes it
             session_memory_bytes=budget,
             max_batch_rows=pipeline.max_batch_rows,
             overlap_decode=overlap,
@@ -345,17 +346,16 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
     return chosen
 
 
-def _default_session(pipeline) -> SessionGeometry:
-    """The shape of a session that asks for nothing (``WorkerReady.defaults``),
-    checked: a model whose options make it invalid (chunks of no frames, a rate
-    of 0) is refused at start, naming the field, rather than failing each session."""
+def _check_default_session(pipeline) -> None:
+    """``ValueError`` naming the field when the model's default session is invalid
+    (chunks of no frames, a rate of 0: its options make it so), so the start is
+    refused in one line rather than each session failing."""
     what = f"the default session of pipeline {pipeline.name!r}"
     try:
-        defaults = pipeline.describe(StartSession(session_id="defaults", prompt="defaults"))
+        defaults = pipeline.describe(DEFAULT_START)
     except ValueError as error:
         raise ValueError(f"{what}: {error}") from error
     check_geometry(defaults, what)
-    return defaults
 
 
 def _overlap_decode(config: EngineConfig, pipeline) -> bool:
