@@ -43,7 +43,6 @@ from rtvideo.engine.messages import (
 )
 from rtvideo.engine.receiver import ControlReceiver
 from rtvideo.engine.transport import Endpoints, ResultSender
-from rtvideo.engine.validation import check_geometry
 from rtvideo.workers import process_log
 from rtvideo.workers.calibrate import Calibration, calibrate
 from rtvideo.workers.decode_stage import decode_batch_rows
@@ -83,7 +82,6 @@ def run_worker(
 
             torch.set_num_threads(config.cpu_threads)
         pipeline = build_pipeline(_rank_0_spec(config, site), config.max_batch_rows)
-        _check_default_session(pipeline)  # before the warm-up: a model that cannot serve fails at once
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
             group = _spawn_ranks(config, pipeline, sender, ending, site)
         warm_up_s = warm_up(pipeline)
@@ -344,18 +342,6 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
         return torch.get_num_threads()
     torch.set_num_threads(chosen)
     return chosen
-
-
-def _check_default_session(pipeline) -> None:
-    """``ValueError`` naming the field when the model's default session is invalid
-    (chunks of no frames, a rate of 0: its options make it so), so the start is
-    refused in one line rather than each session failing."""
-    what = f"the default session of pipeline {pipeline.name!r}"
-    try:
-        defaults = pipeline.describe(DEFAULT_START)
-    except ValueError as error:
-        raise ValueError(f"{what}: {error}") from error
-    check_geometry(defaults, what)
 
 
 def _overlap_decode(config: EngineConfig, pipeline) -> bool:

@@ -137,3 +137,13 @@ def test_an_option_the_pipeline_does_not_take_is_refused_by_name_and_a_bug_insid
         build_pipeline(PipelineSpec("stub", {"quantize": "fp8"}), 2)
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_keyword'"):
         build_pipeline(PipelineSpec(f"{HERE}:fails_inside", {"width": 32}), 2)
+
+
+def test_a_default_session_the_model_cannot_serve_is_refused_at_build_naming_the_field():
+    whose = r"^the default session of pipeline 'stub': "
+    with pytest.raises(ValueError, match=whose + r"fps must be between 1 and 120, got 0$"):
+        build_pipeline(PipelineSpec("stub", {"fps": 0}), 2)
+    with pytest.raises(ValueError, match=whose + r"frames_per_chunk must be >= 1, got 0$"):
+        build_pipeline(PipelineSpec("stub", {"frames_per_chunk": 0, "first_chunk_frames": 4}), 2)
+    with pytest.raises(ValueError, match=r"takes no option 'decoder' \(set by --decoder or --pipeline-options\)"):
+        build_pipeline(PipelineSpec("stub", {"decoder": "tiny"}), 2)

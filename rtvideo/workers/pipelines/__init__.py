@@ -7,6 +7,8 @@ import importlib
 import re
 
 from rtvideo.engine.config import PipelineSpec
+from rtvideo.engine.messages import StartSession
+from rtvideo.engine.validation import check_geometry
 from rtvideo.workers.pipelines.base import ChunkPipeline
 from rtvideo.workers.pipelines.capabilities import check_pipeline
 
@@ -27,7 +29,8 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
     Either way the pipeline built is checked against the contract and its
     declared capabilities (``rtvideo.workers.pipelines.capabilities.check_pipeline``):
     ``PipelineContractError`` names the pipeline and what it lacks. An option
-    the pipeline does not take is a ``ValueError`` naming it."""
+    the pipeline does not take is a ``ValueError`` naming it, and so is one that
+    leaves it no valid default session (``check_default_session``)."""
     target = REGISTRY.get(spec.name) or (spec.name if ":" in spec.name else None)
     if target is None:
         known = ", ".join(sorted(REGISTRY))
@@ -49,7 +52,21 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
         raise ValueError(
             f"pipeline {spec.name!r} takes no option {option!r} (set by {how}--pipeline-options)"
         ) from None
-    return check_pipeline(pipeline)
+    check_default_session(check_pipeline(pipeline))
+    return pipeline
+
+
+def check_default_session(pipeline: ChunkPipeline) -> None:
+    """``ValueError`` naming the field when the session that asks for nothing is
+    one the pipeline cannot serve, or one the server cannot (chunks of no frames,
+    a rate of 0: options can make it so), so the worker's start is refused in
+    one line rather than each session failing."""
+    what = f"the default session of pipeline {pipeline.name!r}"
+    try:
+        defaults = pipeline.describe(StartSession(session_id="defaults", prompt="defaults"))
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from error
+    check_geometry(defaults, what)
 
 
 _UNEXPECTED_OPTION = re.compile(r"unexpected keyword argument '(\w+)'")
