@@ -411,6 +411,7 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
             r"^sink_frames \(3\) and window_frames \(15\) must be multiples of latent_frames_per_chunk \(5\)$",
         ),
         ({"sink_frames": 0, "window_frames": 0}, r"window_frames >= latent_frames_per_chunk \(3\), got 0 and 0$"),
+        ({"sink_frames": -1}, r"^need sink_frames >= 0 and window_frames >= .* got -1 and 15$"),
         ({"seed": 2**70}, r"^seed must be between 0 and 9223372036854775807, got 1180591620717411303424$"),
         ({"seed": -1}, r"^seed must be between 0 and"),
         ({"vae_dtype": "x"}, r"^vae_dtype must be auto, bfloat16 or float32, got 'x'$"),

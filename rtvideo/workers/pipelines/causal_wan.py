@@ -224,15 +224,15 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         per = latent_frames_per_chunk
         if per < 1:
             raise ValueError(f"latent_frames_per_chunk must be >= 1, got {per}")
-        if sink_frames % per or window_frames % per:
-            raise ValueError(
-                f"sink_frames ({sink_frames}) and window_frames ({window_frames}) must be multiples of "
-                f"latent_frames_per_chunk ({per})"
-            )
         if sink_frames < 0 or window_frames < per:
             raise ValueError(
                 f"need sink_frames >= 0 and window_frames >= latent_frames_per_chunk ({per}), "
                 f"got {sink_frames} and {window_frames}"
+            )
+        if sink_frames % per or window_frames % per:
+            raise ValueError(
+                f"sink_frames ({sink_frames}) and window_frames ({window_frames}) must be multiples of "
+                f"latent_frames_per_chunk ({per})"
             )
         self.sink_frames, self.window_frames = sink_frames, window_frames
         self.fps = fps
