@@ -36,7 +36,6 @@ from rtvideo.engine.messages import (
     ChunkReady,
     EngineDead,
     ModelLimits,
-    StartSession,
     WorkerExiting,
     WorkerReady,
     WorkerStartupFailed,
@@ -51,14 +50,12 @@ from rtvideo.workers.executor import LocalExecutor
 from rtvideo.workers.os_threads import decode_nice
 from rtvideo.workers.parallel.group import decode_placement
 from rtvideo.workers.parallel.ring import RingRunner
-from rtvideo.workers.pipelines import build_pipeline, known_prompts
+from rtvideo.workers.pipelines import DEFAULT_START, build_pipeline, known_prompts
 from rtvideo.workers.pipelines.capabilities import device_type
 from rtvideo.workers.runner import ModelRunner
 from rtvideo.workers.warmup import warm_up
 
 log = logging.getLogger("rtvideo.worker")
-DEFAULT_START = StartSession(session_id="defaults", prompt="defaults")
-"""A start that asks for nothing: its geometry is ``WorkerReady.defaults``."""
 
 
 def run_worker(

@@ -56,6 +56,11 @@ def build_pipeline(spec: PipelineSpec, max_batch_rows: int) -> ChunkPipeline:
     return pipeline
 
 
+DEFAULT_START = StartSession(session_id="defaults", prompt="defaults")
+"""A start that asks for nothing: its geometry is the model's default session
+(``WorkerReady.defaults``)."""
+
+
 def check_default_session(pipeline: ChunkPipeline) -> None:
     """``ValueError`` naming the field when the session that asks for nothing is
     one the pipeline cannot serve, or one the server cannot (chunks of no frames,
@@ -63,7 +68,7 @@ def check_default_session(pipeline: ChunkPipeline) -> None:
     one line rather than each session failing."""
     what = f"the default session of pipeline {pipeline.name!r}"
     try:
-        defaults = pipeline.describe(StartSession(session_id="defaults", prompt="defaults"))
+        defaults = pipeline.describe(DEFAULT_START)
     except ValueError as error:
         raise ValueError(f"{what}: {error}") from error
     check_geometry(defaults, what)

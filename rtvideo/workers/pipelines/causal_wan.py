@@ -158,8 +158,11 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         self-attention (``auto``, torch's choice; ``flash``, ``cudnn``,
         ``efficient``, ``math``), refused here where torch will not run it
         (``attention_backend``)."""
-        switches = {"compile": compile, "commit_from_last_step": commit_from_last_step}
-        for option, value in {**switches, "fused_elementwise": fused_elementwise}.items():
+        for option, value in (
+            ("compile", compile),
+            ("commit_from_last_step", commit_from_last_step),
+            ("fused_elementwise", fused_elementwise),
+        ):
             if not isinstance(value, bool):  # JSON's "yes" or 1 would pass an if
                 raise ValueError(f"{option} must be true or false, got {value!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
