@@ -21,6 +21,7 @@ runs N, a soak (about 3 s a script here, one-rank replays included).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from rtvideo.engine.client.engine_client import EngineClient, SessionHandle
+from rtvideo.engine.client.engine_client import EngineClient, SessionHandle, UnknownSessionError
 from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,
@@ -108,11 +109,16 @@ async def drive(engine: EngineClient, plan: Plan, progress: Progress) -> Collect
     prompted = stopped = False
     while True:
         made = len(seen.chunks)
+        # The session may have ended already, its last word queued here and not
+        # yet read: the client then refuses the call (UnknownSessionError), and
+        # the prompt counts as one that came after the end.
         if plan.prompt_after is not None and not (prompted or stopped) and made >= plan.prompt_after:
-            await handle.interact("p", Interaction(prompt=f"a new prompt for {sid}"))
+            with contextlib.suppress(UnknownSessionError):
+                await handle.interact("p", Interaction(prompt=f"a new prompt for {sid}"))
             prompted = True
         if plan.stop_after is not None and not stopped and made >= plan.stop_after:
-            await handle.stop()
+            with contextlib.suppress(UnknownSessionError):
+                await handle.stop()
             stopped = True
         message = await handle.next(120.0)
         seen.messages.append(message)
