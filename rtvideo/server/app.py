@@ -124,6 +124,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             worker_up=lambda: engine.alive,
             memory=lambda: (engine.ready.session_memory_bytes if engine.ready else None, engine.held_state_bytes()),
             engine_stats=lambda: engine.stats,
+            worker_pid=lambda: engine.worker_pid,
         )
         app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
         app.state.jobs = JobManager(

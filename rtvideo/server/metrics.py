@@ -17,7 +17,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rtvideo.engine.messages import EngineStats
@@ -59,11 +68,20 @@ class Metrics:
         worker_up: Callable[[], bool],
         memory: Callable[[], tuple[int | None, int]] = lambda: (None, 0),
         engine_stats: Callable[[], EngineStats | None] = lambda: None,
+        worker_pid: Callable[[], int | None] = lambda: None,
     ) -> None:
+        """``worker_pid``: the pid of the worker process this API process spawned
+        (rank 0), None while there is none (starting, restarting, or ranks
+        launched on their own): its memory, CPU time and open files are exported
+        as ``rtvideo_worker_process_*`` where ``/proc`` can be read, beside the
+        API process's own ``process_*`` and ``python_gc_*``."""
         # The client library's own switch: no "<counter>_created" timestamp series, which
         # dashboards mistake for counts (rtvideo_sessions_created, rtvideo_jobs_created ...).
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        ProcessCollector(namespace="rtvideo_worker", pid=lambda: _proc_name(worker_pid()), registry=r)
         self.sessions_active = Gauge("rtvideo_sessions_active", "Realtime sessions open now", registry=r)
         self.sessions = Counter("rtvideo_sessions", "Realtime sessions ended, by outcome", ["outcome"], registry=r)
         self.viewers = Gauge(
@@ -182,6 +200,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _proc_name(pid: int | None) -> str:
+    """``/proc``'s entry for ``pid``; for None one that does not exist, which the
+    collector skips (no series while there is no worker)."""
+    return "none" if pid is None else str(pid)
 
 
 class EngineStatsCollector:

@@ -94,7 +94,7 @@ async def test_every_expression_names_only_exported_families(server):
     await one_session(server)
     exported = set(re.findall(r"^(\w+)(?:\{|\s)", httpx.get(f"{server.http}/metrics").text, flags=re.M))
     for expr in expressions():
-        names = set(re.findall(r"\b(rtvideo_\w+)", expr))
+        names = set(re.findall(r"\b((?:rtvideo|process)_\w+)", expr))  # ours, and the client's process families
         assert names, expr
         assert names <= exported, f"{expr} names {names - exported}, which /metrics does not export"
         others = set(re.findall(r"\b([a-z_]+)\{", expr)) - names

@@ -4,9 +4,11 @@ disconnect, a job."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.client import Realtime, interaction, open_realtime
@@ -91,3 +93,22 @@ async def test_metrics_follow_a_scripted_run(make_server):
     assert chunks >= 4.0 and value(after, "rtvideo_deadline_misses_total") <= chunks
     assert value(after, "rtvideo_frames_generated_total") >= 4 * chunks + 8  # realtime chunks plus the job's
     assert value(after, "rtvideo_jobs_total", status="completed") == 1.0
+
+
+def test_the_api_process_and_its_worker_export_their_memory_and_open_files(server):
+    """``process_*`` (the API process) and ``rtvideo_worker_process_*`` (the worker
+    it spawned, the pid /health names), read from /proc at scrape time."""
+    pid = httpx.get(f"{server.http}/health").json()["workers"][0]["pid"]
+    samples = scrape(server)
+    with open(f"/proc/{pid}/stat") as stat:
+        worker_start_ticks = float(stat.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as stat:
+        boot = next(float(line.split()[1]) for line in stat if line.startswith("btime "))
+    worker_start = boot + worker_start_ticks / os.sysconf("SC_CLK_TCK")
+    assert value(samples, "rtvideo_worker_process_start_time_seconds") == pytest.approx(worker_start)
+    assert value(samples, "process_start_time_seconds") < worker_start  # the API process spawned it
+    for prefix in ("process", "rtvideo_worker_process"):
+        assert value(samples, f"{prefix}_resident_memory_bytes") > 16 * 2**20
+        assert value(samples, f"{prefix}_open_fds") >= 3
+        assert value(samples, f"{prefix}_cpu_seconds_total") > 0
+    assert value(samples, "python_gc_collections_total", generation="0") > 0
