@@ -42,6 +42,15 @@ controller's outcomes, kept in a bounded log with the chunk they followed; a
 result the lost socket did deliver may so arrive twice, by its ``event_id``),
 then the live stream. Past the grace the session is stopped, reason
 ``abandoned``.
+
+A session's end is owed to ``c1`` like its chunks: until its end (the last
+event and the close) was written to the socket of the connection holding
+``c1``, the session stays resumable by its resume token, for at most
+``resume_grace_s`` from when that connection dropped (a session that ends
+while detached; a socket that drops with the end still queued on it). A
+resume then gets what it missed, the end and the close. Its watch and
+control tokens find nothing from the end on, and its buffer is freed once
+the end was written or the grace is over (``_forget``).
 """
 
 from __future__ import annotations
@@ -159,6 +168,9 @@ class LiveSession:
         # Results addressed to c1, each with the newest chunk sent before it, for a resume.
         self.kept: deque[tuple[int, dict[str, Any]]] = deque(maxlen=MAX_KEPT_EVENTS)
         self.ended = False
+        self._final: tuple[dict[str, Any] | None, int, str] | None = None  # the end: event, close code, reason
+        self._forgotten = False  # ended and nothing owed any more: its resume token finds nothing
+        self._detached_counted = False  # counted in rtvideo_sessions_detached
         self._controller_ids = itertools.count(2)
         self._answer_to: dict[str, deque[str | None]] = {}  # event_id -> controllers awaiting its answer
         self._delivered_s = 0.0  # the furthest media written to a controller's socket
@@ -224,8 +236,9 @@ class LiveSession:
         self._add(viewer)
 
     def resume(self, viewer: Viewer, last_chunk_index: int) -> None:
-        """Attach ``viewer`` as ``c1`` again, sending what it missed; ``ResumeRefused`` when it cannot."""
-        if self.ended:
+        """Attach ``viewer`` as ``c1`` again, sending what it missed (and the end,
+        when the session has ended since); ``ResumeRefused`` when it cannot."""
+        if self._forgotten:
             raise ResumeRefused("unknown_resume_token", "the session has ended")
         if any(v.controller_id == PRIMARY for v in self.viewers):
             raise ResumeRefused(
@@ -248,7 +261,13 @@ class LiveSession:
         for _, event in events:
             viewer.send_event(event)
         log.info("session %s resumed after chunk %d (%d chunks resent)", self.request_id, last_chunk_index, len(missed))
-        self._add(viewer)
+        if self._final is None:
+            self._add(viewer)
+            return
+        event, close_code, reason = self._final  # it ended meanwhile: the end, and nothing after it
+        if event is not None:
+            viewer.send_event(event)
+        viewer.session_ended(close_code, reason)
 
     def join(self, viewer: Viewer) -> None:
         """A spectator (``watch_token``) or a further controller (``control_token``):
@@ -293,7 +312,12 @@ class LiveSession:
         if viewer.role == "controller" and self._grace is not None:
             self._grace.cancel()
             self._grace = None
-            self.metrics.sessions_detached.dec()
+            self._count_detached(False)
+
+    def _count_detached(self, detached: bool) -> None:
+        if detached != self._detached_counted:
+            self._detached_counted = detached
+            self.metrics.sessions_detached.inc() if detached else self.metrics.sessions_detached.dec()
 
     def only_controller(self, viewer: Viewer) -> bool:
         return self.controllers() == [viewer]
@@ -316,7 +340,7 @@ class LiveSession:
         if why != "dropped":
             await self.stop(why)
             return
-        self.metrics.sessions_detached.inc()
+        self._count_detached(True)
         self._grace = asyncio.create_task(self._abandon_after(), name=f"session-grace-{self.request_id}")
         log.info("session %s detached: kept %g s for a resume", self.request_id, self.settings.resume_grace_s)
         # What was written counts as delivered (also when nothing was yet), so the
@@ -325,9 +349,39 @@ class LiveSession:
             await self.engine.delivered(self.session_id, self._delivered_s)
 
     async def _abandon_after(self) -> None:
+        """The grace: past it a detached session is stopped (``abandoned``), and an
+        ended one whose end ``c1`` never got is forgotten."""
         await asyncio.sleep(self.settings.resume_grace_s)
+        self._grace = None  # over: nothing is owed to c1 past it
+        if self.ended:
+            log.info("session %s: its end was not resumed within %g s", self.request_id, self.settings.resume_grace_s)
+            self._forget()
+            return
         log.info("session %s abandoned: no resume within %g s", self.request_id, self.settings.resume_grace_s)
         await self.stop("abandoned")
+
+    def connection_finished(self, viewer: Viewer, end_written: bool) -> None:
+        """``viewer``'s connection wrote its last (``end_written``: the session's
+        end and the close were written to its socket). For ``c1`` of an ended
+        session that is what it was owed: the session is forgotten; otherwise its
+        end waits for a resume, ``resume_grace_s`` at most."""
+        if viewer.controller_id != PRIMARY or not self.ended or self._forgotten:
+            return
+        if end_written:
+            self._forget()
+        elif self._grace is None:
+            self._grace = asyncio.create_task(self._abandon_after(), name=f"session-grace-{self.request_id}")
+
+    def _forget(self) -> None:
+        """Nothing is owed to anyone any more: the resume token finds nothing, the
+        buffer and the kept results are freed, a running grace ends."""
+        self._forgotten = True
+        self.registry.remove(self)
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        self.kept.clear()
+        self.buffer.clear()  # now, not when the cyclic collector gets to this object
 
     # ------------------------------------------------------------------
     # what controllers do
@@ -523,20 +577,21 @@ class LiveSession:
         self.kept.append((self.buffer.newest, event))
 
     def _end(self, outcome: str, event: dict[str, Any] | None, close_code: int, reason: str) -> None:
-        """The session is over: every viewer gets ``event`` and its close; its tokens find nothing from now."""
+        """The session is over: every viewer gets ``event`` and its close; its watch
+        and control tokens find nothing from now. Its resume token finds it while
+        ``c1`` is owed the end: c1 attached (until its connection says whether the
+        end was written, ``connection_finished``) or detached (the grace running)."""
         self.ended = True
-        self.registry.remove(self)
+        self._final = (event, close_code, reason)
+        self.registry.keep_only(self, "resume")
         self.metrics.sessions_active.dec()
         self.metrics.sessions.labels(outcome).inc()
-        if self._grace is not None:
-            self._grace.cancel()
-            self._grace = None
-            self.metrics.sessions_detached.dec()
+        self._count_detached(False)  # no longer a live session waiting; a resume may still collect its end
         self._limit_task.cancel()
         if self._input_task is not None:
             self._input_task.cancel()
-        self.kept.clear()
-        self.buffer.clear()  # now, not when the cyclic collector gets to this object
+        if self._grace is None and not any(v.controller_id == PRIMARY for v in self.viewers):
+            self._forget()  # c1 left of its own accord (a stop, a close): nothing is owed
         log.info("session %s ended: %s", self.request_id, outcome)
         for viewer in list(self.viewers):
             if viewer.format != self.format and viewer.format in self.renditions:

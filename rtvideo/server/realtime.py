@@ -70,7 +70,7 @@ from rtvideo.server.dispatch import TypeDispatcher
 from rtvideo.server.drain import Drainer
 from rtvideo.server.events import SessionPong
 from rtvideo.server.limits import JsonLimitError, parse_json
-from rtvideo.server.live_session import JoinRefused, LiveSession, ResumeRefused
+from rtvideo.server.live_session import PRIMARY, JoinRefused, LiveSession, ResumeRefused
 from rtvideo.server.media import FORMATS
 from rtvideo.server.metrics import Metrics, SessionClock
 from rtvideo.server.output import SessionOutput, error_event
@@ -92,8 +92,8 @@ from rtvideo.server.schemas import (
 )
 from rtvideo.server.session_registry import SessionRegistry
 from rtvideo.server.settings import ServerSettings
+from rtvideo.server.ws_protocol import CLOSE_ANSWERED, SEND_MEDIA
 from rtvideo.server.ws_protocol import EXTENSION as CLOSE_NOW
-from rtvideo.server.ws_protocol import SEND_MEDIA
 
 log = logging.getLogger(__name__)
 CLIENT_EVENTS: TypeAdapter = TypeAdapter(ClientEvent)
@@ -101,6 +101,7 @@ CLIENT_EVENTS: TypeAdapter = TypeAdapter(ClientEvent)
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_ERROR, CLOSE_FULL = 1000, 1008, 1009, 1011, 1013
 SLOW_CLIENT_GRACE_S = 10.0  # a slow client closed now has this long to read up to the close frame
 STOP_WAIT_S = 30.0  # how long a stopping connection waits for its session's end
+CLOSE_ANSWER_S = 10.0  # how long a controller's answer to the end's close frame is waited for
 START_EXAMPLE = '{"type": "session.start", "prompt": "a red circle moving right"}'
 """A first message a client can send as it is; quoted by the errors of a first message that is no event."""
 NO_EVENT = ("binary_not_supported", "invalid_message", "unknown_type")  # first-message errors that quote it
@@ -205,6 +206,7 @@ class RealtimeConnection:
         self._writer: asyncio.Task | None = None
         self.session: LiveSession | None = None  # while attached
         self._written_to: LiveSession | None = None  # the session whose chunks the writer reports written
+        self._close_written = False  # the writer wrote the close frame (after everything queued before it)
         # Viewer
         self.role = "controller"
         self.controller_id: str | None = None
@@ -292,6 +294,8 @@ class RealtimeConnection:
             # The writer delivers what is queued (each write bounded by send_timeout_s) and stops.
             await asyncio.gather(writer, return_exceptions=True)
             self._writer = None  # a cancelled writer's traceback keeps the chunk it was writing
+            if self._written_to is not None:
+                self._written_to.connection_finished(self, await self._end_reached_client())
             if self._delivering:  # the app's handler notifies the drainer's condition after this
                 self.drainer.delivering -= 1
                 self._delivering = False
@@ -299,6 +303,23 @@ class RealtimeConnection:
                 with contextlib.suppress(Exception):  # another server: try an ordinary close, briefly
                     async with asyncio.timeout(1.0):
                         await self.ws.close(CLOSE_POLICY, f"slow_client: {self.slow}"[:123])
+
+    async def _end_reached_client(self) -> bool:
+        """Whether the session's end (its last event, then the close) reached the
+        client: written to the socket, and, where the server tells
+        (``rtvideo.close_answered``), answered by the client's close frame
+        (waited for, ``CLOSE_ANSWER_S`` at most, only for the controller a
+        resume would be owed the end)."""
+        if not (self._ended.is_set() and self._close_written):
+            return False
+        answered = self.ws.scope.get("extensions", {}).get(CLOSE_ANSWERED, {}).get("answered")
+        if answered is None or self.controller_id != PRIMARY:
+            return True
+        try:
+            async with asyncio.timeout(CLOSE_ANSWER_S):
+                return await asyncio.shield(answered)
+        except TimeoutError:
+            return False
 
     async def _connect(self) -> None:
         """Attach this connection to a session: by a token in the query, or by its first message."""
@@ -690,6 +711,7 @@ class RealtimeConnection:
                     case Close(code, reason):
                         if self.ws.client_state is WebSocketState.CONNECTED:
                             await self._write(self.ws.close(code, reason))
+                            self._close_written = True
                         return
             except _Slow:
                 return

@@ -5,8 +5,11 @@ the tokens its ``video.start`` gave out: ``resume`` (the controller that
 started it, to resume after a drop), ``watch`` (spectators) and ``control``
 (further controllers of a ``shared_control`` session). Tokens are
 ``secrets.token_urlsafe`` (192 bits): unguessable, so a token is the whole
-proof of access, and a wrong one finds nothing. An ended session is removed
-at once, so its tokens find nothing either.
+proof of access, and a wrong one finds nothing. An ended session's watch and
+control tokens find nothing from its end on; its resume token finds it until
+its end was written to the connection that holds the token, or for
+``resume_grace_s`` where that connection dropped first
+(``rtvideo.server.live_session``), and then nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ class SessionRegistry(Generic[Session]):
         for key in self._tokens.pop(id(session), []):
             self._by_token.pop(key, None)
         self._sessions.pop(id(session), None)
+
+    def keep_only(self, session: Session, kind: TokenKind) -> None:
+        """From now ``session`` is found by its token of ``kind`` alone."""
+        keys = self._tokens.get(id(session), [])
+        for key in [key for key in keys if key[0] != kind]:
+            self._by_token.pop(key, None)
+            keys.remove(key)
 
     def find(self, kind: TokenKind, token: str) -> Session | None:
         """The live session with this token of this kind, or None."""

@@ -34,7 +34,15 @@ valid on a connection that negotiated permessage-deflate (RFC 7692, section
 6), and leaves the compression context of the connection's other messages
 alone; media are compressed already, or raw.
 
-``rtvideo.server.realtime`` uses both when present and falls back to uvicorn's
+The third, ``scope["extensions"]["rtvideo.close_answered"]["answered"]``: a
+future that says how the connection ended: True once the client answered the
+server's close frame (it read everything before it, the close last) or
+closed first with a close frame of its own; False when the connection was
+lost without one (the client dropped, or never answered within uvicorn's
+close timeout). That is how the server knows whether a session's end reached
+its controller, or is still owed to a resume.
+
+``rtvideo.server.realtime`` uses them when present and falls back to uvicorn's
 ordinary close and sends under another server (which then may wait on the
 client, and frames each viewer's media itself).
 """
@@ -51,6 +59,7 @@ from websockets.protocol import State
 
 EXTENSION = "rtvideo.close_now"
 SEND_MEDIA = "rtvideo.send_media"
+CLOSE_ANSWERED = "rtvideo.close_answered"
 
 
 def frame_header(opcode: Opcode, length: int) -> bytes:
@@ -71,6 +80,20 @@ class RealtimeWebSocketProtocol(WebSocketsSansIOProtocol):
         (a session's tokens included) and every chunk into the log."""
         super().__init__(*args, **kwargs)
         self.conn.debug = False
+        self.close_answered = self.loop.create_future()  # CLOSE_ANSWERED: see the module's docstring
+
+    def _answered(self, answered: bool) -> None:
+        if not self.close_answered.done():
+            self.close_answered.set_result(answered)
+
+    def handle_close(self, event) -> None:
+        """A close frame from the client: the answer to the server's, or its own."""
+        self._answered(True)
+        super().handle_close(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._answered(False)  # a no-op when a close frame came first
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         """As uvicorn's, and a handshake that websockets refuses while parsing it
@@ -90,6 +113,7 @@ class RealtimeWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.close_sent and hasattr(self, "scope"):
             self.scope["extensions"][EXTENSION] = {"close_now": self.close_now}
             self.scope["extensions"][SEND_MEDIA] = {"send_media": self.send_media}
+            self.scope["extensions"][CLOSE_ANSWERED] = {"answered": self.close_answered}
 
     async def send_media(self, text: bytes, parts: Sequence[bytes]) -> None:
         """Write the text message ``text`` (UTF-8) and the binary message of

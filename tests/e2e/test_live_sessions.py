@@ -194,6 +194,38 @@ async def test_an_abandoned_session_ends_after_the_grace_and_is_freed(server):
     assert got.of("error")[0]["code"] == "unknown_resume_token" and got.close_code == 1008
 
 
+async def test_a_session_that_ends_while_detached_keeps_its_end_for_the_resume(server):
+    """Dropped after chunk 0, the session runs to its end before anyone resumes
+    (4 unpaced chunks: within what a detached session may run ahead). The
+    resume still gets chunks 1..3, ``session.done`` and the close, the frames
+    of an uninterrupted run; its watch token found nothing from the end on, and
+    once the end was written, neither does the resume token."""
+    before = scrape(server)
+    completed = ("rtvideo_sessions_total", {"outcome": "completed"})
+    first = await dial(server.ws)
+    start_event = {**RAW, "num_chunks": 4, "max_lead_seconds": None}
+    await first.send(start_event)
+    start = await first.until("video.start")
+    await first.next()  # chunk 0
+    drop(first)
+    server.released()  # the engine ended it: nobody was attached
+    assert metric(scrape(server), completed[0], **completed[1]) == metric(before, completed[0], **completed[1]) + 1
+    watched = await fatal(f"{server.ws}?watch={start['watch_token']}")
+    assert watched.of("error")[0]["code"] == "unknown_watch_token"
+
+    second = await resume(server.ws, start, 0)
+    rest = await second.rest()
+    done = rest.of("session.done")
+    assert [e["type"] for e in rest.events] == ["video.start", "session.done"] and done[0]["reason"] == "completed"
+    assert rest.close_code == 1000
+    got = first.received.chunks + rest.chunks
+    assert [c.metadata["generation_chunk_index"] for c in got] == [0, 1, 2, 3]
+    assert b"".join(c.payload for c in got) == job_content(server, start_event)
+    again = await fatal(server.ws, resume_body(start, 3))
+    assert again.of("error")[0]["code"] == "unknown_resume_token"
+    assert metric(scrape(server), "rtvideo_sessions_detached") == 0
+
+
 def resume_body(start: dict, last: int, **changes) -> dict:
     body = {
         "type": "session.resume",
