@@ -148,12 +148,13 @@ def failure(error: BaseException) -> str:
 
 
 async def session_events(
-    ws: ClientConnection, stall_timeout_s: float = STALL_TIMEOUT_S
+    ws: ClientConnection, stall_timeout_s: float = STALL_TIMEOUT_S, with_media: bool = False
 ) -> AsyncIterator[tuple[str, dict, float]]:
     """The JSON events a realtime socket sends, each as its type, the event and
     when it was read (``time.perf_counter``), up to and including
     ``session.done``, or a fatal ``error`` and the close after it; binary
-    messages (the media) are skipped. Raises ``SessionLost`` when the socket
+    messages (the media) are skipped, or with ``with_media`` given as the type
+    ``media`` and ``{"bytes": their length}``. Raises ``SessionLost`` when the socket
     closes otherwise, or when no message comes for ``stall_timeout_s``."""
     fatal = False
     while True:
@@ -167,6 +168,8 @@ async def session_events(
                 return
             raise SessionLost(f"the server closed the socket before session.done: {closed}") from None
         if isinstance(message, bytes):
+            if with_media:
+                yield "media", {"bytes": len(message)}, time.perf_counter()
             continue
         event = json.loads(message)
         fatal = fatal or (event["type"] == "error" and bool(event.get("fatal")))

@@ -239,15 +239,20 @@ def _max_lead(text: str) -> float | str | None:
     return _positive_seconds(text, "adaptive, off or ")
 
 
-def _positive_seconds(text: str, others: str = "") -> float:
-    """A finite number of seconds > 0, for an option (``others``: what else it takes, for the error)."""
+def _positive_seconds(text: str, others: str = "", unit: str = "seconds") -> float:
+    """A finite number of seconds (or ``unit``) > 0, for an option (``others``:
+    what else it takes, for the error)."""
     try:
         seconds = float(text)
     except ValueError:
         seconds = 0.0
     if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected {others}a number of seconds > 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {others}a number of {unit} > 0")
     return seconds
+
+
+def _positive_minutes(text: str) -> float:
+    return _positive_seconds(text, unit="minutes")
 
 
 def _realtime_url(given: str) -> str:
@@ -271,6 +276,28 @@ def _bench_realtime(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
     )
     return bench_realtime.main(options, as_json=args.json)
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from rtvideo.bench import soak as bench_soak
+
+    try:
+        options = bench_soak.SoakOptions(
+            url=_realtime_url(args.url),
+            minutes=args.minutes,
+            rounds=args.rounds,
+            chunks=args.chunks,
+            concurrency=args.concurrency,
+            warm_up_rounds=args.warm_up_rounds,
+            max_growth_mib=args.max_growth_mib,
+            max_fd_growth=args.max_fd_growth,
+            api_key=args.api_key,
+            stall_timeout_s=args.stall_timeout,
+            seed=args.seed,
+        )
+    except ValueError as error:
+        raise SystemExit(f"rtvideo bench soak: {error}") from None
+    return bench_soak.main(options, as_json=args.json)
 
 
 def _bench_v2v(args: argparse.Namespace) -> int:
@@ -433,6 +460,38 @@ def build_parser() -> argparse.ArgumentParser:
     v2v.add_argument("--fps", type=float, default=None, help="input frame rate (default: the model's)")
     v2v.add_argument("--interact-at", type=int, default=3, help="send a new prompt once this chunk arrived")
     v2v.set_defaults(func=_bench_v2v)
+    soak = benches.add_parser(
+        "soak", help="a running server taken round after round through every serving path; its memory and files watched"
+    )
+    soak.add_argument("--url", default="ws://127.0.0.1:8000", help="the server (http(s):// or ws(s)://)")
+    soak.add_argument("--minutes", type=_positive_minutes, default=10.0, help="begin rounds for this long (default 10)")
+    soak.add_argument("--rounds", type=int, default=None, help="or stop after this many rounds")
+    soak.add_argument("--chunks", type=int, default=3, help="chunks of a finite session or job (default 3)")
+    soak.add_argument("--concurrency", type=int, default=2, help="sessions or jobs of a round at once (default 2)")
+    soak.add_argument("--warm-up-rounds", type=int, default=3, help="rounds before growth counts (default 3)")
+    soak.add_argument(
+        "--max-growth-mib",
+        type=float,
+        default=8.0,
+        help="resident memory a process may gain over the second half of the rounds before it counts as a leak "
+        "(default 8)",
+    )
+    soak.add_argument(
+        "--max-fd-growth",
+        type=int,
+        default=4,
+        help="open files an idle process may gain over the second half of the rounds (default 4)",
+    )
+    soak.add_argument("--api-key", default=None)
+    soak.add_argument(
+        "--stall-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        help="a session that hears nothing, or a job not done, for this many seconds fails (default 60)",
+    )
+    soak.add_argument("--seed", type=int, default=0, help="the order of each round's paths")
+    soak.add_argument("--json", action="store_true", help="print only the JSON summary")
+    soak.set_defaults(func=_bench_soak)
     pp = benches.add_parser("pp", help="temporal pipeline parallelism: 1 vs 2 ranks, 1 and 4 sessions, batching")
     pp.add_argument("--model", default="tiny", help="tiny, or a model directory")
     pp.add_argument("--chunks", type=int, default=6, help="chunks per session of four (one session runs 4x as many)")
