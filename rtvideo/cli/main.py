@@ -21,8 +21,10 @@ import os
 import socket
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any
 
 from rtvideo.engine.config import MODEL_DIR_PARTS, MODEL_PRESETS
 from rtvideo.server.settings import GROUPS, ServerSettings
@@ -278,48 +280,53 @@ def _bench_realtime(args: argparse.Namespace) -> int:
     return bench_realtime.main(options, as_json=args.json)
 
 
+def _bench_options(name: str, make: Callable[..., Any], **fields: Any) -> Any:
+    """``make(**fields)``: a bench's options; one out of range ends the command, naming it."""
+    try:
+        return make(**fields)
+    except ValueError as error:
+        raise SystemExit(f"rtvideo bench {name}: {error}") from None
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     from rtvideo.bench import soak as bench_soak
 
-    try:
-        options = bench_soak.SoakOptions(
-            url=_realtime_url(args.url),
-            minutes=args.minutes,
-            rounds=args.rounds,
-            chunks=args.chunks,
-            concurrency=args.concurrency,
-            warm_up_rounds=args.warm_up_rounds,
-            max_growth_mib=args.max_growth_mib,
-            max_fd_growth=args.max_fd_growth,
-            api_key=args.api_key,
-            stall_timeout_s=args.stall_timeout,
-            seed=args.seed,
-        )
-    except ValueError as error:
-        raise SystemExit(f"rtvideo bench soak: {error}") from None
+    options = _bench_options(
+        "soak",
+        bench_soak.SoakOptions,
+        url=_realtime_url(args.url),
+        minutes=args.minutes,
+        rounds=args.rounds,
+        chunks=args.chunks,
+        concurrency=args.concurrency,
+        warm_up_rounds=args.warm_up_rounds,
+        max_growth_mib=args.max_growth_mib,
+        max_fd_growth=args.max_fd_growth,
+        api_key=args.api_key,
+        stall_timeout_s=args.stall_timeout,
+        seed=args.seed,
+    )
     return bench_soak.main(options, as_json=args.json)
 
 
 def _bench_v2v(args: argparse.Namespace) -> int:
     from rtvideo.bench import v2v as bench_v2v
 
-    url = _realtime_url(args.url)
-    try:
-        options = bench_v2v.V2vBenchOptions(
-            url=url,
-            sessions=args.sessions,
-            chunks=args.chunks,
-            strength=args.strength,
-            format=args.format,
-            width=args.width,
-            height=args.height,
-            fps=args.fps,
-            interact_at=args.interact_at,
-            api_key=args.api_key,
-            stall_timeout_s=args.stall_timeout,
-        )
-    except ValueError as error:
-        raise SystemExit(f"rtvideo bench v2v: {error}") from None
+    options = _bench_options(
+        "v2v",
+        bench_v2v.V2vBenchOptions,
+        url=_realtime_url(args.url),
+        sessions=args.sessions,
+        chunks=args.chunks,
+        strength=args.strength,
+        format=args.format,
+        width=args.width,
+        height=args.height,
+        fps=args.fps,
+        interact_at=args.interact_at,
+        api_key=args.api_key,
+        stall_timeout_s=args.stall_timeout,
+    )
     return bench_v2v.main(options, as_json=args.json)
 
 
