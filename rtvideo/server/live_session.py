@@ -44,13 +44,15 @@ then the live stream. Past the grace the session is stopped, reason
 ``abandoned``.
 
 A session's end is owed to ``c1`` like its chunks: until its end (the last
-event and the close) was written to the socket of the connection holding
-``c1``, the session stays resumable by its resume token, for at most
-``resume_grace_s`` from when that connection dropped (a session that ends
-while detached; a socket that drops with the end still queued on it). A
-resume then gets what it missed, the end and the close. Its watch and
-control tokens find nothing from the end on, and its buffer is freed once
-the end was written or the grace is over (``_forget``).
+event and the close) reached the client holding ``c1`` (written to its
+socket, and the close frame answered where the server tells:
+``rtvideo.server.realtime``), the session stays resumable by its resume
+token, for at most ``resume_grace_s`` from when that connection dropped (a
+session that ends while detached; a socket that drops with the end still
+queued on it, or unanswered). A resume then gets what it missed, the end and
+the close. Its watch and control tokens find nothing from the end on, and
+its buffer is freed once the end reached ``c1`` or the grace is over
+(``_forget``).
 """
 
 from __future__ import annotations
@@ -360,14 +362,14 @@ class LiveSession:
         log.info("session %s abandoned: no resume within %g s", self.request_id, self.settings.resume_grace_s)
         await self.stop("abandoned")
 
-    def connection_finished(self, viewer: Viewer, end_written: bool) -> None:
-        """``viewer``'s connection wrote its last (``end_written``: the session's
-        end and the close were written to its socket). For ``c1`` of an ended
-        session that is what it was owed: the session is forgotten; otherwise its
-        end waits for a resume, ``resume_grace_s`` at most."""
+    def connection_finished(self, viewer: Viewer, end_reached: bool) -> None:
+        """``viewer``'s connection is over (``end_reached``: the session's end and
+        the close reached its client). For ``c1`` of an ended session that is what
+        it was owed: the session is forgotten; otherwise its end waits for a
+        resume, ``resume_grace_s`` at most."""
         if viewer.controller_id != PRIMARY or not self.ended or self._forgotten:
             return
-        if end_written:
+        if end_reached:
             self._forget()
         elif self._grace is None:
             self._grace = asyncio.create_task(self._abandon_after(), name=f"session-grace-{self.request_id}")
@@ -580,7 +582,7 @@ class LiveSession:
         """The session is over: every viewer gets ``event`` and its close; its watch
         and control tokens find nothing from now. Its resume token finds it while
         ``c1`` is owed the end: c1 attached (until its connection says whether the
-        end was written, ``connection_finished``) or detached (the grace running)."""
+        end reached it, ``connection_finished``) or detached (the grace running)."""
         self.ended = True
         self._final = (event, close_code, reason)
         self.registry.keep_only(self, "resume")

@@ -199,7 +199,7 @@ async def test_a_session_that_ends_while_detached_keeps_its_end_for_the_resume(s
     (4 unpaced chunks: within what a detached session may run ahead). The
     resume still gets chunks 1..3, ``session.done`` and the close, the frames
     of an uninterrupted run; its watch token found nothing from the end on, and
-    once the end was written, neither does the resume token."""
+    once the end reached the client, neither does the resume token."""
     before = scrape(server)
     completed = ("rtvideo_sessions_total", {"outcome": "completed"})
     first = await dial(server.ws)

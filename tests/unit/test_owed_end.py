@@ -1,7 +1,7 @@
 """A session's end is owed to its controller ``c1`` like its chunks: a session
 that ends while ``c1`` is away (detached after a drop, or its socket lost with
 the end still queued) stays resumable by its resume token, and the resume
-gets the end; once the end was written to ``c1`` or the grace is over, the
+gets the end; once the end reached ``c1`` or the grace is over, the
 token finds nothing and the buffer is freed. Its watch and control tokens
 find nothing from the end on. ``LiveSession`` with the engine's results
 given by hand (the fakes of ``test_live_session_limits``)."""
@@ -65,8 +65,8 @@ async def test_a_session_that_ends_while_detached_is_resumed_to_its_end_then_for
     assert done["type"] == "session.done" and done["reason"] == "completed"
     assert back.closed == (1000, "session done")
     assert back not in session.viewers  # nothing more will come to it
-    assert findable(session)["resume"]  # until its end was written to the socket
-    session.connection_finished(back, end_written=True)
+    assert findable(session)["resume"]  # until its end reached the client
+    session.connection_finished(back, end_reached=True)
     assert findable(session) == {"resume": False, "watch": False}
     assert session._grace is None and len(session.buffer) == 0
     with pytest.raises(ResumeRefused, match="ended") as refused:
@@ -85,22 +85,22 @@ async def test_an_end_not_collected_within_the_grace_is_forgotten():
     assert detached_gauge(session) == 0
 
 
-async def test_an_end_written_to_c1_is_not_kept_and_one_lost_with_the_socket_is():
+async def test_an_end_that_reached_c1_is_not_kept_and_one_lost_with_the_socket_is():
     session, _, c1 = await session_with(resume_grace_s=30.0)
     await ended(session)
     await session.leave(c1, "ended")  # the connection leaves as the end is queued on it
     assert findable(session)["resume"]  # its writer has not said yet whether the end went out
-    session.connection_finished(c1, end_written=True)
+    session.connection_finished(c1, end_reached=True)
     assert not findable(session)["resume"]
 
     session, _, c1 = await session_with(resume_grace_s=GRACE_S)
     await ended(session)
     await session.leave(c1, "ended")
-    session.connection_finished(c1, end_written=False)  # the socket dropped with the end still queued
+    session.connection_finished(c1, end_reached=False)  # the socket dropped with the end still queued
     back = Connection()
     session.resume(back, last_chunk_index=-1)
     assert [e["type"] for e in back.events] == ["video.start", "session.done"] and back.closed is not None
-    session.connection_finished(back, end_written=False)  # lost again: the same grace, from the first loss
+    session.connection_finished(back, end_reached=False)  # lost again: the same grace, from the first loss
     await session._grace
     assert not findable(session)["resume"]
 
@@ -113,5 +113,5 @@ async def test_nothing_is_kept_when_c1_ended_the_session_itself_or_for_a_spectat
     await ended(session)
     assert findable(session) == {"resume": False, "watch": False}
     assert spectator.events[-1]["type"] == "session.done" and spectator.closed is not None
-    session.connection_finished(spectator, end_written=False)  # a spectator is owed nothing
+    session.connection_finished(spectator, end_reached=False)  # a spectator is owed nothing
     assert session._grace is None
