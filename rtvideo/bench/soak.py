@@ -21,6 +21,10 @@ for what the protocol promises:
   its first chunk, stopped once the spectator has a chunk; both read to
   ``session.done`` (``stopped``), the spectator's chunks the last of the
   controller's, in order;
+- ``restyled``: video to video, a session of ``chunks`` chunks with an
+  ``input``: JPEG frames of a moving scene at the model's default size, sent
+  in real time from ``video.start`` on; ``completed``, chunks 0..n-1 each
+  once, each made from input frames (``input_frame_indexes``);
 - ``refused``: a ``session.start`` with a width of -1: a fatal
   ``invalid_event`` whose message names ``width``, then the close;
 - ``job``: ``POST /v1/videos`` of ``chunks`` chunks, polled to
@@ -60,11 +64,12 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection
 
+from rtvideo.bench import v2v
 from rtvideo.bench.machine import http_of, served_by
 from rtvideo.bench.realtime import SESSION_FAILURES, failure, session_events, session_socket
 from rtvideo.engine.progress import Progress
 
-PATHS = ("plain", "stopped", "left", "resumed", "watched", "refused", "job", "cancelled")
+PATHS = ("plain", "stopped", "left", "resumed", "watched", "restyled", "refused", "job", "cancelled")
 WATCHED = {
     "api_rss_mib": "process_resident_memory_bytes",
     "worker_rss_mib": "rtvideo_worker_process_resident_memory_bytes",
@@ -115,6 +120,8 @@ class Chunks:
     indexes: list[int] = field(default_factory=list)
     pending: int | None = None
     started: dict | None = None  # the socket's video.start
+    # per chunk: how many input frames it was made from, and its frames (with an input: as many)
+    made_from: list[tuple[int, int]] = field(default_factory=list)
 
     def see(self, kind: str, event: dict) -> int | None:
         """Note one message; the index of a chunk that just became whole, else None."""
@@ -122,6 +129,7 @@ class Chunks:
             self.started = event
         elif kind == "video.chunk_metadata":
             self.pending = event["generation_chunk_index"]
+            self.made_from.append((len(event.get("input_frame_indexes") or ()), event["num_frames"]))
         elif kind == "media" and self.pending is not None:
             self.indexes.append(self.pending)
             self.pending, whole = None, self.pending
@@ -144,6 +152,7 @@ class Soak:
         self.counts = {path: 0 for path in PATHS}
         self.failures: list[str] = []
         self.samples: list[dict[str, float | None]] = []
+        self._frames: tuple[v2v.InputShape, list[bytes]] | None = None  # the restyled path's input
 
     # ------------------------------------------------------------------ realtime
 
@@ -279,6 +288,39 @@ class Soak:
         expect(indexes == list(range(len(indexes))), f"watched: the controller got chunks {indexes}")
         tail = indexes[len(indexes) - len(seen.indexes) :]
         expect(seen.indexes == tail, f"watched: the spectator got {seen.indexes}, the controller {indexes}")
+
+    async def restyled(self) -> None:
+        n = self.options.chunks
+        shape, images = await self._input()
+        video = {"kind": "video", "strength": 0.6, "format": "jpeg", "width": shape.width, "height": shape.height}
+        chunks = Chunks()
+        async with self._socket() as ws:
+            await ws.send(json.dumps({**self._start("restyled", n), "input": {**video, "fps": shape.fps}}))
+            async with contextlib.aclosing(self._events(ws)) as events:
+                async for kind, event, _ in events:
+                    if kind == "error" and event["fatal"]:
+                        raise SoakFailure(f"{event['code']}: {event['message']}")
+                    if kind == "video.start":
+                        break
+            sender = asyncio.create_task(v2v.send_frames(ws, images, shape.fps, v2v.SessionResult()))
+            try:
+                done = await self._read(ws, chunks)
+            finally:
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+        self._completed("restyled", done, chunks.indexes, n)
+        made = chunks.made_from
+        expect(all(used == frames for used, frames in made), f"restyled: (input frames, frames) per chunk {made}")
+
+    async def _input(self) -> tuple[v2v.InputShape, list[bytes]]:
+        """The served model's default size and rate, and a moving scene's frames
+        as JPEGs at that size (made once)."""
+        if self._frames is None:
+            options = v2v.V2vBenchOptions(url=self.options.url, api_key=self.options.api_key)
+            shape = await asyncio.to_thread(v2v.served_shape, options)
+            images = await asyncio.to_thread(v2v.encoded, v2v.scene(shape), "jpeg", shape.fps)
+            self._frames = (shape, images)
+        return self._frames
 
     async def refused(self) -> None:
         async with self._socket() as ws:

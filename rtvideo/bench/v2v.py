@@ -153,7 +153,7 @@ def encoded(frames: np.ndarray, image_format: str, fps: float) -> list[bytes]:
     return images
 
 
-async def _send_frames(ws: ClientConnection, images: list[bytes], fps: float, result: SessionResult) -> None:
+async def send_frames(ws: ClientConnection, images: list[bytes], fps: float, result: SessionResult) -> None:
     """Frame n at ``start + n / fps``, until cancelled (the session ended)."""
     start = time.perf_counter()
     index = 0
@@ -188,7 +188,7 @@ async def _session(
             try:
                 async for kind, event, now in session_events(ws, options.stall_timeout_s):
                     if kind == "video.start":
-                        sender = asyncio.create_task(_send_frames(ws, images, shape.fps, result))
+                        sender = asyncio.create_task(send_frames(ws, images, shape.fps, result))
                     elif kind == "video.chunk_metadata":
                         progress.advance()
                         result.arrivals.append(now)

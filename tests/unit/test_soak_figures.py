@@ -60,8 +60,9 @@ def test_a_chunk_counts_once_its_bytes_came_after_its_metadata():
     chunks = Chunks()
     assert chunks.see("video.start", {"type": "video.start", "request_id": "r"}) is None
     assert chunks.started == {"type": "video.start", "request_id": "r"}
-    assert chunks.see("video.chunk_metadata", {"generation_chunk_index": 4}) is None
+    assert chunks.see("video.chunk_metadata", {"generation_chunk_index": 4, "num_frames": 12}) is None
     assert chunks.indexes == []  # its bytes have not come
+    assert chunks.made_from == [(0, 12)]  # no input: made from no input frame
     assert chunks.see("media", {"bytes": 10}) == 4
     assert chunks.see("media", {"bytes": 10}) is None  # bytes without metadata before them: no chunk
     assert chunks.indexes == [4]
