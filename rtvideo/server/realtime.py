@@ -294,11 +294,12 @@ class RealtimeConnection:
             # The writer delivers what is queued (each write bounded by send_timeout_s) and stops.
             await asyncio.gather(writer, return_exceptions=True)
             self._writer = None  # a cancelled writer's traceback keeps the chunk it was writing
-            if self._written_to is not None:
-                self._written_to.connection_finished(self, await self._end_reached_client())
-            if self._delivering:  # the app's handler notifies the drainer's condition after this
+            if self._delivering:
                 self.drainer.delivering -= 1
                 self._delivering = False
+            if self._written_to is not None:  # the client's answer may take a moment: the drainer is told first
+                await self._capacity_freed()
+                self._written_to.connection_finished(self, await self._end_reached_client())
             if self.slow is not None and CLOSE_NOW not in self.ws.scope.get("extensions", {}):
                 with contextlib.suppress(Exception):  # another server: try an ordinary close, briefly
                     async with asyncio.timeout(1.0):

@@ -7,8 +7,8 @@ started it, to resume after a drop), ``watch`` (spectators) and ``control``
 ``secrets.token_urlsafe`` (192 bits): unguessable, so a token is the whole
 proof of access, and a wrong one finds nothing. An ended session's watch and
 control tokens find nothing from its end on; its resume token finds it until
-its end was written to the connection that holds the token, or for
-``resume_grace_s`` where that connection dropped first
+its end reached the client that holds the token, or for
+``resume_grace_s`` where that client dropped first
 (``rtvideo.server.live_session``), and then nothing.
 """
 
