@@ -21,6 +21,10 @@ for what the protocol promises:
   its first chunk, stopped once the spectator has a chunk; both read to
   ``session.done`` (``stopped``), the spectator's chunks the last of the
   controller's, in order;
+- ``shared``: an open-ended ``shared_control`` session a second controller
+  joins (``?control=``) after its first chunk: its prompt is applied,
+  ``c1`` hears it as ``c2``'s, and its stop ends the session for both
+  (``stopped``);
 - ``restyled``: video to video, a session of ``chunks`` chunks with an
   ``input``: JPEG frames of a moving scene at the model's default size, sent
   in real time from ``video.start`` on; ``completed``, chunks 0..n-1 each
@@ -69,7 +73,7 @@ from rtvideo.bench.machine import http_of, served_by
 from rtvideo.bench.realtime import SESSION_FAILURES, failure, session_events, session_socket
 from rtvideo.engine.progress import Progress
 
-PATHS = ("plain", "stopped", "left", "resumed", "watched", "restyled", "refused", "job", "cancelled")
+PATHS = ("plain", "stopped", "left", "resumed", "watched", "shared", "restyled", "refused", "job", "cancelled")
 WATCHED = {
     "api_rss_mib": "process_resident_memory_bytes",
     "worker_rss_mib": "rtvideo_worker_process_resident_memory_bytes",
@@ -288,6 +292,53 @@ class Soak:
         expect(indexes == list(range(len(indexes))), f"watched: the controller got chunks {indexes}")
         tail = indexes[len(indexes) - len(seen.indexes) :]
         expect(seen.indexes == tail, f"watched: the spectator got {seen.indexes}, the controller {indexes}")
+
+    async def shared(self) -> None:
+        async with self._socket() as ws:
+            await ws.send(json.dumps({**self._start("shared", None), "shared_control": True}))
+            first, second = Chunks(), Chunks()
+            await self._read(ws, first, until_chunk=0)
+            async with self._socket(f"?control={first.started['control_token']}") as other:
+                reading = asyncio.create_task(self._outcomes(ws, first))
+                try:
+                    await self._read(other, second, until_chunk=ANY_CHUNK)
+                    expect(second.started["controller_id"] == "c2", f"shared: joined as {second.started}")
+                    event_id = f"soak-{uuid.uuid4().hex[:12]}"
+                    interaction = {"event_id": event_id, "event": {"prompt": "a soak's prompt from c2"}}
+                    await other.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
+                    applied = await self._outcomes(other, second, until=event_id)
+                    await other.send(json.dumps({"type": "session.stop"}))
+                    done = await self._read(other, second)
+                    heard = await reading
+                finally:
+                    reading.cancel()
+        expect(applied.get("controller") == "c2", f"shared: c2's prompt ended as {applied}")
+        expect(
+            [e.get("controller") for e in heard if e.get("event_id") == event_id] == ["c2"], f"shared: c1 heard {heard}"
+        )
+        expect(done["reason"] == "stopped", f"shared: c2's stop ended it as {done['reason']}")
+        indexes = first.indexes
+        expect(indexes == list(range(len(indexes))), f"shared: c1 got chunks {indexes}")
+
+    async def _outcomes(self, ws: ClientConnection, chunks: Chunks, until: str | None = None) -> Any:
+        """Read ``ws``, keeping interaction outcomes: until the one of ``until``
+        (returned; superseded or an error fails), else to ``session.done`` (all of
+        them returned)."""
+        heard = []
+        async with contextlib.aclosing(self._events(ws)) as events:
+            async for kind, event, _ in events:
+                chunks.see(kind, event)
+                if kind == "error" and event["fatal"]:
+                    raise SoakFailure(f"{event['code']}: {event['message']}")
+                if kind in ("session.interaction.applied", "session.interaction.superseded", "error"):
+                    heard.append(event)
+                    if until is not None and event.get("event_id") == until:
+                        expect(kind == "session.interaction.applied", f"shared: the prompt ended as {event}")
+                        return event
+                if kind == "session.done":
+                    expect(until is None, f"shared: ended before the prompt's outcome: {event}")
+                    return heard
+        raise SoakFailure("the socket ended before session.done")
 
     async def restyled(self) -> None:
         n = self.options.chunks
