@@ -286,6 +286,7 @@ class Soak:
                     controller = await reading
                 finally:
                     reading.cancel()
+                    await asyncio.gather(reading, return_exceptions=True)  # no failure of it unseen
                 watcher = await self._read(spectator, seen)
         expect(controller["reason"] == watcher["reason"] == "stopped", f"watched: {controller}, {watcher}")
         indexes = chunks.indexes
@@ -312,6 +313,7 @@ class Soak:
                     heard = await reading
                 finally:
                     reading.cancel()
+                    await asyncio.gather(reading, return_exceptions=True)  # no failure of it unseen
         expect(applied.get("controller") == "c2", f"shared: c2's prompt ended as {applied}")
         expect(
             [e.get("controller") for e in heard if e.get("event_id") == event_id] == ["c2"], f"shared: c1 heard {heard}"
