@@ -61,7 +61,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +80,8 @@ WATCHED = {
     "api_open_fds": "process_open_fds",
     "worker_open_fds": "rtvideo_worker_process_open_fds",
 }
-ANY_CHUNK = -1
+OUTCOMES = ("session.interaction.applied", "session.interaction.superseded", "error")
+Until = Callable[[str, dict, int | None], bool]  # _read's stop: (kind, event, the chunk just whole or None)
 IDLE_TIMEOUT_S = 30.0  # after a round, the server's sessions must all have ended within this
 RESUME_TRIES_S = 10.0  # how long a resume is tried again while the dropped socket is not yet noticed
 
@@ -142,6 +143,28 @@ class Chunks:
         return None
 
 
+def whole_chunk(index: int | None = None) -> Until:
+    """``_read``'s stop once chunk ``index`` is whole (None: the next chunk that is)."""
+    return lambda _, __, whole: whole is not None and index in (None, whole)
+
+
+def outcome_of(event: dict, event_id: str) -> bool:
+    """Whether ``event`` ends the interaction ``event_id``: applied, superseded, or its error."""
+    return event.get("type") in OUTCOMES and event.get("event_id") == event_id
+
+
+@contextlib.asynccontextmanager
+async def meanwhile(work: Awaitable[Any]) -> AsyncIterator[asyncio.Future]:
+    """``work`` runs as a task for the block; at its end the task is cancelled
+    if not done, and awaited, so no failure of it goes unseen."""
+    task = asyncio.ensure_future(work)
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def expect(condition: bool, what: str) -> None:
     if not condition:
         raise SoakFailure(what)
@@ -177,52 +200,45 @@ class Soak:
     def _events(self, ws: ClientConnection):
         return session_events(ws, self.options.stall_timeout_s, with_media=True)
 
-    async def _read(self, ws: ClientConnection, chunks: Chunks, until_chunk: int | None = None) -> dict | None:
-        """Read ``ws``: until chunk ``until_chunk`` is whole (``ANY_CHUNK``: the
-        next chunk; None returned), else to ``session.done`` (returned). A fatal
-        error fails the path."""
+    async def _read(
+        self, ws: ClientConnection, chunks: Chunks, until: Until | None = None, heard: list[dict] | None = None
+    ) -> dict:
+        """Read ``ws`` to the first event ``until(kind, event, whole)`` accepts
+        (``whole``: the index of the chunk whose bytes just came, else None), or
+        else to ``session.done``; that event is returned. The events read (not the
+        media) go to ``heard`` when it is given. A fatal error, or the socket
+        ending first, fails the path."""
         async with contextlib.aclosing(self._events(ws)) as events:
             async for kind, event, _ in events:
                 if kind == "error" and event["fatal"]:
                     raise SoakFailure(f"{event['code']}: {event['message']}")
                 whole = chunks.see(kind, event)
-                if whole is not None and until_chunk in (whole, ANY_CHUNK):
-                    return None
-                if kind == "session.done":
+                if heard is not None and kind != "media":
+                    heard.append(event)
+                if kind == "session.done" or (until is not None and until(kind, event, whole)):
                     return event
         raise SoakFailure("the socket ended before session.done")
 
     async def plain(self) -> None:
         n = self.options.chunks
-        chunks, ends = Chunks(), []
+        chunks = Chunks()
         async with self._socket() as ws:
             # Paced with a tiny budget and a playhead held at 0, the session waits
             # at a boundary before its last chunk, so the prompt always meets it
             # running; a report far ahead then lets it finish.
             start = {**self._start("plain", n), "max_lead_seconds": 0.01}
             await ws.send(json.dumps(start))
-            await self._read(ws, chunks, until_chunk=0)
+            await self._read(ws, chunks, until=whole_chunk(0))
             await ws.send(json.dumps({"type": "session.playback", "position_seconds": 0}))
             await ws.send("this is not JSON")
             event_id = f"soak-{uuid.uuid4().hex[:12]}"
             interaction = {"event_id": event_id, "event": {"prompt": "a soak's second prompt"}}
             await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
             await ws.send(json.dumps({"type": "session.playback", "position_seconds": 1e9}))
-            done, refused = None, False
-            async for kind, event, _ in self._events(ws):
-                chunks.see(kind, event)
-                if kind == "error" and event["fatal"]:
-                    raise SoakFailure(f"{event['code']}: {event['message']}")
-                if kind == "error" and event["code"] == "invalid_json":
-                    refused = True
-                elif event.get("event_id") == event_id and kind in (
-                    "session.interaction.applied",
-                    "session.interaction.superseded",
-                    "error",
-                ):
-                    ends.append(kind if kind != "error" else event["code"])
-                elif kind == "session.done":
-                    done = event
+            heard: list[dict] = []
+            done = await self._read(ws, chunks, heard=heard)
+        refused = any(e["type"] == "error" and e["code"] == "invalid_json" for e in heard)
+        ends = [e["code"] if e["type"] == "error" else e["type"] for e in heard if outcome_of(e, event_id)]
         expect(refused, "plain: a text frame that is not JSON got no invalid_json error")
         expect(len(ends) == 1, f"plain: the prompt ended {len(ends)} times ({ends})")
         self._completed("plain", done, chunks.indexes, n)
@@ -234,7 +250,7 @@ class Soak:
     async def stopped(self) -> None:
         async with self._socket() as ws:
             await ws.send(json.dumps(self._start("stopped", None)))
-            await self._read(ws, Chunks(), until_chunk=0)
+            await self._read(ws, Chunks(), until=whole_chunk(0))
             await ws.send(json.dumps({"type": "session.stop"}))
             done = await self._read(ws, Chunks())
         expect(done["reason"] == "stopped", f"stopped: ended {done['reason']}, not stopped")
@@ -242,7 +258,7 @@ class Soak:
     async def left(self) -> None:
         async with self._socket() as ws:
             await ws.send(json.dumps(self._start("left", None)))
-            await self._read(ws, Chunks(), until_chunk=0)
+            await self._read(ws, Chunks(), until=whole_chunk(0))
         # the close (1000) ends the session; the round's idle check sees that it did
 
     async def resumed(self) -> None:
@@ -250,7 +266,7 @@ class Soak:
         chunks = Chunks()
         async with self._socket() as ws:
             await ws.send(json.dumps(self._start("resumed", n)))
-            await self._read(ws, chunks, until_chunk=0)
+            await self._read(ws, chunks, until=whole_chunk(0))
             ws.transport.abort()  # a network drop: no closing handshake, no stop
         started = chunks.started
         body = {
@@ -278,16 +294,12 @@ class Soak:
         async with self._socket() as ws:
             await ws.send(json.dumps(self._start("watched", None)))
             chunks, seen = Chunks(), Chunks()
-            await self._read(ws, chunks, until_chunk=0)
+            await self._read(ws, chunks, until=whole_chunk(0))
             async with self._socket(f"?watch={chunks.started['watch_token']}") as spectator:
-                reading = asyncio.create_task(self._read(ws, chunks))
-                try:
-                    await self._read(spectator, seen, until_chunk=ANY_CHUNK)
+                async with meanwhile(self._read(ws, chunks)) as reading:
+                    await self._read(spectator, seen, until=whole_chunk())
                     await ws.send(json.dumps({"type": "session.stop"}))
                     controller = await reading
-                finally:
-                    reading.cancel()
-                    await asyncio.gather(reading, return_exceptions=True)  # no failure of it unseen
                 watcher = await self._read(spectator, seen)
         expect(controller["reason"] == watcher["reason"] == "stopped", f"watched: {controller}, {watcher}")
         indexes = chunks.indexes
@@ -299,50 +311,27 @@ class Soak:
         async with self._socket() as ws:
             await ws.send(json.dumps({**self._start("shared", None), "shared_control": True}))
             first, second = Chunks(), Chunks()
-            await self._read(ws, first, until_chunk=0)
+            await self._read(ws, first, until=whole_chunk(0))
             async with self._socket(f"?control={first.started['control_token']}") as other:
-                reading = asyncio.create_task(self._outcomes(ws, first))
-                try:
-                    await self._read(other, second, until_chunk=ANY_CHUNK)
+                heard: list[dict] = []  # what c1 was told meanwhile
+                async with meanwhile(self._read(ws, first, heard=heard)) as reading:
+                    await self._read(other, second, until=whole_chunk())
                     joined = second.started["controller_id"]
                     expect(joined == "c2", f"shared: joined as {joined!r}")
                     event_id = f"soak-{uuid.uuid4().hex[:12]}"
                     interaction = {"event_id": event_id, "event": {"prompt": "a soak's prompt from c2"}}
                     await other.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
-                    applied = await self._outcomes(other, second, until=event_id)
+                    ended = await self._read(other, second, until=lambda _, event, __: outcome_of(event, event_id))
                     await other.send(json.dumps({"type": "session.stop"}))
                     done = await self._read(other, second)
-                    heard = await reading
-                finally:
-                    reading.cancel()
-                    await asyncio.gather(reading, return_exceptions=True)  # no failure of it unseen
-        expect(applied.get("controller") == "c2", f"shared: c2's prompt ended as {applied}")
-        expect(
-            [e.get("controller") for e in heard if e.get("event_id") == event_id] == ["c2"], f"shared: c1 heard {heard}"
-        )
+                    await reading
+        applied = ended["type"] == "session.interaction.applied" and ended.get("controller") == "c2"
+        expect(applied, f"shared: c2's prompt ended as {ended}")
+        of_c2 = [e.get("controller") for e in heard if outcome_of(e, event_id)]
+        expect(of_c2 == ["c2"], f"shared: c1 heard {of_c2} as the prompt's outcomes")
         expect(done["reason"] == "stopped", f"shared: c2's stop ended it as {done['reason']}")
         indexes = first.indexes
         expect(indexes == list(range(len(indexes))), f"shared: c1 got chunks {indexes}")
-
-    async def _outcomes(self, ws: ClientConnection, chunks: Chunks, until: str | None = None) -> Any:
-        """Read ``ws``, keeping interaction outcomes: until the one of ``until``
-        (returned; superseded or an error fails), else to ``session.done`` (all of
-        them returned)."""
-        heard = []
-        async with contextlib.aclosing(self._events(ws)) as events:
-            async for kind, event, _ in events:
-                chunks.see(kind, event)
-                if kind == "error" and event["fatal"]:
-                    raise SoakFailure(f"{event['code']}: {event['message']}")
-                if kind in ("session.interaction.applied", "session.interaction.superseded", "error"):
-                    heard.append(event)
-                    if until is not None and event.get("event_id") == until:
-                        expect(kind == "session.interaction.applied", f"shared: the prompt ended as {event}")
-                        return event
-                if kind == "session.done":
-                    expect(until is None, f"shared: ended before the prompt's outcome: {event}")
-                    return heard
-        raise SoakFailure("the socket ended before session.done")
 
     async def restyled(self) -> None:
         n = self.options.chunks
@@ -351,18 +340,9 @@ class Soak:
         chunks = Chunks()
         async with self._socket() as ws:
             await ws.send(json.dumps({**self._start("restyled", n), "input": {**video, "fps": shape.fps}}))
-            async with contextlib.aclosing(self._events(ws)) as events:
-                async for kind, event, _ in events:
-                    if kind == "error" and event["fatal"]:
-                        raise SoakFailure(f"{event['code']}: {event['message']}")
-                    if kind == "video.start":
-                        break
-            sender = asyncio.create_task(v2v.send_frames(ws, images, shape.fps, v2v.SessionResult()))
-            try:
+            await self._read(ws, chunks, until=lambda kind, _, __: kind == "video.start")
+            async with meanwhile(v2v.send_frames(ws, images, shape.fps, v2v.SessionResult())):
                 done = await self._read(ws, chunks)
-            finally:
-                sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
         self._completed("restyled", done, chunks.indexes, n)
         made = chunks.made_from
         expect(all(used == frames for used, frames in made), f"restyled: (input frames, frames) per chunk {made}")
