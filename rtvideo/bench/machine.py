@@ -27,15 +27,26 @@ def this_machine(device: object | None = None) -> dict[str, Any]:
 def served_by(http_url: str, api_key: str | None = None, timeout: float = 10.0) -> dict[str, Any] | None:
     """What the server at ``http_url`` computes on (its ``/health``'s rank 0
     ``device``); None when it does not say or cannot be asked."""
-    request = urllib.request.Request(http_url.rstrip("/") + "/health")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
+    request = server_request(http_url, "/health", api_key)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             workers = json.load(answer).get("workers") or [{}]
     except (OSError, ValueError):
         return None
     return workers[0].get("device")
+
+
+def server_request(
+    http_url: str, path: str, api_key: str | None = None, method: str = "GET", body: dict | None = None
+) -> urllib.request.Request:
+    """A request to ``path`` on the server at ``http_url``, with ``api_key`` as a
+    bearer token when there is one and ``body`` as JSON when there is one."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    data = None
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+        data = json.dumps(body).encode()
+    return urllib.request.Request(http_url.rstrip("/") + path, data=data, method=method, headers=headers)
 
 
 def http_of(url: str) -> str:

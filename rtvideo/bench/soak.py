@@ -69,7 +69,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection
 
 from rtvideo.bench import v2v
-from rtvideo.bench.machine import http_of, served_by
+from rtvideo.bench.machine import http_of, served_by, server_request
 from rtvideo.bench.realtime import SESSION_FAILURES, failure, session_events, session_socket
 from rtvideo.engine.progress import Progress
 
@@ -369,11 +369,7 @@ class Soak:
     # ------------------------------------------------------------------ jobs
 
     def _http(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-        headers = {"content-type": "application/json"} if body is not None else {}
-        if self.options.api_key:
-            headers["authorization"] = f"Bearer {self.options.api_key}"
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.http + path, data=data, method=method, headers=headers)
+        request = server_request(self.http, path, self.options.api_key, method, body)
         try:
             with urllib.request.urlopen(request, timeout=self.options.stall_timeout_s) as response:
                 return response.status, response.read()

@@ -38,7 +38,7 @@ import av
 import numpy as np
 from websockets.asyncio.client import ClientConnection
 
-from rtvideo.bench.machine import served_by
+from rtvideo.bench.machine import http_of, served_by, server_request
 from rtvideo.bench.realtime import (
     SESSION_FAILURES,
     STALL_TIMEOUT_S,
@@ -80,10 +80,6 @@ class V2vBenchOptions:
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 
-    def http_url(self) -> str:
-        base = self.url.removesuffix("/v1/realtime/video")
-        return base.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
-
 
 @dataclass(frozen=True)
 class InputShape:
@@ -111,9 +107,7 @@ def served_shape(options: V2vBenchOptions) -> InputShape:
     """The input's size and rate: the options', else the served model's defaults."""
     if None not in (options.width, options.height, options.fps):
         return InputShape(options.width, options.height, float(options.fps))
-    request = urllib.request.Request(options.http_url() + "/v1/models")
-    if options.api_key:
-        request.add_header("Authorization", f"Bearer {options.api_key}")
+    request = server_request(http_of(options.url), "/v1/models", options.api_key)
     with urllib.request.urlopen(request, timeout=30) as answer:
         defaults = json.load(answer)["data"][0]["defaults"]
     return InputShape(
@@ -227,7 +221,7 @@ async def run(options: V2vBenchOptions, progress: Progress | None = None) -> dic
     return {
         "bench": "v2v",
         "url": options.url,
-        "served_by": await asyncio.to_thread(served_by, options.http_url(), options.api_key),
+        "served_by": await asyncio.to_thread(served_by, http_of(options.url), options.api_key),
         "sessions": options.sessions,
         "chunks_per_session": options.chunks,
         "strength": options.strength,
