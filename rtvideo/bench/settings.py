@@ -99,9 +99,10 @@ def refusal(setting: str, device: torch.device, dtype: str | None = None) -> str
     (``--dtype``; None: the device's default), for the attention kernels,
     probed with Wan2.1-1.3B's heads as the pipeline probes its own."""
     if setting == "fp8":
+        from rtvideo.workers.pipelines.causal_wan_weights import resolve_dtype
         from rtvideo.workers.pipelines.quantize import fp8_refusal
 
-        return fp8_refusal(device)
+        return fp8_refusal(device, resolve_dtype(dtype, device))
     if setting == "fused-elementwise":
         from rtvideo.workers.pipelines.wan_block_forward import fused_refusal
 

@@ -92,7 +92,14 @@ import numpy as np
 import torch
 
 from rtvideo.bench.machine import this_machine
-from rtvideo.bench.pipeline import graphs_added, one_session, session_chunks, untimed_chunks, window_chunks
+from rtvideo.bench.pipeline import (
+    graphs_added,
+    one_session,
+    peak_device_memory,
+    session_chunks,
+    untimed_chunks,
+    window_chunks,
+)
 from rtvideo.bench.settings import COMBINED, SETTINGS, SHORT_WINDOW_FRAMES, parts, pipeline_options, refusal
 from rtvideo.engine.messages import StartSession
 from rtvideo.engine.progress import Progress
@@ -203,7 +210,8 @@ def versus(
             pipeline, benchmark, session = contenders[name]
             frames[name] = []
             graphs = pipeline.graph_figures()
-            with _cudnn_benchmark(benchmark), _peak_memory(pipeline.device) as peak:
+            peak = peak_device_memory(pipeline.device)
+            with _cudnn_benchmark(benchmark):
                 figures[name] = one_session(
                     pipeline, session, chunks, frames=frames[name], progress=progress, untimed=untimed
                 )
@@ -281,17 +289,6 @@ def versus_all(
         "median_fps_ratios": {variant: summary["median_fps_ratio"] for variant, summary in summaries.items()},
         "refused": refused,
     }
-
-
-@contextlib.contextmanager
-def _peak_memory(device: torch.device) -> Iterator[Callable[[], int | None]]:
-    """The device memory's peak over the block (a GPU's; None elsewhere)."""
-    if device.type != "cuda":
-        yield lambda: None
-        return
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    yield lambda: torch.cuda.max_memory_allocated(device)
 
 
 def frame_difference(reference: Sequence, other: Sequence) -> dict:

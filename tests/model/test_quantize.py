@@ -1,6 +1,6 @@
 """FP8 linears (``rtvideo.workers.pipelines.quantize``): which layers they take, and the
 refusal, naming why, wherever they cannot run: a CPU, a GPU older than
-compute capability 8.9, no torchao. (Running them needs such a GPU:
+compute capability 8.9, a model not in bfloat16, no torchao. (Running them needs such a GPU:
 tests/gpu/test_wan_on_gpu.py.)"""
 
 from __future__ import annotations
@@ -43,5 +43,11 @@ def test_fp8_is_refused_naming_why_where_it_cannot_run(monkeypatch):
         "(Ada, Hopper, Blackwell)"
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert quantize.fp8_refusal(gpu, torch.float32) == (  # torchao's per-row scales take bf16 weights only
+        "quantize fp8: FP8 linears with per-row scales need the model in bfloat16, not float32"
+    )
+    from rtvideo.bench.settings import refusal
+
+    assert refusal("fp8", gpu, "float32") == quantize.fp8_refusal(gpu, torch.float32)  # the bench's --dtype too
     monkeypatch.setitem(sys.modules, "torchao", None)  # an import of it fails, as where it is not installed
     assert quantize.fp8_refusal(gpu) == "quantize fp8: torchao is not installed (it comes with requirements-cuda.lock)"

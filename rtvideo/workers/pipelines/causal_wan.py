@@ -190,7 +190,7 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or null, got {quantize!r}")
         self.quantized = quantize
         if quantize == "fp8":  # before compiling: the compiled graphs take the FP8 linears
-            quantize_fp8(self.transformer, self.device)
+            quantize_fp8(self.transformer, self.device, self.dtype)
         self.compiled, self.fused_elementwise = compile, fused_elementwise
         self.commit_from_last_step = commit_from_last_step
         install_block_forward(self.transformer, elementwise_ops_for(fused_elementwise, compile, self.device))

@@ -136,11 +136,14 @@ class CausalWanDecoding:
     ) -> torch.Tensor:
         """The other decoder stages of one latent frame (``decode_front``'s),
         with this copy of the session's back cache slots: its pixels (a
-        ``WHOLE`` part is its chunk's pixels already)."""
-        if int(header["slot"]) == WHOLE:
-            return activation.to(self.device)
-        part = FrontPart(activation.to(self.device), int(header["slot"]))
+        ``WHOLE`` part is its chunk's pixels already). On a GPU every step of
+        the split decode's back, the copy to the device included, is on the calling
+        thread's decode stream: its kernels are then in order with
+        ``frames_of``'s, which waits for them."""
         with self._decode_stream(None):
+            if int(header["slot"]) == WHOLE:
+                return activation.to(self.device)
+            part = FrontPart(activation.to(self.device), int(header["slot"]))
             return self.decoder.decode_back(part, session.vae_cache, split)
 
     def decode_groups(self, sessions: Sequence[CausalWanSession], cleans: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -164,8 +167,8 @@ class CausalWanDecoding:
         sessions' front cache slots change only once the last frame is made (a
         batch abandoned or failed part-way leaves them as they were)."""
         _distinct(sessions, "decode_fronts")
-        latents = [clean.to(self.device).float() for clean in cleans]
         with self._decode_stream(None):
+            latents = [clean.to(self.device).float() for clean in cleans]
             if sessions[0].decoder != "full":  # one group: one decoder
                 yield {"slot": WHOLE}, torch.cat(self._decode_rows(sessions, latents, as_pixels=True)).cpu()
                 return
@@ -178,8 +181,10 @@ class CausalWanDecoding:
         return BackRows(self, sessions)
 
     def frames_of(self, pixels: Sequence[torch.Tensor]) -> ChunkOutput:
-        """A chunk's frames from its latent frames' ``decode_back`` pixels, in order."""
-        return _chunk_output(torch.cat(list(pixels), dim=2))
+        """A chunk's frames from its latent frames' ``decode_back`` pixels, in
+        order (on the decode stream they were made on, so after them)."""
+        with self._decode_stream(None):
+            return _chunk_output(torch.cat(list(pixels), dim=2))
 
     # -- internals ---------------------------------------------------------------------
 
@@ -246,12 +251,14 @@ class BackRows:
     """A batch of split chunks' back halves on the rank that finishes them: each
     latent frame's activation from ``decode_fronts`` through the back stages
     with a cache stacked from the sessions' back cache slots, then each
-    session's frames. The sessions' caches change only at ``frames``."""
+    session's frames. The sessions' caches change only at ``frames``. On a
+    GPU all of it runs on the calling thread's decode stream, in order."""
 
     def __init__(self, pipeline: CausalWanDecoding, sessions: Sequence[CausalWanSession]) -> None:
         self._pipeline = pipeline
         self._sessions = list(sessions)
-        self._work = pipeline.decoder.stacked([session.vae_cache for session in sessions])  # checks their shapes
+        with pipeline._decode_stream(None):  # checks their shapes
+            self._work = pipeline.decoder.stacked([session.vae_cache for session in sessions])
         self._pixels: list[torch.Tensor] = []
 
     @torch.no_grad()
@@ -260,18 +267,19 @@ class BackRows:
         if activation.shape[0] != len(self._sessions):
             raise ValueError(f"a part of {activation.shape[0]} rows for a batch of {len(self._sessions)}")
         pipeline = self._pipeline
-        if int(header["slot"]) == WHOLE:  # the rows' pixels were made in front
-            self._pixels.append(activation.to(pipeline.device))
-            return
-        part = FrontPart(activation.to(pipeline.device), int(header["slot"]))
         with pipeline._decode_stream(None):
+            if int(header["slot"]) == WHOLE:  # the rows' pixels were made in front
+                self._pixels.append(activation.to(pipeline.device))
+                return
+            part = FrontPart(activation.to(pipeline.device), int(header["slot"]))
             self._pixels.append(pipeline.decoder.decode_back(part, self._work, split))
 
     def frames(self) -> list[ChunkOutput]:
         """Each session's chunk, in order; their back cache slots kept from here."""
-        pixels = torch.cat(self._pixels, dim=2)
-        outputs = [_chunk_output(row) for row in pixels.split(1)]
-        self._pipeline.decoder.unstack(self._work, [session.vae_cache for session in self._sessions])
+        with self._pipeline._decode_stream(None):
+            pixels = torch.cat(self._pixels, dim=2)
+            outputs = [_chunk_output(row) for row in pixels.split(1)]
+            self._pipeline.decoder.unstack(self._work, [session.vae_cache for session in self._sessions])
         return outputs
 
 

@@ -25,8 +25,9 @@ QUANTIZE = ("fp8",)  # the pipeline option quantize's values (None: off)
 FP8_CAPABILITY = (8, 9)
 
 
-def fp8_refusal(device: torch.device) -> str | None:
-    """Why FP8 linears cannot run on ``device`` (None: they can)."""
+def fp8_refusal(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why FP8 linears cannot run on ``device`` for a model in ``dtype`` (None:
+    they can). Per-row scales take bfloat16 weights and activations only."""
     if device.type != "cuda":
         return f"quantize fp8: FP8 matrix products need a GPU of compute capability 8.9 or newer; this runs on {device}"
     capability = torch.cuda.get_device_capability(device)
@@ -36,6 +37,8 @@ def fp8_refusal(device: torch.device) -> str | None:
             f"quantize fp8: {name} has compute capability {capability[0]}.{capability[1]}; "
             "FP8 matrix products need 8.9 or newer (Ada, Hopper, Blackwell)"
         )
+    if dtype != torch.bfloat16:
+        return f"quantize fp8: FP8 linears with per-row scales need the model in bfloat16, not {str(dtype)[6:]}"
     try:
         import torchao  # noqa: F401
     except ImportError:
@@ -56,11 +59,11 @@ def fp8_linears(transformer: nn.Module) -> list[str]:
     ]
 
 
-def quantize_fp8(transformer: nn.Module, device: torch.device) -> int:
-    """Swap ``fp8_linears`` for dynamic float8 ones with per-row scales;
-    ``ValueError`` saying why where it cannot run (``fp8_refusal``). Returns
-    how many were swapped."""
-    refusal = fp8_refusal(device)
+def quantize_fp8(transformer: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Swap ``fp8_linears`` of a model in ``dtype`` for dynamic float8 ones with
+    per-row scales; ``ValueError`` saying why where it cannot run
+    (``fp8_refusal``). Returns how many were swapped."""
+    refusal = fp8_refusal(device, dtype)
     if refusal is not None:
         raise ValueError(refusal)
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_

@@ -111,10 +111,12 @@ class CudaGraphCapture:
         self.stream.wait_stream(current)
         # No abandon point fires inside: a capture is not left half made (the
         # caller checked just before; a replay has no block boundaries either).
-        with abandon_when(None), torch.cuda.stream(self.stream):
-            rehearse(function)
-            function()  # compiled code and lazy library state made on this stream, outside the graph
-        current.wait_stream(self.stream)
+        try:
+            with abandon_when(None), torch.cuda.stream(self.stream):
+                rehearse(function)
+                function()  # compiled code and lazy library state made on this stream, outside the graph
+        finally:  # a rehearsal that broke off left kernels queued there: the eager step after it waits for them
+            current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the decode stage's thread keeps using the device meanwhile
         with (
