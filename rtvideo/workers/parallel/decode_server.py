@@ -196,14 +196,15 @@ class DecodeServer:
         chunk = self._split.setdefault(key, _SplitChunk())
         if not isinstance(header, DecodeFront):  # the last frame
             del self._split[key]
-            ms = chunk.back_ms + header.front_ms
             error, cancelled = chunk.error or header.error, chunk.cancelled or header.cancelled
             output = None
+            began = time.perf_counter()
             if error is None and not cancelled:
-                try:
+                try:  # on a GPU the back's kernels are waited for here: their time is counted in this step's
                     output = self._pipeline.frames_of(chunk.pixels)
                 except Exception as failure:
                     error = self._failed(failure)
+            ms = chunk.back_ms + header.front_ms + (time.perf_counter() - began) * 1000.0
             return _reply(sid, chunk_index, output, ms, error, cancelled)
         if chunk.error is not None or chunk.cancelled:
             return None
@@ -239,14 +240,15 @@ class DecodeServer:
             del self._split_batches[key]
             if header.retry:
                 return []
-            ms = (batch.back_ms + header.front_ms) / len(rows)
             error, abandoned = batch.error, batch.cancelled or header.cancelled
             outputs: list[ChunkOutput | None] = [None] * len(rows)
+            began = time.perf_counter()
             if error is None and not abandoned and batch.back is not None:
-                try:
+                try:  # the back's kernels waited for, as a single chunk's are
                     outputs = batch.back.frames()
                 except Exception as failure:
                     error = self._failed(failure)
+            ms = (batch.back_ms + header.front_ms + (time.perf_counter() - began) * 1000.0) / len(rows)
             self._cancel_arrived(ids[0])  # take the cancels that came
             replies = []
             for (sid, chunk_index), output in zip(rows, outputs, strict=True):
