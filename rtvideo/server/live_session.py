@@ -343,12 +343,16 @@ class LiveSession:
             await self.stop(why)
             return
         self._count_detached(True)
-        self._grace = asyncio.create_task(self._abandon_after(), name=f"session-grace-{self.request_id}")
+        self._start_grace()
         log.info("session %s detached: kept %g s for a resume", self.request_id, self.settings.resume_grace_s)
         # What was written counts as delivered (also when nothing was yet), so the
         # engine's max_undelivered_seconds holds generation until a client is back.
         with contextlib.suppress(EngineDeadError, UnknownSessionError):
             await self.engine.delivered(self.session_id, self._delivered_s)
+
+    def _start_grace(self) -> None:
+        """``resume_grace_s`` from now, for a resume of ``c1`` (``_abandon_after``)."""
+        self._grace = asyncio.create_task(self._abandon_after(), name=f"session-grace-{self.request_id}")
 
     async def _abandon_after(self) -> None:
         """The grace: past it a detached session is stopped (``abandoned``), and an
@@ -372,7 +376,7 @@ class LiveSession:
         if end_reached:
             self._forget()
         elif self._grace is None:
-            self._grace = asyncio.create_task(self._abandon_after(), name=f"session-grace-{self.request_id}")
+            self._start_grace()
 
     def _forget(self) -> None:
         """Nothing is owed to anyone any more: the resume token finds nothing, the
