@@ -17,7 +17,8 @@ serve: install
 	$(VENV)/bin/rtvideo serve
 
 # The tiers run side by side, a test file per process (pytest-xdist; most of a
-# test's time is a server or worker starting, or waiting on one).
+# test's time is a server or worker starting, or waiting on one): `-n auto` is
+# one process more than the cores (tests/conftest.py), at most 4.
 # The 15 slowest tests are listed at the end: where to look when the suite nears its 10 minutes.
 test: install
 	$(VENV)/bin/ruff check .

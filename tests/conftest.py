@@ -105,6 +105,16 @@ def tiny_server():
     stop_server(server)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (``make test``): one test process more than the cores this
+    process may run on. Much of a test's time is a server or worker starting or
+    answering, in processes of their own, while the test waits: on 2 cores,
+    with one test process a core the cores were idle 12% of a full run, with
+    one more 2% (docs/log/measurements.md, 2026-12-07)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores + 1
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
