@@ -30,17 +30,24 @@ def test_a_few_rounds_take_every_path_and_watch_both_processes(server):
 
 def test_a_path_the_server_does_not_serve_as_promised_fails_the_soak_naming_it(tmp_path):
     """A server whose prompt policy refuses the ``watched`` path's prompt: that path
-    fails each round with the server's refusal, every other path passes."""
+    fails each round with the server's refusal, every other path passes. The
+    server is behind an API key: every path's socket and request, the
+    server's figures and its description carry the bench's ``--api-key``,
+    which no line it prints repeats."""
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"deny": ["watched path"], "reason": "not this one"}))
-    server = start_server("--prompt-policy", str(policy), pipeline={"step_time_s": 0.005})
+    key = "soak-key-4f1c"
+    server = start_server("--prompt-policy", str(policy), "--api-key", key, pipeline={"step_time_s": 0.005})
     try:
-        flags = ("--url", server.http, "--rounds", "2", "--warm-up-rounds", "0", "--json")
+        flags = ("--url", server.http, "--rounds", "2", "--warm-up-rounds", "0", "--api-key", key, "--json")
         result = run_rtvideo(*BENCH, *flags, timeout=180)
     finally:
         stop_server(server)
     assert result.returncode == 1, result.stderr
+    assert key not in result.stdout and key not in result.stderr
     summary = last_json(result.stdout)
+    assert summary["served_by"]["kind"] == "cpu"  # the server's description, asked for with the key
+    assert all(summary[name]["exported"] for name in WATCHED)  # its /metrics too
     assert summary["rounds"] == 2 and summary["paths"] == {path: 0 if path == "watched" else 2 for path in PATHS}
     assert len(summary["failures"]) == 2
     for round_, failure in enumerate(summary["failures"]):
