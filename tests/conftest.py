@@ -105,6 +105,7 @@ def tiny_server():
     stop_server(server)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: pytest without it (the GPU check) runs on
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (``make test``): one test process more than the cores this
     process may run on. Much of a test's time is a server or worker starting or

@@ -79,7 +79,9 @@ def test_cudnn_captured_tracks_cudnn_eager():
     got = _latents(captured)
     assert captured.step_graphs.failure is None, captured.step_graphs.failure  # a capture that failed says why
     figures = captured.graph_figures()
-    assert figures["captures"] == 2 and figures["replays"] > 4 and figures["fallbacks"] == 0
+    # from chunk 2 on (the window full): each step's key and the commit's run eagerly once (a fallback), then
+    # are captured; a capture's own run counts as a replay (the same figures with cuda_graphs "eager" on a CPU)
+    assert (figures["captures"], figures["replays"], figures["fallbacks"]) == (2, 4, 2), figures
     _close(got, eager)
 
 

@@ -145,7 +145,7 @@ def test_fp8_linears_track_bf16_on_a_gpu_that_has_them():
     torch.manual_seed(0)
     wan = WanTransformer3DModel(**{**WAN_1_3B_TRANSFORMER, "num_layers": 1}).to(device, torch.bfloat16)
     original = copy.deepcopy(wan)
-    assert quantize_fp8(wan, device) == 10
+    assert quantize_fp8(wan, device, torch.bfloat16) == 10
     x = torch.randn(2, 64, 1536, device=device, dtype=torch.bfloat16)
     for name in fp8_linears(original):
         if original.get_submodule(name).in_features != x.shape[-1]:
