@@ -44,7 +44,7 @@ def fork_server_with_the_models_modules():
     as well."""
     import multiprocessing.forkserver
 
-    model = EngineConfig(pipeline=PipelineSpec("tiny", {}))
+    model = EngineConfig(pipeline=PipelineSpec("tiny", {}), pp=2)  # pipeline ranks' modules too
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(model.worker_modules))
     multiprocessing.forkserver.ensure_running()
     yield

@@ -199,10 +199,14 @@ class EngineConfig:
     def worker_modules(self) -> tuple[str, ...]:
         """What a worker of this configuration imports before it can build its
         pipeline: the entry point's module and, for a model (not the stub), the
-        causal Wan pipeline with diffusers. Preloaded once by the server that forks
+        causal Wan pipeline with diffusers, and with pipeline ranks their group's
+        module. Preloaded once by the server that forks
         workers (``rtvideo.engine.client.engine_client``), so a (re)started worker imports nothing of it."""
         entry = self.worker_entry.partition(":")[0]
-        return (entry,) if self.pipeline.name == "stub" else (entry, "rtvideo.workers.pipelines.causal_wan")
+        if self.pipeline.name == "stub":
+            return (entry,)
+        ranks = ("rtvideo.workers.parallel.group",) if self.pp > 1 else ()  # the ranks' own, forked from rank 0
+        return (entry, "rtvideo.workers.pipelines.causal_wan", *ranks)
 
     def lookahead(self, prompt_change: str) -> int:
         """The chunks a session started with ``prompt_change`` may have in flight:

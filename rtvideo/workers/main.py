@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import signal
@@ -69,6 +70,7 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     process_log.configure(f"worker[{rank}]", config.log_level)
+    followers = _start_followers(config, site)  # before this process's first thread
     context = zmq.Context()
     sender = ResultSender(endpoints.results)
     group = None
@@ -80,7 +82,7 @@ def run_worker(
             torch.set_num_threads(config.cpu_threads)
         pipeline = build_pipeline(_rank_0_spec(config, site), config.max_batch_rows)
         if config.pp > 1:  # the other ranks build theirs while this one warms up and measures
-            group = _spawn_ranks(config, pipeline, sender, ending, site)
+            group = _spawn_ranks(config, pipeline, sender, ending, site, followers)
         warm_up_s = warm_up(pipeline)
         cpu_threads = _cpu_threads(config, pipeline, warm_up_s)
         calibration = _calibrate(config, pipeline)  # before the budget: its peak is part of the transient
@@ -359,11 +361,29 @@ def _align_chunks(config: EngineConfig, pipeline) -> bool:
     return config.pp == 1 and pipeline.max_batch_rows > 1 and pipeline.capabilities.decode_batch
 
 
-def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock, site=None):
-    """Start ranks 1..``config.pp``-1 (they build their pipelines meanwhile); a
-    rank that dies later ends this worker (``EngineDead``, then exit 3), so the
-    API process restarts the group as one. A launched group (``site``) is
-    started already: only its sockets listen here."""
+def _start_followers(config: EngineConfig, site):
+    """Ranks 1..``config.pp``-1 of a group this worker starts (not launched:
+    ``site`` None), started now, while this process is what the fork server
+    made of it (``rtvideo.workers.parallel.group.FollowerProcesses``): the
+    worker's modules are imported first, so that they begin with them. None
+    with one rank, or launched."""
+    if config.pp == 1 or site is not None:
+        return None
+    from rtvideo.workers.parallel.group import FollowerProcesses
+
+    for module in config.worker_modules:  # a fork server started for another configuration may lack them
+        importlib.import_module(module)
+    return FollowerProcesses(config)
+
+
+def _spawn_ranks(
+    config: EngineConfig, pipeline, sender: ResultSender, ending: threading.Lock, site=None, followers=None
+):
+    """Form the group of ranks 1..``config.pp``-1 (``followers``, started at this
+    worker's start; they build their pipelines meanwhile); a rank that dies
+    later ends this worker (``EngineDead``, then exit 3), so the API process
+    restarts the group as one. A launched group (``site``) is started
+    already: only its sockets listen here."""
     from rtvideo.workers.parallel.group import RankGroup
 
     if not pipeline.capabilities.pipeline_ranks:
@@ -385,7 +405,7 @@ def _spawn_ranks(config: EngineConfig, pipeline, sender: ResultSender, ending: t
         os._exit(3)
 
     group = RankGroup(config, on_death, site)
-    group.spawn()
+    group.spawn(followers)
     return group
 
 

@@ -43,6 +43,23 @@ async def start_engine(pp: int, **config) -> EngineClient:
     return client
 
 
+def assert_forked_from_rank_0(ready) -> None:
+    """Each later rank is a fork of rank 0 (its child, with its command line),
+    started before rank 0 ran a thread: it begins with rank 0's modules
+    imported, where a spawned rank would import them again."""
+
+    def command(pid: int) -> bytes:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read()
+
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as file:
+            return int(file.read().rsplit(")", 1)[1].split()[1])
+
+    for pid in ready.pipeline_ranks:
+        assert parent(pid) == ready.pid and command(pid) == command(ready.pid), pid
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def one_rank():
     """One rank, forwards of up to 2 rows, shared by this module's tests (a start
@@ -122,6 +139,7 @@ async def test_two_ranks_make_exactly_what_one_rank_makes_and_interactions_land_
     ]
     two = two_ranks
     assert two.ready.blocks_per_rank == (1, 1) and len(two.ready.pipeline_ranks) == 1
+    assert_forked_from_rank_0(two.ready)
     # one rank: its measured thread count, or OMP_NUM_THREADS's (set by tests/conftest.py under xdist);
     # ranks take the cores shared out (workers.main._cpu_threads)
     assert one_rank.ready.cpu_threads in candidates(os.cpu_count() or 1)
@@ -171,6 +189,7 @@ async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():
         await two.settled()  # a fresh group came up under the restart budget
         assert two.alive and two.ready.pid != rank0
         assert two.ready.pipeline_ranks and two.ready.pipeline_ranks[0] != follower
+        assert_forked_from_rank_0(two.ready)  # the fresh group's rank 0 forked its follower too
         for pid in (rank0, follower):  # nothing of the old group is left
             with pytest.raises(ProcessLookupError):
                 for _ in range(100):

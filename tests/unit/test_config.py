@@ -26,3 +26,5 @@ def test_the_fork_server_preloads_what_the_worker_imports():
     assert EngineConfig().worker_modules == ("rtvideo.workers.main",)
     model = EngineConfig(pipeline=PipelineSpec("tiny"), worker_entry="tests.fake:run")
     assert model.worker_modules == ("tests.fake", "rtvideo.workers.pipelines.causal_wan")
+    ranks = EngineConfig(pipeline=PipelineSpec("tiny"), pp=2)  # the later ranks are forks of rank 0: their module too
+    assert ranks.worker_modules[1:] == ("rtvideo.workers.pipelines.causal_wan", "rtvideo.workers.parallel.group")

@@ -1,11 +1,13 @@
 """Starting, joining, feeding and watching the pipeline ranks of one worker.
 
-Worker processes. Rank 0 (the worker the API process spawned) makes a
-``RankGroup`` as soon as its own pipeline is built: ``spawn`` starts ranks
-1..N-1 (``run_follower``), which build theirs (load the weights) while rank 0
-warms up; rank 0 measures the blocks' costs (on a CPU once every rank has
-loaded, ``wait_loaded``: a rank still loading shares the cores and made the
-costs, and so the split, vary from start to start); ``start`` then hands each its block
+Worker processes. Rank 0 (the worker the API process spawned) starts ranks
+1..N-1 first thing (``FollowerProcesses``: forks of it, which begin with
+its imported modules), and makes a ``RankGroup`` as soon as its own pipeline
+is built: ``spawn`` tells them the group's store, and they build theirs
+(``run_follower``; load the weights) while rank 0 warms up; rank 0
+measures the blocks' costs (on a CPU once every rank has loaded,
+``wait_loaded``: a rank still loading shares the cores and made the costs,
+and so the split, vary from start to start); ``start`` then hands each its block
 range through a ``torch.distributed`` TCP store, joins them in one process
 group where the ring travels on one (NCCL on GPUs, gloo with ``pp_transport``
 ``torch``; ``uses_process_group``), and connects the ranks' sockets
@@ -33,6 +35,7 @@ launcher tears down and restarts the group.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing
@@ -178,29 +181,22 @@ class RankGroup:
         self._closing = threading.Event()
         self._keep_alive: Connection | None = None
 
-    def spawn(self) -> None:
-        """Start ranks 1..N-1; each builds its pipeline, then waits for its blocks.
-        Launched: they run already; listen where they will reach rank 0."""
+    def spawn(self, started: FollowerProcesses | None = None) -> None:
+        """Start ranks 1..N-1 (``started``: they were, at this process's start),
+        then open the group's store and tell them where it is; each builds its
+        pipeline, then waits for its blocks. Launched: they run already;
+        listen where they will reach rank 0."""
         if self.site is not None:
             self._store = self.site.store
             host, port = self.site.advertise_host, rank_port(self.config, 0)
             self.sockets.listen(self._store, host, bind_host="0.0.0.0", port=port)
             return
+        started = started or FollowerProcesses(self.config)
+        self._processes, self._keep_alive = started.processes, started.keep_alive
         timeout = datetime.timedelta(seconds=self.config.startup_timeout_s)
         store = self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=timeout, wait_for_workers=False)
         self.sockets.listen(store, "127.0.0.1", port=rank_port(self.config, 0))
-        reader, self._keep_alive = multiprocessing.Pipe(duplex=False)
-        spawn = multiprocessing.get_context("spawn")
-        for rank in range(1, self.world):
-            process = spawn.Process(
-                target=run_follower,
-                args=(self.config, rank, self.world, store.port, reader),
-                name=f"rtvideo-rank-{rank}",
-                daemon=True,
-            )
-            process.start()
-            self._processes.append(process)
-        reader.close()
+        started.tell_store(store.port)
 
     def wait_loaded(self) -> None:
         """Wait until every follower has built its pipeline (on a CPU the ranks'
@@ -322,19 +318,84 @@ class RankGroup:
         self.on_death(self.dead_reason() or f"pipeline rank {rank} (pid {process.pid}) died")
 
 
+class FollowerProcesses:
+    """Ranks 1..N-1 of a group rank 0 starts itself (not launched), started
+    before rank 0 builds anything or runs a thread. Each waits for the
+    group's store, whose port ``tell_store`` sends it on a pipe of its own
+    once rank 0's pipeline is built, then builds its own while rank 0 warms
+    up. A follower exits the moment rank 0 is gone (EOF on the keep-alive
+    pipe, whose write end only rank 0 holds).
+
+    They are forks of rank 0 where rank 0 has no thread yet (``forks_safely``):
+    rank 0 is a fork of the API process's fork server, so it begins with the
+    worker's modules imported, no thread running and no device touched, and a
+    fork of it begins the same way, at once, where a spawned interpreter
+    imports them again (5 CPU seconds on the 2-core development machine,
+    ``diffusers`` most of them) before it builds anything. Elsewhere they are
+    spawned: a fork would copy another thread's locks as they were."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.method = "fork" if forks_safely() else "spawn"
+        context = multiprocessing.get_context(self.method)
+        reader, self.keep_alive = multiprocessing.Pipe(duplex=False)
+        self.processes: list[multiprocessing.Process] = []
+        self._ports: list[Connection] = []
+        for rank in range(1, config.pp):
+            port_reader, port_writer = multiprocessing.Pipe(duplex=False)
+            # a fork holds copies of every pipe end this process has: it closes the write ends of its siblings'
+            # and of the keep-alive, or rank 0's exit would never reach it as EOF
+            inherited = (self.keep_alive, *self._ports, port_writer) if self.method == "fork" else ()
+            process = context.Process(
+                target=run_follower,
+                args=(config, rank, config.pp, port_reader, reader, inherited),
+                name=f"rtvideo-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            port_reader.close()
+            self._ports.append(port_writer)
+            self.processes.append(process)
+        reader.close()
+        log.info("pipeline ranks 1..%d started (%s)", config.pp - 1, self.method)
+
+    def tell_store(self, port: int) -> None:
+        """Each follower's store port: the group's store listens there."""
+        for pipe in self._ports:
+            with contextlib.suppress(OSError):  # a follower already gone: the start fails, naming it
+                pipe.send(port)
+            pipe.close()
+        self._ports = []
+
+
+def forks_safely() -> bool:
+    """Whether this process may fork a follower: it runs one thread (Linux's
+    ``/proc/self/task`` counts native threads too; without it, spawn)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
 def run_follower(
     config: EngineConfig,
     rank: int,
     world: int,
-    store_port: int,
+    store_port: Connection,
     parent_alive: Connection,
+    inherited: tuple[Connection, ...] = (),
 ) -> None:
-    """Entry point of pipeline rank ``rank`` (spawned by ``RankGroup``)."""
+    """Entry point of pipeline rank ``rank`` (started by ``FollowerProcesses``):
+    ``inherited``, the pipe ends a fork holds copies of and must not, closed
+    first; the group's store port read from ``store_port``."""
+    for pipe in inherited:
+        pipe.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
+    port = store_port.recv()  # rank 0 opens the store once its pipeline is built
+    store_port.close()
     timeout = datetime.timedelta(seconds=config.startup_timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
     follow(config, rank, world, store, launched=False)
 
 
