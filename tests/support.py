@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import multiprocessing
+import random
 import socket
 import subprocess
 import sys
@@ -104,11 +105,19 @@ def inline_loop(config, control, runner, send, **options):
 
 
 def free_ports(count: int) -> int:
-    """A port P with P .. P + count - 1 all free (on loopback, just now)."""
+    """A port P with P .. P + count - 1 all free (on loopback, just now), below
+    the range the system hands out for outgoing connections and port 0, so that
+    no other process's connection takes one before the test listens on it
+    (a process of another test did, once, in the seconds a group of pipeline
+    ranks takes to start)."""
+    low = _ephemeral_ports()[0]
     for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        if low - count > 10_000:
+            port = random.randrange(10_000, low - count)
+        else:  # no room below it: one the system gives now
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
         if port + count > 65536:
             continue
         taken = [socket.socket() for _ in range(count)]
@@ -122,6 +131,16 @@ def free_ports(count: int) -> int:
                 sock.close()
         return port
     raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range of ports the system hands out (Linux's; elsewhere IANA's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            low, high = (int(part) for part in file.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def video_file(frames: list[np.ndarray], fps: int, codec: str = "ffv1", container: str = "matroska") -> bytes:
