@@ -366,6 +366,11 @@ class EngineClient:
         if self.state is WorkerState.CLOSING or self._process is None:
             return
         self.state = WorkerState.CLOSING
+        if self._death_task is not None and not self._death_task.done():
+            # A death being handled drains the dead worker's results and closes its pipes (and may be starting
+            # a new worker): let it finish first, so that nothing here reads a socket it closes under us; a
+            # worker it started is then shut down as any other.
+            await asyncio.gather(asyncio.shield(self._death_task), return_exceptions=True)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             # Not suppress(CancelledError), which would swallow a cancel of shutdown itself.
