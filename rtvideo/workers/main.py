@@ -366,14 +366,22 @@ def _start_followers(config: EngineConfig, site):
     ``site`` None), started now, while this process is what the fork server
     made of it (``rtvideo.workers.parallel.group.FollowerProcesses``): the
     worker's modules are imported first, so that they begin with them. None
-    with one rank, or launched."""
+    with one rank, or launched, and where they could not be started here:
+    ``RankGroup.spawn`` then starts them once the pipeline is built, where a
+    failure is the start's, said as every other one is."""
     if config.pp == 1 or site is not None:
         return None
-    from rtvideo.workers.parallel.group import FollowerProcesses
+    try:
+        for module in config.worker_modules:  # a fork server started for another configuration may lack them
+            importlib.import_module(module)
+        from rtvideo.workers.parallel.group import FollowerProcesses
 
-    for module in config.worker_modules:  # a fork server started for another configuration may lack them
-        importlib.import_module(module)
-    return FollowerProcesses(config)
+        return FollowerProcesses(config)
+    except Exception as error:
+        log.warning(
+            "pipeline ranks not started first (%s: %s): started once the pipeline is built", type(error).__name__, error
+        )
+        return None
 
 
 def _spawn_ranks(

@@ -278,8 +278,12 @@ class RankGroup:
         if wait_s > 0 and self._processes:
             wait([process.sentinel for process in self._processes], timeout=wait_s)
         for rank, process in enumerate(self._processes, start=1):
-            if not process.is_alive():
-                return f"pipeline rank {rank} (pid {process.pid}) died with exit code {process.exitcode}"
+            # its sentinel says it exited even while the watch thread reaps it (is_alive, polling then, would
+            # not: only one thread's wait gets the exit status)
+            if wait([process.sentinel], timeout=0) or not process.is_alive():
+                process.join(1.0)
+                code = "" if process.exitcode is None else f" with exit code {process.exitcode}"
+                return f"pipeline rank {rank} (pid {process.pid}) died{code}"
         return None
 
     def pids(self) -> list[int]:
@@ -340,23 +344,40 @@ class FollowerProcesses:
         reader, self.keep_alive = multiprocessing.Pipe(duplex=False)
         self.processes: list[multiprocessing.Process] = []
         self._ports: list[Connection] = []
-        for rank in range(1, config.pp):
-            port_reader, port_writer = multiprocessing.Pipe(duplex=False)
-            # a fork holds copies of every pipe end this process has: it closes the write ends of its siblings'
-            # and of the keep-alive, or rank 0's exit would never reach it as EOF
-            inherited = (self.keep_alive, *self._ports, port_writer) if self.method == "fork" else ()
-            process = context.Process(
-                target=run_follower,
-                args=(config, rank, config.pp, port_reader, reader, inherited),
-                name=f"rtvideo-rank-{rank}",
-                daemon=True,
-            )
-            process.start()
-            port_reader.close()
-            self._ports.append(port_writer)
-            self.processes.append(process)
-        reader.close()
+        try:
+            for rank in range(1, config.pp):
+                port_reader, port_writer = multiprocessing.Pipe(duplex=False)
+                self._ports.append(port_writer)
+                # a fork holds copies of every pipe end this process has: it closes the write ends of the
+                # keep-alive and of its own and earlier siblings' ports, or rank 0's exit would not be its EOF
+                inherited = (self.keep_alive, *self._ports) if self.method == "fork" else ()
+                process = context.Process(
+                    target=run_follower,
+                    args=(config, rank, config.pp, port_reader, reader, inherited),
+                    name=f"rtvideo-rank-{rank}",
+                    daemon=True,
+                )
+                try:
+                    process.start()
+                finally:
+                    port_reader.close()
+                self.processes.append(process)
+        except BaseException:  # none is left behind: those started are killed and reaped
+            self.close()
+            raise
+        finally:
+            reader.close()
         log.info("pipeline ranks 1..%d started (%s)", config.pp - 1, self.method)
+
+    def close(self) -> None:
+        """End the followers before they were told the store (a start given up)."""
+        self.keep_alive.close()
+        for pipe in self._ports:
+            pipe.close()
+        self._ports = []
+        for process in self.processes:
+            process.kill()
+            process.join()
 
     def tell_store(self, port: int) -> None:
         """Each follower's store port: the group's store listens there."""
@@ -392,7 +413,10 @@ def run_follower(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_alive,), name="parent-watch", daemon=True).start()
-    port = store_port.recv()  # rank 0 opens the store once its pipeline is built
+    try:
+        port = store_port.recv()  # rank 0 opens the store once its pipeline is built
+    except EOFError:  # rank 0 is gone before it did (its start failed, or it was killed)
+        os._exit(0)
     store_port.close()
     timeout = datetime.timedelta(seconds=config.startup_timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
