@@ -100,6 +100,8 @@ def run_worker(
         sender.send(WorkerStartupFailed(rank=rank, error=f"{type(error).__name__}: {error}"))
         if group is not None:
             group.close()
+        elif followers is not None:  # started, never told the store (the pipeline failed, or cannot be split)
+            followers.close()
         sender.close()
         context.term()
         _exit(1)

@@ -8,11 +8,13 @@ exactly where the worker said it would."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
 
 from rtvideo.engine.client.engine_client import EngineClient, EngineStartupError
+from rtvideo.engine.client.spawned_worker import fork_server_pid
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import (
     Interaction,
@@ -23,6 +25,7 @@ from rtvideo.engine.messages import (
     StartSession,
 )
 from tests.conftest import PINNED_LIMITS
+from tests.engine.test_pipeline_parallel import running
 from tests.support import Collected, collect, make_gate, read_until, wait_reached
 
 SIZE = {"width": 32, "height": 32}
@@ -60,6 +63,39 @@ async def test_ranks_with_no_device_to_run_on_fail_the_start_in_one_line_naming_
     ):
         await engine.start()
     await engine.shutdown()
+
+
+async def test_a_pipeline_that_cannot_be_split_fails_the_start_and_leaves_no_rank_behind():
+    """The later ranks are forked first thing, before rank 0 knows its pipeline
+    cannot be split (the stub has no blocks): the start fails naming why, and
+    rank 0 ends them before it exits. Every process of the group was a fork of
+    this test process's fork server (its command line and environment, which
+    names the test process under xdist): none is left."""
+    engine = EngineClient(EngineConfig(pp=2, startup_timeout_s=60, **PINNED_LIMITS))
+    with pytest.raises(EngineStartupError, match="pp: the 'stub' pipeline cannot be split over pipeline ranks"):
+        await engine.start()
+    await engine.shutdown()
+    server = fork_server_pid()
+    image = _image(server)
+    for _ in range(100):
+        left = [pid for pid in _pids() if pid != server and _image(pid) == image and running(pid)]
+        if not left:
+            break
+        await asyncio.sleep(0.05)
+    assert left == [], "ranks of the failed group are still running"
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _image(pid: int) -> tuple[bytes, bytes] | None:
+    """A process's command line and environment as it began."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as command, open(f"/proc/{pid}/environ", "rb") as environment:
+            return command.read(), environment.read()
+    except OSError:
+        return None
 
 
 @pytest.mark.parametrize("stream_batch", [False, True], ids=["exact", "stream-batch"])
