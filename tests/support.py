@@ -110,7 +110,7 @@ def free_ports(count: int) -> int:
     no other process's connection takes one before the test listens on it
     (a process of another test did, once, in the seconds a group of pipeline
     ranks takes to start)."""
-    low = _ephemeral_ports()[0]
+    low = _first_ephemeral_port()
     for _ in range(100):
         if low - count > 10_000:
             port = random.randrange(10_000, low - count)
@@ -133,14 +133,13 @@ def free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range of ports the system hands out (Linux's; elsewhere IANA's)."""
+def _first_ephemeral_port() -> int:
+    """Where the range of ports the system hands out begins (Linux's; elsewhere IANA's)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
-            low, high = (int(part) for part in file.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 49152, 65535
+            return int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def video_file(frames: list[np.ndarray], fps: int, codec: str = "ffv1", container: str = "matroska") -> bytes:

@@ -29,6 +29,7 @@ from rtvideo.engine.messages import (
 from rtvideo.workers.cpu_threads import candidates
 from rtvideo.workers.parallel.group import rank_threads
 from tests.conftest import PINNED_LIMITS
+from tests.engine.test_lifecycle import wait_gone
 from tests.support import Collected, collect, free_ports, read_until
 
 SIZE = {"width": 32, "height": 32}
@@ -200,22 +201,9 @@ async def test_a_killed_rank_fails_its_sessions_fast_and_the_group_restarts():
         # and no follower outlives its rank 0 (a fork of it, holding none of the pipe ends that tell it so)
         rank0, follower = two.ready.pid, two.ready.pipeline_ranks[0]
         os.kill(rank0, signal.SIGKILL)
-        for _ in range(200):
-            if not running(follower):
-                break
-            await asyncio.sleep(0.05)
-        assert not running(follower), f"rank 1 (pid {follower}) outlived its rank 0"
+        wait_gone(follower, within=10.0)
     finally:
         await two.shutdown()
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` runs (one that exited unreaped does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @SHARED

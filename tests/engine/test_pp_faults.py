@@ -25,7 +25,7 @@ from rtvideo.engine.messages import (
     StartSession,
 )
 from tests.conftest import PINNED_LIMITS
-from tests.engine.test_pipeline_parallel import running
+from tests.engine.test_lifecycle import process_gone
 from tests.support import Collected, collect, make_gate, read_until, wait_reached
 
 SIZE = {"width": 32, "height": 32}
@@ -78,7 +78,7 @@ async def test_a_pipeline_that_cannot_be_split_fails_the_start_and_leaves_no_ran
     server = fork_server_pid()
     image = _image(server)
     for _ in range(100):
-        left = [pid for pid in _pids() if pid != server and _image(pid) == image and running(pid)]
+        left = [pid for pid in _pids() if pid != server and _image(pid) == image and not process_gone(pid)]
         if not left:
             break
         await asyncio.sleep(0.05)
