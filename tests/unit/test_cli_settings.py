@@ -265,3 +265,30 @@ def test_the_api_process_logs_its_own_lines_at_the_level_and_other_libraries_onl
         "api WARNING a dependency's warning",
         "api WARNING job j1 failed",
     ], lines
+
+
+@pytest.mark.parametrize(
+    ("bench", "module", "options"),
+    [
+        ("realtime", "rtvideo.bench.realtime", "RealtimeBenchOptions"),
+        ("v2v", "rtvideo.bench.v2v", "V2vBenchOptions"),
+        ("soak", "rtvideo.bench.soak", "SoakOptions"),
+    ],
+)
+def test_a_server_bench_flag_left_out_means_the_bench_options_own_default(bench, module, options):
+    """The CLI does not import a bench to parse its flags, so each flag writes
+    its default out; it must be the options' own (``--stall-timeout`` is
+    ``stall_timeout_s``, ``--max-lead`` ``max_lead_seconds``)."""
+    import dataclasses
+    import importlib
+
+    args = build_parser().parse_args(["bench", bench])
+    renamed = {"stall_timeout_s": "stall_timeout", "max_lead_seconds": "max_lead"}
+    compared = []
+    for field in dataclasses.fields(getattr(importlib.import_module(module), options)):
+        flag = renamed.get(field.name, field.name)
+        if field.default is dataclasses.MISSING or not hasattr(args, flag):
+            continue
+        assert getattr(args, flag) == field.default, f"bench {bench} --{flag.replace('_', '-')}"
+        compared.append(field.name)
+    assert "stall_timeout_s" in compared and "chunks" in compared, compared
