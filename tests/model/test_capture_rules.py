@@ -57,6 +57,31 @@ def test_the_rules_let_a_forwards_own_work_through():
     assert torch.equal(rehearse(step), step())
 
 
+@pytest.mark.parametrize(
+    "step",
+    [
+        lambda: torch.ones(2, device="meta") + torch.tensor([1.0, 2.0]).to("meta"),
+        lambda: torch.empty((), device="meta").copy_(torch.tensor(3.0)),  # 0-d: CUDA refuses it too
+        lambda: torch.ones(2, device="meta") * torch.tensor(0.5, device="meta"),  # made below the dispatcher
+        lambda: torch.as_tensor([0.0, 1.0], device="meta"),
+    ],
+)
+def test_a_copy_from_the_host_to_a_device_is_named(step):
+    """The meta device stands in for a GPU: not the host, so a copy to it from
+    host memory is one a capture cannot hold, however it is written."""
+    with pytest.raises(CaptureBreak, match="host"):
+        rehearse(step)
+
+
+def test_host_scalars_and_data_already_on_the_device_pass():
+    on_device = torch.ones(2, device="meta")
+
+    def step():
+        return torch.as_tensor(on_device, device="meta") * torch.tensor(0.5)  # no copy: a kernel's scalar
+
+    assert rehearse(step).shape == (2,)
+
+
 def _key(kind: str = "denoise") -> StepKey:
     return StepKey((1,), (1,), (3,), (1, 4), (1, 2), "torch.float32", kind)
 

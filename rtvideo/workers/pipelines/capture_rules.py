@@ -20,7 +20,9 @@ those rules. ``rehearse(function)`` runs a function under it:
   begins (and ``StepGraphs`` then runs every step eagerly).
 
 Data-dependent sizes and reads back are caught everywhere; a copy from the
-host to the device only where the device is not the host (a CPU has none).
+host to the device only where the device is not the host (a CPU has none),
+0-d tensors included. ``torch.tensor(data, device=...)`` copies below the
+dispatcher, so ``HostData``, a function mode, names that one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 T = TypeVar("T")
@@ -90,11 +93,14 @@ def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _copies_from_the_host(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
-    """A copy whose source is a host tensor of more than one element and whose
-    result is on a device (a 0-d host tensor is a scalar argument: legal)."""
+    """A copy whose source is a host tensor and whose result is on a device.
+    A 0-d one too (``torch.tensor(x, device=...)``, ``.to(device)``): CUDA
+    refuses that capture as well (torch issue 168991). A 0-d host tensor
+    passed to an operator beside device tensors (``y * torch.tensor(0.5)``)
+    is no copy: the kernel takes it as a scalar, and no copy is dispatched."""
     if func.overloadpacket not in COPIES:
         return False
-    sources = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() > 0]
+    sources = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
     return bool(sources) and any(device.type != "cpu" for device in _devices(out))
 
 
@@ -127,12 +133,43 @@ class CaptureRules(TorchDispatchMode):
         return out
 
 
+MAKERS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+"""Functions that make a tensor from data: given host data and a device, they
+copy it there below the dispatcher, where ``CaptureRules`` cannot see it."""
+
+
+def _made_from_the_host(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.tensor`` / ``as_tensor`` / ``asarray`` of host data (a number, a
+    list, a host tensor) onto a device: a copy from the host. Data already on
+    that device is no such copy."""
+    if func not in MAKERS:
+        return False
+    device = kwargs.get("device")  # keyword-only in each of them
+    if device is None or torch.device(device).type == "cpu":
+        return False
+    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    return not (isinstance(data, torch.Tensor) and data.device.type != "cpu")
+
+
+class HostData(TorchFunctionMode):
+    """Raise ``CaptureBreak`` where a tensor is made on a device from host data
+    (``torch.tensor(x, device=...)``): its copy happens below the dispatcher, so
+    ``CaptureRules`` never sees it, and CUDA refuses it in a capture."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _made_from_the_host(func, args, kwargs):
+            name = getattr(func, "__name__", str(func))
+            raise CaptureBreak(f"torch.{name}(...) copies host data to a device: a CUDA graph cannot capture it")
+        return func(*args, **kwargs)
+
+
 def rehearse(function: Callable[[], T]) -> T:
-    """``function()`` under ``CaptureRules``: its result, or ``CaptureBreak``.
+    """``function()`` under ``CaptureRules`` and ``HostData``: its result, or ``CaptureBreak``.
     Compiled code (``fused_elementwise``, ``compile``) runs as its Python source
     (``torch.compiler.set_stance("force_eager")``): ``torch.compile`` cannot run
     under a dispatch mode, and a try would mark the compiled functions skipped
     for good. The operators checked are the same ones compiled; the compiled
     kernels add no read back of their own."""
-    with torch.compiler.set_stance("force_eager"), CaptureRules():
+    with torch.compiler.set_stance("force_eager"), HostData(), CaptureRules():
         return function()
