@@ -15,7 +15,7 @@ from rtvideo.workers.pipelines.base import BatchRow, StepBatch
 from rtvideo.workers.pipelines.causal_wan import CausalWanPipeline, build, self_forcing_timesteps
 from rtvideo.workers.pipelines.causal_wan_state import CausalWanSession
 from rtvideo.workers.pipelines.presets import build_tiny, load_directory, save_directory, write_rtvideo_json
-from rtvideo.workers.pipelines.wan_attention import apply_rope
+from rtvideo.workers.pipelines.wan_block_forward import apply_rope
 
 
 @pytest.fixture(scope="module")
@@ -479,17 +479,15 @@ def test_fast_vae_norm_equals_diffusers_norm(dtype, channel_first, images, bias)
 
 
 def test_the_cache_is_roped_once_per_layer_per_chunk(pipeline, monkeypatch):
-    from rtvideo.workers.pipelines import wan_attention
-
     state = open_session(pipeline, "roped")
     for _ in range(2):
         run_chunk(pipeline, state)
     kv = state.kv
     held_tokens = kv.frames * kv.tokens_per_frame  # 6 frames: unlike a chunk's 3
     calls = []
-    real = wan_attention.apply_rope
-    spy = lambda x, *cs, **out: calls.append(x.shape[1]) or real(x, *cs, **out)  # noqa: E731
-    monkeypatch.setattr(wan_attention, "apply_rope", spy)
+    real = pipeline.context.roped.rotate
+    spy = lambda x, *cs: calls.append(x.shape[1]) or real(x, *cs)  # noqa: E731
+    monkeypatch.setattr(pipeline.context.roped, "rotate", spy)
     run_chunk(pipeline, state)  # 4 denoise forwards and the commit forward, all over the same cache
     assert calls.count(held_tokens) == len(pipeline.transformer.blocks)
     assert kv.uid in pipeline.context.roped.entries

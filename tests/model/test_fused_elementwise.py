@@ -8,10 +8,10 @@
   CPU) and tracks the eager frames within a tight tolerance: not bit for bit,
   because inductor's layer norm reduces in another order (its Welford loop)
   than ATen's kernel, an ulp or so of fp32 per norm; the groups that only add
-  and multiply are bit for bit. Every compile here is of the tiny preset's
-  16x16 shapes (one row of 3 tokens, 24 wide), shared by the tests of this
-  file: four graphs, about 10 s on 2 cores with a cold compile cache, most of
-  it inductor's first start.
+  and multiply are bit for bit, the RoPE rotation of the queries and keys
+  too. Every compile here is of the tiny preset's 16x16 shapes (one row of 3
+  tokens, 24 wide), shared by the tests of this file: five graphs, about 10 s
+  on 2 cores with a cold compile cache, most of it inductor's first start.
 - Under captured steps (``cuda_graphs: "eager"``) nothing is compiled inside a
   capture or a replay: the capture comes on a key's second use, the first
   compiled what it needs.
@@ -97,24 +97,34 @@ def test_the_pipelines_blocks_run_our_forward_through_their_module_call(monkeypa
 
 def _groups_inputs():
     """The groups' inputs at the pipeline's 16x16 shapes: one row, 3 tokens, 24 wide,
-    the modulation's six parts views of one [1, 6, 24] tensor, as ``block_forward`` makes them."""
+    the modulation's six parts views of one [1, 6, 24] tensor, as ``block_forward`` makes them;
+    the rotation's: queries of 2 heads of 12, fp32 tables (its ``out`` is ``_call``'s)."""
     generator = torch.Generator().manual_seed(11)
     x, y = (3 * torch.randn(1, 3, 24, generator=generator) for _ in range(2))
     scale, shift, gate = (1 + torch.randn(1, 6, 24, generator=generator)).chunk(6, dim=1)[:3]
     weight, bias = torch.randn(24, generator=generator), torch.randn(24, generator=generator)
+    cos, sin = (torch.randn(1, 3, 1, 12, generator=generator) for _ in range(2))
     return {
         "modulate": (x, None, None, 1e-6, scale, shift),
         "gated_residual_norm": (x, y, gate, weight, bias, 1e-6),
         "residual_modulate": (x, y, None, None, 1e-6, scale, shift),
         "gated_residual": (x, y, gate),
+        "rope": (x.view(1, 3, 2, 12), cos, sin),
     }
+
+
+def _call(ops, name: str, args: tuple):
+    """``ops``' group ``name`` on ``args``; the rotation into a new tensor of its own."""
+    if name == "rope":
+        return ops.rope(*args, torch.empty_like(args[0]))
+    return getattr(ops, name)(*args)
 
 
 @torch.no_grad()  # as the pipeline runs them: one compile serves this test and the next
 def test_each_fused_group_is_eager_to_an_ulp_and_the_elementwise_only_one_bit_for_bit():
     fused = fused_ops()
     for name, args in _groups_inputs().items():
-        got, expected = getattr(fused, name)(*args), getattr(EAGER, name)(*args)
+        got, expected = _call(fused, name, args), _call(EAGER, name, args)
         got, expected = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
         for g, e in zip(got, expected, strict=True):
             assert g.dtype == e.dtype == torch.float32 and g.shape == e.shape
@@ -124,6 +134,8 @@ def test_each_fused_group_is_eager_to_an_ulp_and_the_elementwise_only_one_bit_fo
     assert torch.equal(fused.gated_residual(x, y, gate), EAGER.gated_residual(x, y, gate))
     x, y = _groups_inputs()["residual_modulate"][:2]
     assert torch.equal(fused.residual_modulate(*_groups_inputs()["residual_modulate"])[0], x + y)
+    rope = _groups_inputs()["rope"]
+    assert torch.equal(_call(fused, "rope", rope), wan_block_forward.apply_rope(*rope))
 
 
 @torch.no_grad()
@@ -144,6 +156,32 @@ def test_a_group_compiles_once_for_one_row_and_once_for_several_whatever_the_siz
         assert torch.equal(compiled(x, y, gate), EAGER.gated_residual(x, y, gate))
         compiles.append(_compiled_graphs() - before)
     assert compiles == [1, 0, 0, 1, 0, 0]  # one row, then several: each serves every size after
+
+
+@torch.no_grad()
+def test_the_rotation_compiles_once_for_one_row_and_once_for_several_whatever_the_store():
+    """One row's queries and keys, its held keys and the tail of its key buffer
+    are views of stores of other lengths, at other offsets (other row strides):
+    one compile serves them all, and every batch of rows, with one RoPE table
+    or one a row (``rope_any_size``; traced without code generation, ``aot_eager``)."""
+    rope = wan_block_forward.rope_any_size(
+        torch.compile(wan_block_forward.rope_into, fullgraph=True, backend="aot_eager")
+    )
+    compiles = []
+
+    def rotate(x, out, tables=1):
+        cos, sin = torch.randn(tables, x.shape[1], 1, 12), torch.randn(tables, x.shape[1], 1, 12)
+        before = _compiled_graphs()
+        assert rope(x, cos, sin, out) is out
+        assert torch.equal(out, wan_block_forward.apply_rope(x, cos, sin))
+        compiles.append(_compiled_graphs() - before)
+
+    for tokens, store, at in [(3, 3, 0), (12, 40, 0), (12, 40, 20), (7, 64, 50), (40, 40, 0)]:
+        keys = torch.randn(1, store, 2, 12)
+        rotate(keys[:, at : at + tokens], torch.zeros(1, store, 2, 12)[:, at : at + tokens])
+    for rows, tokens, tables in [(2, 12, 1), (4, 5, 1), (3, 5, 3)]:  # a table for every row, or one a row
+        rotate(torch.randn(rows, tokens, 2, 12), torch.empty(rows, tokens, 2, 12), tables)
+    assert compiles == [1, 0, 0, 0, 0, 0, 0, 0]
 
 
 def _chunks(pipeline, sid: str, chunks: int) -> list[torch.Tensor]:
@@ -189,7 +227,7 @@ def test_fused_elementwise_tracks_the_eager_chunks_and_captures_compile_nothing(
     figures = fused.graph_figures()
     assert figures["captures"] == 2 and figures["replays"] > 4  # the denoise forward and the commit, replayed
     assert len(inside) == figures["replays"] and set(inside) == {0}
-    assert _compiled_graphs() - before <= 4  # the four groups at one shape, or none where compiled already
+    assert _compiled_graphs() - before <= 5  # the five groups at one shape, or none where compiled already
     for g, e in zip(got, expected, strict=True):
         difference = (g - e).abs().max().item()
         assert difference <= 1e-5 * e.abs().max().item(), difference

@@ -193,7 +193,9 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
             quantize_fp8(self.transformer, self.device, self.dtype)
         self.compiled, self.fused_elementwise = compile, fused_elementwise
         self.commit_from_last_step = commit_from_last_step
-        install_block_forward(self.transformer, elementwise_ops_for(fused_elementwise, compile, self.device))
+        ops = elementwise_ops_for(fused_elementwise, compile, self.device)
+        install_block_forward(self.transformer, ops)
+        self.context.roped.rotate = ops.rope  # the queries' and keys' RoPE, fused with the groups or not
         if compile:  # regional: each block's norms, modulation, FFN, cross-attention; self-attention stays eager
             for block in self.transformer.blocks:
                 block.compile()

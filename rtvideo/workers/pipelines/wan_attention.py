@@ -43,7 +43,7 @@ from diffusers.models.transformers.transformer_wan import (
 
 from rtvideo.workers.pipelines.attention_backend import attend
 from rtvideo.workers.pipelines.kv_cache import SessionKVCache
-from rtvideo.workers.pipelines.wan_block_forward import mark_any_size
+from rtvideo.workers.pipelines.wan_block_forward import mark_any_size, rope_into
 
 
 class RopedKeys:
@@ -67,6 +67,7 @@ class RopedKeys:
 
     def __init__(self, rope: OffsetRotaryPosEmbed, capacity: int = 1, keep_stale: bool = False) -> None:
         self.rope = rope
+        self.rotate = rope_into  # the rotation itself, for these keys and the processors' (``ElementwiseOps.rope``)
         self.capacity = capacity
         self.keep_stale = keep_stale
         self.entries: OrderedDict[int, _RopedEntry] = OrderedDict()  # by cache uid, least recent first
@@ -102,9 +103,13 @@ class RopedKeys:
                 if entry.cos_sin is None:
                     entry.cos_sin = self.rope.at(cache.frames, height, width, 0)
                 held_keys, _ = cache.read(layer)
-                apply_rope(held_keys, *entry.cos_sin, out=buffer[:, : held_keys.shape[1]])
+                self.rotate(held_keys, *entry.cos_sin, buffer[:, : held_keys.shape[1]])
             entry.filled.add(layer)
         return buffer
+
+    def rotated(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x`` (queries or keys) roped by ``rotate`` into a new tensor."""
+        return self.rotate(x, *cos_sin, torch.empty_like(x))
 
     def refresh(self, cache: SessionKVCache, height: int, width: int) -> int:
         """Rope every layer's held keys of ``cache`` for its current version now
@@ -202,20 +207,6 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
         return parts[0], parts[1]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` [batch, tokens, heads, head_dim] (Wan's
-    convention); ``cos`` / ``sin`` are [1 or batch, tokens, 1, head_dim]. Into
-    ``out`` (``x``'s shape and dtype) when given, else a new tensor: the same
-    values either way."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    if out is None:
-        out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out
-
-
 class CausalSelfAttnProcessor:
     """``attn1`` of block ``layer``: attends over the session's cache and the chunk."""
 
@@ -243,7 +234,7 @@ class CausalSelfAttnProcessor:
         value = value.unflatten(2, (attn.heads, -1))
         if not ctx.caches:
             if rotary_emb is not None:
-                query, key = apply_rope(query, *rotary_emb), apply_rope(key, *rotary_emb)
+                query, key = ctx.roped.rotated(query, rotary_emb), ctx.roped.rotated(key, rotary_emb)
             return self._out(attn, self._attend(query, key, value, ctx.mask))
         if ctx.commit:
             if len(ctx.caches) == 1:
@@ -264,10 +255,10 @@ class CausalSelfAttnProcessor:
                 if rows > 1:  # not a view that would hold the whole batch's keys
                     row_key, row_value = row_key.clone(), row_value.clone()
                 ctx.caches[row].stage_provisional(ctx.chunks[row], self.layer, row_key, row_value)
-        query = apply_rope(query, *rotary_emb)
+        query = ctx.roped.rotated(query, rotary_emb)
         if rows == 1 and (spans := self._spans(key, value, rotary_emb)) is not None:
             return self._out(attn, self._attend(query, *spans, None))
-        key = apply_rope(key, *rotary_emb)
+        key = ctx.roped.rotated(key, rotary_emb)
         keys, values = [], []
         for row, cache in enumerate(ctx.caches):
             row_keys, row_values = [], []
@@ -279,7 +270,7 @@ class CausalSelfAttnProcessor:
             if pending is not None:
                 pending_keys, pending_values = pending
                 frames = pending_keys.shape[1] // cache.tokens_per_frame
-                row_keys.append(apply_rope(pending_keys, *ctx.roped.rope.at(frames, *ctx.grid, cache.frames)))
+                row_keys.append(ctx.roped.rotated(pending_keys, ctx.roped.rope.at(frames, *ctx.grid, cache.frames)))
                 row_values.append(pending_values)
             row_key, row_value = key[row : row + 1], value[row : row + 1]
             if row_keys:
@@ -310,7 +301,7 @@ class CausalSelfAttnProcessor:
         if values is None:
             return None
         keys = ctx.roped.workspace(cache, self.layer, *ctx.grid)[:, : values.shape[1]]
-        apply_rope(key, *rotary_emb, out=keys[:, cache.frames * cache.tokens_per_frame :])
+        ctx.roped.rotate(key, *rotary_emb, keys[:, cache.frames * cache.tokens_per_frame :])
         return keys, values
 
     def _attend(self, query, key, value, mask) -> torch.Tensor:

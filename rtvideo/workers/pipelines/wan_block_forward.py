@@ -29,10 +29,16 @@ small named function (``ElementwiseOps``):
   affine norm, or none: ``cross_attn_norm`` false);
 - ``residual``: ``x + y`` (after the cross-attention).
 
+Inside the self-attention, the queries and keys are rotated (RoPE,
+``rope_into``): about 8 kernels each time, over fp32 temporaries of the
+``[rows, tokens, heads, head_dim]`` queries or keys, for each forward's
+queries and keys and once a chunk for the keys a session's cache holds
+(``wan_attention``'s processor and ``RopedKeys`` call ``ElementwiseOps.rope``).
+
 ``EAGER`` runs them as written (the reference). ``fused_elementwise: true``
 (``elementwise_ops_for``) runs ``fused_ops()``: each of the four groups
 (``modulate``; ``gated_residual_norm``; ``residual_modulate``;
-``gated_residual``) through ``torch.compile(fullgraph=True, dynamic=None)``
+``gated_residual``) and the rotation through ``torch.compile(fullgraph=True, dynamic=None)``
 with inductor, as a rule one kernel a group, on a GPU (Triton) and on a CPU
 (C++, built with the machine's C++ compiler; refused where there is none).
 The math inside stays the reference's: fp32 where it computes in fp32, and
@@ -42,8 +48,9 @@ every cast to the model's dtype that the reference makes is made
 fp32 where the reference rounds). What differs is the norm's reduction
 order (inductor's own reduction against ATen's layer norm kernel): an fp32
 ulp or so per norm, so not bit for bit; the group without a norm,
-``gated_residual``, came out bit for bit on the CPU (tested on the tiny
-preset, fp32), and on a GPU may differ by a fused multiply-add's rounding.
+``gated_residual``, and the rotation came out bit for bit on the CPU
+(tested on the tiny preset, fp32), and on a GPU may differ by a fused
+multiply-add's rounding.
 Each compiled call costs its guards and wrapper (tens of microseconds on a
 CPU), so on tiny activations the groups are slower fused than eager; the
 saving is at real sizes, where each group is memory-bound.
@@ -56,7 +63,8 @@ the width ``inner_dim``, which never changes, stays fixed, so the norm is a
 reduction of a known width. Torch specialises a dimension of size 1, so one
 row and several rows are two compiles. So a pipeline compiles each group
 twice at most, both at warm-up (``max_batch_rows`` rows, then one row),
-and never mid-serving: a session of a new size, or a batch of a new width,
+and the rotation once (``rope_any_size``: row by row, as [tokens, heads,
+head_dim], whatever the store a view is of), and never mid-serving: a session of a new size, or a batch of a new width,
 would otherwise stall every session of the worker for a compile (seconds
 on a GPU).
 
@@ -146,17 +154,42 @@ def residual_modulate(
     return x, modulate(x, weight, bias, eps, scale, shift)
 
 
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
+    """Rotate interleaved pairs of ``x`` [batch, tokens, heads, head_dim] (Wan's
+    convention, diffusers' ``WanAttnProcessor``'s rotation): ``cos`` / ``sin``
+    are [1 or batch, tokens, 1, head_dim], in fp32, so the products and sums
+    are fp32, rounded once to ``x``'s dtype where they are stored. Into ``out``
+    (``x``'s shape and dtype) when given, else a new tensor: the same values
+    either way. The processors call ``ElementwiseOps.rope``, ``rope_into``,
+    which always names ``out``: one compiled graph for every call."""
+    if out is None:
+        out = torch.empty_like(x)
+    return rope_into(x, cos, sin, out)
+
+
+def rope_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
+    """``apply_rope`` into ``out``; returns it."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out
+
+
 @dataclass(frozen=True)
 class ElementwiseOps:
-    """The four elementwise groups of a block's forward, in the order it calls them."""
+    """The four elementwise groups of a block's forward, in the order it calls
+    them, and the rotation its self-attention gives the queries and keys (the
+    causal processor's, ``wan_attention``: ``rope_into``)."""
 
     modulate: Callable[..., Tensor]
     gated_residual_norm: Callable[..., tuple[Tensor, Tensor]]
     residual_modulate: Callable[..., tuple[Tensor, Tensor]]
     gated_residual: Callable[..., Tensor]
+    rope: Callable[..., Tensor]
 
 
-EAGER = ElementwiseOps(modulate, gated_residual_norm, residual_modulate, gated_residual)
+EAGER = ElementwiseOps(modulate, gated_residual_norm, residual_modulate, gated_residual, rope_into)
 
 
 def _norm_args(norm: nn.Module) -> tuple[Tensor | None, Tensor | None, float | None]:
@@ -217,9 +250,11 @@ def fused_ops(backend: str = "inductor") -> ElementwiseOps:
         options = _INDUCTOR_OPTIONS if backend == "inductor" else None
 
         def compiled(function: Callable) -> Callable:
-            return any_size(torch.compile(function, fullgraph=True, dynamic=None, backend=backend, options=options))
+            return torch.compile(function, fullgraph=True, dynamic=None, backend=backend, options=options)
 
-        _fused[backend] = ElementwiseOps(*(compiled(getattr(EAGER, name)) for name in EAGER.__dataclass_fields__))
+        groups = {name: any_size(compiled(getattr(EAGER, name))) for name in EAGER.__dataclass_fields__}
+        groups["rope"] = rope_any_size(compiled(rope_into))
+        _fused[backend] = ElementwiseOps(**groups)
     return _fused[backend]
 
 
@@ -234,6 +269,27 @@ def any_size(compiled: Callable) -> Callable:
             if isinstance(arg, Tensor) and arg.ndim == 3:
                 mark_any_size(arg, 0, 1)
         return compiled(*args)
+
+    return call
+
+
+def rope_any_size(compiled: Callable) -> Callable:
+    """``compiled`` (a ``torch.compile``d ``rope_into``), called row by row on
+    [tokens, heads, head_dim] views, tokens marked dynamic, so that its first
+    compile serves every call: a session's queries and keys, its held keys and
+    the tail of its key buffer (views of stores of other lengths, at other
+    offsets: other row strides, each a compile as 4-D tensors), and a batch
+    of any width with one RoPE table or one a row."""
+
+    @wraps(compiled)
+    def call(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
+        for row in range(x.shape[0]):
+            table = row if cos.shape[0] > 1 else 0
+            parts = (x[row], cos[table], sin[table], out[row])
+            for part in parts:
+                mark_any_size(part, 0)
+            compiled(*parts)
+        return out
 
     return call
 
