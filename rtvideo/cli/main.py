@@ -202,6 +202,9 @@ def _serve(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         ws=RealtimeWebSocketProtocol,  # uvicorn's, and a slow client can be closed without waiting on it
         ws_max_size=settings.max_message_bytes,
+        # No permessage-deflate: media go uncompressed anyway (ws_protocol), and a client's
+        # compressed messages would inflate past what its bytes on the wire cost it.
+        ws_per_message_deflate=False,
         ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout
         log_config=logging_config(settings.log_level),  # applied here, before the app starts
         log_level=settings.log_level,

@@ -1,7 +1,10 @@
 """Limits checked before a request is parsed: body size, JSON nesting and
 the length of JSON integers.
 
-API process, asyncio. ``json_depth`` measures how deeply a JSON text nests
+API process, asyncio. A realtime text message is at most
+``MAX_TEXT_MESSAGE_CHARS`` long, and a connection's text at most
+``TEXT_CHARS_PER_S`` a second (``TEXT_BURST_CHARS`` at once; the realtime
+handler keeps the bucket). ``json_depth`` measures how deeply a JSON text nests
 without parsing it (a regular expression skips strings, so brackets inside
 a prompt do not count), so a message nested thousands deep is refused with
 a clear error instead of exhausting the parser's recursion. ``long_integers``
@@ -28,6 +31,17 @@ MAX_JSON_DEPTH = 32
 MAX_JSON_INT_DIGITS = 100
 """Most digits of an integer in a client message or request body: far past any
 field's bound (a seed has at most 19), far below what costs the parser time."""
+
+MAX_TEXT_MESSAGE_CHARS = 131_072
+"""Longest text message a realtime client may send: past any event's need (a
+session.start with two prompts of ``MAX_PROMPT_CHARS`` characters, each escaped
+as ``\\uXXXX`` pairs, is under 100,000), so a longer one is refused unread."""
+TEXT_CHARS_PER_S = 262_144
+"""Text a realtime connection may send a second, on average, before it is
+closed (``too_many_messages``): a flood of valid messages otherwise costs the
+API process's event loop their parsing, every session's time."""
+TEXT_BURST_CHARS = 1_048_576
+"""...and at once: eight of the longest messages."""
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 _LONG_DIGITS = re.compile(rf"\d{{{MAX_JSON_INT_DIGITS + 1}}}")
@@ -56,6 +70,10 @@ def json_depth(text: str | bytes) -> int:
 
 class JsonLimitError(ValueError):
     """JSON refused before it is read: the message says why, naming the field."""
+
+
+class TooLongError(JsonLimitError):
+    """A text message longer than ``MAX_TEXT_MESSAGE_CHARS``."""
 
 
 class TooDeepError(JsonLimitError):
@@ -119,9 +137,12 @@ def long_integers(text: str | bytes) -> str | None:
 
 
 def parse_json(text: str | bytes) -> Any:
-    """A client's JSON text, parsed within the limits: ``TooDeepError`` or
-    ``IntegerTooLongError`` (each a ``JsonLimitError``) naming what is wrong,
-    ``ValueError`` for text that is not JSON."""
+    """A realtime client's JSON text message, parsed within the limits:
+    ``TooLongError``, ``TooDeepError`` or ``IntegerTooLongError`` (each a
+    ``JsonLimitError``) naming what is wrong, ``ValueError`` for text that is
+    not JSON."""
+    if len(text) > MAX_TEXT_MESSAGE_CHARS:
+        raise TooLongError(f"a text message of {len(text)} characters; at most {MAX_TEXT_MESSAGE_CHARS} are accepted")
     if (why := too_deep(text)) is not None:
         raise TooDeepError(why)
     return _parse(text)

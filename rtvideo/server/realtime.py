@@ -69,12 +69,19 @@ from rtvideo.server.auth import is_authorized, key_subprotocol
 from rtvideo.server.dispatch import TypeDispatcher
 from rtvideo.server.drain import Drainer
 from rtvideo.server.events import SessionPong
-from rtvideo.server.limits import JsonLimitError, parse_json
+from rtvideo.server.limits import (
+    MAX_TEXT_MESSAGE_CHARS,
+    TEXT_BURST_CHARS,
+    TEXT_CHARS_PER_S,
+    JsonLimitError,
+    parse_json,
+)
 from rtvideo.server.live_session import PRIMARY, JoinRefused, LiveSession, ResumeRefused
 from rtvideo.server.media import FORMATS
 from rtvideo.server.metrics import Metrics, SessionClock
 from rtvideo.server.output import SessionOutput, error_event
 from rtvideo.server.prompt_policy import PromptPolicy, PromptRefused
+from rtvideo.server.rate_limit import TokenBucket
 from rtvideo.server.resume_buffer import BufferedChunk
 from rtvideo.server.schemas import (
     CLIENT_EVENT_TYPES,
@@ -122,6 +129,10 @@ class _Closed(Exception):
     def __init__(self, code: int | None = None) -> None:
         super().__init__(code)
         self.code = code
+
+
+class _TooMuchText(Exception):
+    """The client sent more text than ``TEXT_CHARS_PER_S`` allows (its burst spent)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +214,7 @@ class RealtimeConnection:
         self.slow: str | None = None  # why the client was closed as slow, once it was
         self._slow = asyncio.Event()
         self._ended = asyncio.Event()  # the session ended; its last events and the close are queued
+        self._text = TokenBucket(TEXT_CHARS_PER_S, TEXT_BURST_CHARS, time.monotonic())  # a token a character
         self._writer: asyncio.Task | None = None
         self.session: LiveSession | None = None  # while attached
         self._written_to: LiveSession | None = None  # the session whose chunks the writer reports written
@@ -451,6 +463,9 @@ class RealtimeConnection:
             if why == "stall_timeout":  # other controllers steer on: only this connection ends
                 await session.leave(self, why)
                 return self._put(Close(CLOSE_NORMAL, "stall timeout"))
+            if why == "too_many_messages":  # closed by the server: as the client leaving, not a drop
+                await session.leave(self, "client_disconnected")
+                return self._put(Close(CLOSE_POLICY, "too many messages"))
             await session.leave(self, why)
         finally:
             await session.leave(self, "server_error")  # a no-op once it left: here only on a server bug
@@ -482,14 +497,19 @@ class RealtimeConnection:
         """The next client message: parsed JSON, or raw bytes for a binary frame.
         ``TimeoutError`` after ``timeout``; ``_Closed`` when the client left;
         ``JsonLimitError`` for JSON past the limits (``rtvideo.server.limits``), naming why;
-        ``ValueError`` for text that is not JSON."""
+        ``ValueError`` for text that is not JSON; ``_TooMuchText`` past the
+        connection's text budget (never for the first message: the budget
+        starts full, and holds more than the longest message)."""
         async with asyncio.timeout(timeout):
             message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
             raise _Closed(message.get("code"))
         if message.get("bytes") is not None:
             return message["bytes"]
-        return parse_json(message.get("text") or "")  # too deep, or an integer too long: refused by name
+        text = message.get("text") or ""
+        if self._text.take(time.monotonic(), min(len(text), MAX_TEXT_MESSAGE_CHARS)) is not None:
+            raise _TooMuchText()
+        return parse_json(text)  # too long, too deep, or an integer too long: refused by name
 
     def _parse(self, data: Any) -> Any:
         """A validated client event, or an ``error`` event dict explaining why not."""
@@ -553,6 +573,13 @@ class RealtimeConnection:
             except JsonLimitError as error:
                 self._send(error_event("invalid_message", str(error), request_id=rid))
                 continue
+            except _TooMuchText:
+                message = (
+                    f"more than {TEXT_CHARS_PER_S} characters of text a second ({TEXT_BURST_CHARS} at once) "
+                    "from this connection"
+                )
+                self._send(error_event("too_many_messages", message, request_id=rid, fatal=True))
+                return "too_many_messages"
             except ValueError as error:
                 self._send(error_event("invalid_json", f"not JSON: {error}", request_id=rid))
                 continue

@@ -49,6 +49,7 @@ client, and frames each viewer's media itself).
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Sequence
 
@@ -57,6 +58,9 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.frames import Opcode
 from websockets.protocol import State
 
+log = logging.getLogger(__name__)
+
+CLOSE_INVALID_DATA = 1007  # RFC 6455: a message whose data is not what its type says (text not UTF-8)
 EXTENSION = "rtvideo.close_now"
 SEND_MEDIA = "rtvideo.send_media"
 CLOSE_ANSWERED = "rtvideo.close_answered"
@@ -105,6 +109,22 @@ class RealtimeWebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.write(b"".join(self.conn.data_to_send()))
             self.handshake_complete = self.close_sent = True
             self.transport.close()
+
+    def send_receive_event_to_app(self) -> None:
+        """As uvicorn's, but a text message that is not UTF-8 closes the connection
+        with 1007 and a reason saying so, logged in one line: uvicorn closes it
+        with no reason and logs an error with a traceback, one for every such
+        message any client sends."""
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            try:
+                b"".join(self.frames).decode()
+            except UnicodeDecodeError as error:
+                self.frames = []
+                log.info("websocket %s: a text message that is not UTF-8 (%s): closed 1007", self.client, error.reason)
+                self.conn.send_close(CLOSE_INVALID_DATA, "a text message that is not valid UTF-8")
+                self.handle_parser_exception()
+                return
+        super().send_receive_event_to_app()
 
     def handle_connect(self, event) -> None:
         super().handle_connect(event)

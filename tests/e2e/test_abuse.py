@@ -345,6 +345,53 @@ async def test_hostile_json_over_the_websocket_is_refused_and_the_session_lives_
         assert (await client.rest()).of("session.done")[0]["reason"] == "stopped"
 
 
+async def test_text_past_the_length_or_the_connections_budget_is_refused_unread_and_a_flood_is_closed(server):
+    """A text message longer than 131,072 characters is refused without being
+    parsed (before the start: fatal, 1008; during a session: not); a connection
+    that sends more text than 256 KiB a second (1 MiB at once) is closed,
+    1008, ``too_many_messages``, and the server, and a session beside it, go
+    on. No permessage-deflate is negotiated, so a message costs a client its
+    length on the wire: a compressed flood would inflate past it."""
+    async with open_realtime(server.ws) as ws:
+        assert ws.response.headers.get("sec-websocket-extensions") is None  # the client asked for deflate
+        client = Realtime(ws)
+        too_long = json.dumps({**RAW, "prompt": "p" * 200_000})
+        await client.send(too_long)
+        got = await client.rest(timeout=15)
+    [error] = got.of("error")
+    expected = f"a text message of {len(too_long)} characters; at most 131072 are accepted"
+    assert (error["code"], error["fatal"], got.close_code, error["message"]) == (
+        "invalid_message",
+        True,
+        1008,
+        expected,
+    )
+    async with open_realtime(server.ws) as beside, open_realtime(server.ws) as ws:
+        neighbour, client = Realtime(beside), Realtime(ws)
+        await neighbour.send(RAW)
+        await client.send(RAW)
+        await neighbour.until("video.start")
+        await client.until("video.start")
+        too_long = json.dumps({"type": "session.ping", "pad": "x" * 200_000})
+        await client.send(too_long)
+        error = await client.until("error")
+        assert (error["code"], error["fatal"]) == ("invalid_message", False) and f"{len(too_long)} characters" in error[
+            "message"
+        ]
+        padded = json.dumps({"type": "session.ping", "pad": "x" * 120_000})  # within the length: parsed, refused
+        for _ in range(12):  # 1.4 MB at once, well past the burst
+            await client.send(padded)
+        got = await client.rest(timeout=15)
+        [flood] = [event for event in got.of("error") if event["code"] == "too_many_messages"]
+        assert flood["fatal"] and "262144 characters of text a second" in flood["message"]
+        assert (got.close_code, got.close_reason) == (1008, "too many messages")
+        await neighbour.send(interaction("still here", "ok"))
+        await neighbour.until("session.interaction.applied")
+        await neighbour.send({"type": "session.stop"})
+        assert (await neighbour.rest()).of("session.done")[0]["reason"] == "stopped"
+    assert httpx.get(f"{server.http}/health").status_code == 200
+
+
 # -- sockets that cannot be held -------------------------------------------------------
 
 HANDSHAKE = (
@@ -374,6 +421,35 @@ def read_until_closed(sock: socket.socket, within: float) -> tuple[bytes, float]
     finally:
         sock.close()
     return received, time.monotonic() - started
+
+
+def masked_frame(opcode: int, payload: bytes) -> bytes:
+    """One final client frame (masked, as a client's must be) of ``payload`` < 126 bytes."""
+    mask = os.urandom(4)
+    return bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def test_a_text_message_that_is_not_utf_8_closes_1007_saying_so_in_one_log_line(server):
+    sock = dial_raw(server)
+    sock.sendall(HANDSHAKE.format(pad="").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 101 "), head
+    rest = head.split(b"\r\n\r\n", 1)[1]
+    lines = len(server.log)
+    sock.sendall(masked_frame(0x1, b'{"type": "\xff\xfe"}'))
+    answer, _ = read_until_closed(sock, within=5)
+    frame = rest + answer
+    reason = "a text message that is not valid UTF-8"
+    assert (
+        frame[0] == 0x88 and frame[2:4] == (1007).to_bytes(2, "big") and frame[4 : 4 + len(reason)] == reason.encode()
+    )
+    deadline = time.monotonic() + 5
+    while not any("not UTF-8" in line for line in server.log[lines:]):
+        assert time.monotonic() < deadline, server.log[lines:]
+        time.sleep(0.05)
+    assert not any("Traceback" in line or "ERROR" in line for line in server.log[lines:]), server.log[lines:]
 
 
 async def test_an_over_long_websocket_url_is_answered_at_once_not_held(make_server):

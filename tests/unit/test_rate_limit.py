@@ -45,3 +45,14 @@ def test_bounds_are_checked():
         TokenBucket(rate=0.0, burst=1, now=0.0)
     with pytest.raises(ValueError, match="burst must be >= 1"):
         TokenBucket(rate=1.0, burst=0, now=0.0)
+
+
+def test_amounts_are_taken_whole_or_not_at_all_and_never_more_than_the_burst():
+    bucket = TokenBucket(rate=100.0, burst=1000, now=0.0)  # a connection's text: a token a character
+    assert bucket.take(0.0, 600) is None
+    assert bucket.take(0.0, 500) == pytest.approx(1.0)  # 400 left: 100 more in a second
+    assert bucket.take(0.0, 400) is None  # the refused amount took nothing
+    assert bucket.take(0.5, 100) == pytest.approx(0.5)
+    assert bucket.take(1.0, 100) is None
+    with pytest.raises(ValueError, match="cannot take 1001 tokens from a bucket of 1000"):
+        bucket.take(100.0, 1001)
