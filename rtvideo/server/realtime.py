@@ -521,7 +521,7 @@ class RealtimeConnection:
         if kind not in CLIENT_EVENT_TYPES:
             return unknown_type_error(kind)
         try:
-            return CLIENT_EVENTS.validate_python(data)
+            return CLIENT_EVENTS.validate_python(data, strict=True)  # "64" is no integer, nor 1 a boolean
         except ValidationError as error:
             code = "invalid_interaction" if kind == "session.interaction" else "invalid_event"
             event_id = (data.get("interaction") or {}).get("event_id") if kind == "session.interaction" else None

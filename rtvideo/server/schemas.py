@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rtvideo.engine.limits import (
     DECODERS,
@@ -193,6 +193,13 @@ class SessionStartEvent(VideoRequest):
 
 class InteractionBody(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, prompt: str) -> str:
+        if not prompt.strip():
+            raise ValueError("must not be blank")
+        return prompt
 
 
 class InteractionPayload(_Strict):

@@ -30,6 +30,10 @@ FIRST_MESSAGE_CASES = [
     (json.dumps({"type": "session.start"}), "invalid_event", "prompt"),
     (json.dumps({**START, "width": "wide"}), "invalid_event", "width"),
     (json.dumps({**START, "width": -32}), "invalid_event", "width"),
+    # Types strictly: no string for a number, no number for a boolean, no fraction for an integer.
+    (json.dumps({**START, "width": "64"}), "invalid_event", "width: Input should be a valid integer"),
+    (json.dumps({**START, "width": 64.0}), "invalid_event", "width: Input should be a valid integer"),
+    (json.dumps({**START, "shared_control": 1}), "invalid_event", "shared_control: Input should be a valid boolean"),
     (json.dumps({**START, "height": 100_000}), "invalid_request", "height"),
     (json.dumps({**START, "num_inference_steps": 0}), "invalid_event", "num_inference_steps"),
     (json.dumps({**START, "format": "gif"}), "invalid_event", "format"),
@@ -119,6 +123,12 @@ async def test_bad_messages_during_a_session_are_not_fatal_and_harm_no_one(serve
                 "invalid_interaction",
             ),
             (
+                json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "  "}}}),
+                "invalid_interaction",
+                "interaction.event.prompt: Value error, must not be blank",  # the wire's field, by the server
+            ),
+            (json.dumps({"type": "session.playback", "position_seconds": "1.5"}), "invalid_event", "a valid number"),
+            (
                 json.dumps(
                     {"type": "session.interaction", "interaction": {"event_id": "e", "event": {"prompt": "other"}}}
                 ),
@@ -132,11 +142,12 @@ async def test_bad_messages_during_a_session_are_not_fatal_and_harm_no_one(serve
             # Brackets inside a string are not nesting: this one is parsed (and its event id reused).
             (json.dumps({**interaction("[" * 40, "e")}), "event_id_conflict"),
         ]
-        for raw, code in cases:
+        for raw, code, *names in cases:
             await client.send(raw)
             error = await client.until("error")
             assert error["code"] == code, (raw, error)
             assert error["fatal"] is False
+            assert all(name in error["message"] for name in names), (raw, error)
         # The session still works: a valid interaction is queued and applied.
         await client.send(
             {"type": "session.interaction", "interaction": {"event_id": "f", "event": {"prompt": "fine"}}}
