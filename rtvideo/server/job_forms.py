@@ -32,7 +32,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
-from rtvideo.server.limits import too_deep
+from rtvideo.server.limits import JsonLimitError, parse_json_field
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -113,10 +113,10 @@ def form_to_json(items: list[tuple[str, str | UploadFile]]) -> dict[str, Any]:
         if value == "":
             continue
         if name in JSON_FIELDS:
-            if (why := too_deep(value)) is not None:
-                raise FormError(f"{name}: {why}")
             try:
-                body[name] = json.loads(value)
+                body[name] = parse_json_field(value, name)
+            except JsonLimitError as error:  # too deep, or an integer too long: named within the field
+                raise FormError(str(error)) from None
             except json.JSONDecodeError as error:
                 raise FormError(f"{name}: not valid JSON ({error.msg}) at character {error.pos}") from None
         else:

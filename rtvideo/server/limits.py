@@ -124,6 +124,19 @@ def _parse(text: str | bytes) -> Any:
     return value
 
 
+def parse_json_field(text: str, name: str) -> Any:
+    """The JSON value a form's field ``name`` holds as text, parsed within the
+    limits: ``TooDeepError`` or ``IntegerTooLongError`` naming the field (and
+    the place inside it: ``interactions.0.at_chunk``), ``ValueError`` for
+    text that is not JSON."""
+    if (why := too_deep(text)) is not None:
+        raise TooDeepError(f"{name}: {why}")
+    value = json.loads(text, parse_int=_bounded_int)
+    if found := _long_integer_fields(value, (name,)):
+        raise IntegerTooLongError("; ".join(found))
+    return value
+
+
 def long_integers(text: str | bytes) -> str | None:
     """Why ``text`` holds an integer too long to read, naming each field, or None
     (also for text that is not JSON: the parser that runs next says what is wrong)."""

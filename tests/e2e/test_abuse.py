@@ -301,6 +301,12 @@ def test_an_integer_of_thousands_of_digits_is_refused_naming_its_field(server):
             assert refused.json()["error"] == {"code": "invalid_request", "message": message}
     form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "num_chunks": HUGE})
     assert form.status_code == 422 and form.json()["error"]["message"].startswith("num_chunks: "), form.text
+    scheduled = {"prompt": "p", "num_chunks": "2", "interactions": f'[{{"at_chunk": {HUGE}, "prompt": "q"}}]'}
+    for route in ("/v1/videos", "/v1/videos/sync"):  # a form's JSON field: named within it, not a 500
+        for sent in ({"data": scheduled}, {"files": {name: (None, value) for name, value in scheduled.items()}}):
+            refused = httpx.post(f"{server.http}{route}", **sent)
+            message = "interactions.0.at_chunk: an integer of 5000 digits; at most 100 are accepted"
+            assert refused.status_code == 422 and refused.json()["error"]["message"] == message, refused.text
     digits = {"prompt": "1" * 4000, "num_chunks": 1, "format": "raw", "width": 32, "height": 32}
     assert httpx.post(f"{server.http}/v1/videos", json=digits).status_code == 202  # digits in a string are text
 
