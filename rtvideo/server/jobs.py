@@ -291,6 +291,7 @@ class JobManager:
         self._starting = 0  # creates past the kept-jobs check, not yet in the store
         self._admission = asyncio.Lock()  # the kept-jobs check and _starting, together
         self._closing = False
+        self._deleting: set[str] = set()  # jobs a DELETE is ending: not kept for anyone else
         self._sweeper: asyncio.Task | None = None
 
     async def open(self) -> None:
@@ -446,6 +447,12 @@ class JobManager:
         return VideoObject.model_validate((await self._stored(job_id)).body)
 
     async def _stored(self, job_id: str) -> StoredJob:
+        """The job's record; ``UnknownJobError`` if it is not kept, or a delete is ending it."""
+        if job_id in self._deleting:
+            raise UnknownJobError(job_id)
+        return await self._kept(job_id)
+
+    async def _kept(self, job_id: str) -> StoredJob:
         await self.store.expire()
         stored = await self.store.get(job_id)
         if stored is None:
@@ -478,18 +485,25 @@ class JobManager:
     async def delete(self, job_id: str) -> str:
         """Stop the job if it runs, and forget it and its video; its status at
         that point (``cancelled`` if it had not finished). ``UnknownJobError`` if
-        it is not kept."""
+        it is not kept, or another delete is ending it: of deletes at once, one
+        answers, as one after another would."""
+        if job_id in self._deleting:
+            raise UnknownJobError(job_id)
         job = self.live.pop(job_id, None)
-        if job is None:
-            status = (await self._stored(job_id)).status
-        else:
-            if job.task is not None and not job.task.done():
-                with contextlib.suppress(EngineDeadError, UnknownSessionError):
-                    await self.engine.stop(job_id, "cancelled")
-                job.task.cancel()
-                await asyncio.gather(job.task, return_exceptions=True)
-            status = job.status
-        await self.store.delete(job_id)
+        self._deleting.add(job_id)  # before any wait: a delete beside this one finds it gone
+        try:
+            if job is None:
+                status = (await self._kept(job_id)).status
+            else:
+                if job.task is not None and not job.task.done():
+                    with contextlib.suppress(EngineDeadError, UnknownSessionError):
+                        await self.engine.stop(job_id, "cancelled")
+                    job.task.cancel()
+                    await asyncio.gather(job.task, return_exceptions=True)
+                status = job.status
+            await self.store.delete(job_id)
+        finally:
+            self._deleting.discard(job_id)
         return status
 
     async def _run(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 import time
@@ -58,14 +59,23 @@ def test_a_prompt_alone_makes_four_seconds(server):
         assert len(list(container.decode(video=0))) == frames
 
 
-def test_delete_cancels_a_running_job(make_server):
+async def test_delete_cancels_a_running_job_and_of_deletes_at_once_one_answers(make_server):
+    """Six deletes of one job at once: one answers ``deleted`` with the status the
+    job had (``cancelled``, running; ``completed``, finished), the others 404,
+    as they would one after another."""
     server = make_server(pipeline={"step_time_s": 0.02})
     job = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 500}).json()
     poll(server, job["id"], "in_progress")
     assert httpx.get(f"{server.http}/v1/videos/{job['id']}/content").status_code == 409
-    deleted = httpx.delete(f"{server.http}/v1/videos/{job['id']}", timeout=30).json()
-    assert deleted["deleted"] is True
-    assert httpx.get(f"{server.http}/v1/videos/{job['id']}").status_code == 404
+    finished = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 1}).json()
+    poll(server, finished["id"], "completed")
+    async with httpx.AsyncClient(base_url=server.http, timeout=30) as client:
+        for job_id, status in ((job["id"], "cancelled"), (finished["id"], "completed")):
+            answers = await asyncio.gather(*(client.delete(f"/v1/videos/{job_id}") for _ in range(6)))
+            assert sorted(answer.status_code for answer in answers) == [200, 404, 404, 404, 404, 404], job_id
+            [deleted] = [answer.json() for answer in answers if answer.status_code == 200]
+            assert (deleted["deleted"], deleted["status"]) == (True, status)
+            assert httpx.get(f"{server.http}/v1/videos/{job_id}").status_code == 404
     server.released()
 
 
