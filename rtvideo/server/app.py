@@ -181,7 +181,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.live_sessions = SessionRegistry()  # realtime sessions by token (resume, watch, control)
     # Added first, so it sits inside BodyLimits: a form is bounded as a JSON body is, then read as one.
     app.add_middleware(FormBodies, paths=("/v1/videos", "/v1/videos/sync"))
-    app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes, body_timeout_s=settings.header_timeout_s)
     app.add_middleware(AnswersToGoneClients)  # outermost: it sees the disconnect the routes read
     redact_uvicorn_loggers()
 

@@ -21,6 +21,7 @@ in the project's error shape.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -162,13 +163,17 @@ def parse_json(text: str | bytes) -> Any:
 
 
 class BodyLimits:
-    """ASGI middleware: request bodies of at most ``max_bytes``, JSON at most
-    ``MAX_JSON_DEPTH`` deep and with no integer over ``MAX_JSON_INT_DIGITS``
-    digits, checked before the application reads the body."""
+    """ASGI middleware: request bodies of at most ``max_bytes``, sent without a
+    gap of ``body_timeout_s`` (else 408 and the connection closed: the head's
+    own bound, ``header_timeout_s``, ends where the body begins), as sent (no
+    ``Content-Encoding``), JSON in UTF-8, at most ``MAX_JSON_DEPTH`` deep and
+    with no integer over ``MAX_JSON_INT_DIGITS`` digits, checked before the
+    application reads the body."""
 
-    def __init__(self, app: Callable, max_bytes: int) -> None:
+    def __init__(self, app: Callable, max_bytes: int, body_timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
@@ -180,14 +185,28 @@ class BodyLimits:
         body = bytearray()
         more = True
         while more:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                why = f"no byte of the request body for {self.body_timeout_s:g} s ({len(body)} bytes came)"
+                return await self._refuse(send, 408, "request_timeout", why)
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
                 return await self._refuse(send, 413, "body_too_large", self._too_large(len(body), at_least=more))
+        coding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if coding != "identity":
+            message = f"content-encoding: {coding!r}: a body is read as it is sent; send it without a content coding"
+            return await self._refuse(send, 422, "invalid_request", message)
         if b"json" in headers.get(b"content-type", b""):
+            try:
+                bytes(body).decode("utf-8")
+            except UnicodeDecodeError as error:
+                message = f"body: not UTF-8 (byte {body[error.start]:#04x} at {error.start}); a JSON body is UTF-8"
+                return await self._refuse(send, 422, "invalid_request", message)
             if (why := too_deep(bytes(body))) is not None:
                 return await self._refuse(send, 422, "invalid_request", f"body: {why}")
             if (why := long_integers(bytes(body))) is not None:
@@ -210,7 +229,7 @@ class BodyLimits:
     async def _refuse(send: Send, status: int, code: str, message: str) -> None:
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if status == 413:
+        if status in (408, 413):  # the rest of the body may still come, or never: the connection ends here
             headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -174,7 +174,8 @@ class ServerSettings:
     header_timeout_s: float = setting("network", 10.0)
     """Time a client has to send a request's head (request line and headers, a
     WebSocket's handshake included), from its connection or from the first byte of
-    a later request on the connection; past it: 408 and the connection is closed."""
+    a later request on the connection; past it: 408 and the connection is closed.
+    A request body that sends nothing for as long is answered the same."""
     stall_timeout_s: float = setting("sessions", 60.0)
     """A realtime session whose client sends nothing (not even a ping) for this long is ended."""
     input_timeout_s: float = setting("sessions", 5.0)

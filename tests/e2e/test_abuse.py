@@ -27,6 +27,7 @@ ttl (``test_http_and_limits.py``). The whole file runs in under a minute.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
@@ -279,6 +280,16 @@ def test_http_bodies_are_limited_in_size_and_nesting_before_they_are_read(server
         assert refused.json()["error"]["message"].startswith(field), refused.text
     fine = httpx.post(f"{server.http}/v1/videos", json={"prompt": "[[[[" * 20, "num_chunks": 1, "format": "raw"})
     assert fine.status_code == 202, fine.text  # brackets inside a string are not nesting
+    for route in ("/v1/videos", "/v1/videos/sync"):  # JSON is UTF-8, and a body is read as sent
+        latin = httpx.post(f"{server.http}{route}", content=b'{"prompt": "caf\xe9", "num_chunks": 1}', headers=headers)
+        message = "body: not UTF-8 (byte 0xe9 at 15); a JSON body is UTF-8"
+        assert latin.status_code == 422 and latin.json()["error"] == {"code": "invalid_request", "message": message}
+        zipped = httpx.post(
+            f"{server.http}{route}",
+            content=gzip.compress(b'{"prompt": "p", "num_chunks": 1}'),
+            headers={**headers, "content-encoding": "gzip"},
+        )
+        assert zipped.status_code == 422 and zipped.json()["error"]["message"].startswith("content-encoding: 'gzip'")
 
 
 HUGE = "9" * 5000  # past the 4300 digits Python's parser converts at all
@@ -482,11 +493,16 @@ async def test_an_over_long_websocket_url_is_answered_at_once_not_held(make_serv
 
 def test_a_request_head_sent_by_halves_is_answered_408_and_closed_at_the_header_timeout(make_server):
     """Half a head, a head trickled a byte at a time (each byte does not extend
-    the time), and a connection that sends nothing: each closed once the header
-    timeout passes, the first two with 408; a whole request is served meanwhile."""
+    the time), a connection that sends nothing, and a whole head with half a
+    body: each closed once the header timeout passes (the body's, from its last
+    byte), all but the silent one with 408; a whole request is served meanwhile."""
     server = make_server("--header-timeout-s", "1")
-    half, trickled, silent = dial_raw(server), dial_raw(server), dial_raw(server)
+    half, trickled, silent, half_body = dial_raw(server), dial_raw(server), dial_raw(server), dial_raw(server)
     half.sendall(b"GET /v1/models HTTP/1.1\r\nHost: rtvideo\r\n")
+    half_body.sendall(  # a whole head, then 16 of the body's 1000 bytes, then nothing
+        b"POST /v1/videos HTTP/1.1\r\nHost: rtvideo\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        + b'{"prompt": "a ca'
+    )
     stop = threading.Event()
 
     def trickle() -> None:
@@ -501,13 +517,14 @@ def test_a_request_head_sent_by_halves_is_answered_408_and_closed_at_the_header_
     threading.Thread(target=trickle, daemon=True).start()
     assert httpx.get(f"{server.http}/v1/models").status_code == 200  # served while those wait
     try:
-        for sock, answered in ((half, True), (trickled, True), (silent, False)):
+        for sock, answered in ((half, True), (trickled, True), (silent, False), (half_body, True)):
             answer, took = read_until_closed(sock, within=10)
             assert took < 5, f"held {took:.1f} s past a header timeout of 1 s"
             if answered:
                 assert answer.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in answer, answer[:200]
             else:
                 assert answer == b""
+        assert b"no byte of the request body for 1 s (16 bytes came)" in answer
     finally:
         stop.set()
     server.wait_for_log("408 request_timeout")
