@@ -363,8 +363,11 @@ class JobManager:
         try:
             job_id = f"video_{uuid.uuid4().hex}"
             defaults = self.engine.ready.defaults
+            # With an input video and no length, the video's own is the job's (``with_reference``),
+            # held to max_frames there: the 4 s default is not this job's.
+            default_seconds = None if reference is not None else DEFAULT_JOB_SECONDS
             start, config = resolve(
-                request, job_id, defaults, self.settings, self.model, paced=False, default_seconds=DEFAULT_JOB_SECONDS
+                request, job_id, defaults, self.settings, self.model, paced=False, default_seconds=default_seconds
             )
             video = None
             if reference is not None:

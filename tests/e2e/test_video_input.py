@@ -362,6 +362,23 @@ def test_a_still_image_stands_for_every_frame_of_a_job(server):
     assert default.status_code == 202 and default.json()["num_frames"] == 64, default.text
 
 
+def test_with_no_length_the_videos_own_is_held_to_max_frames_not_the_four_second_default(make_server):
+    """--max-frames 40 at 16 fps, below the 4 s default's 64 frames: a 24-frame
+    video makes a 24-frame job; a 48-frame one is refused as too long; a still
+    image, which takes the default, is refused naming it."""
+    server = make_server("--max-frames", "40")
+    accepted = post_job(server, file=video_file([picture(i) for i in range(24)], 16))
+    assert accepted.status_code == 202 and accepted.json()["num_frames"] == 24, accepted.text
+    too_long = post_job(server, file=video_file([picture(i) for i in range(48)], 16))
+    assert too_long.status_code == 422 and too_long.json()["error"]["message"].startswith(
+        "input_reference: the video is 48 frames at 16 fps (3 s), past this server's max_frames (40 frames"
+    ), too_long.text
+    still = post_job(server, file=jpeg(picture(3)))
+    assert still.status_code == 422 and still.json()["error"]["message"].startswith(
+        "seconds: none of num_frames, num_chunks, seconds was given, so the job is 4 s (64 frames at 16 fps)"
+    ), still.text
+
+
 def completed(server, video_id: str, within: float = 30.0) -> dict:
     """The job's object once it reads completed (from the store), polled as a client does."""
     deadline = time.monotonic() + within
