@@ -208,7 +208,9 @@ def _serve(args: argparse.Namespace) -> int:
         ws_ping_interval=None,  # liveness is the protocol's own ping and stall timeout
         log_config=logging_config(settings.log_level),  # applied here, before the app starts
         log_level=settings.log_level,
-        timeout_graceful_shutdown=10,  # sessions were drained before uvicorn stops
+        # Sessions were drained before uvicorn stops; a request whose body stopped coming
+        # is answered 408 (header_timeout_s after its last byte) before uvicorn gives up on it.
+        timeout_graceful_shutdown=max(10.0, settings.header_timeout_s + 2.0),
         backlog=2048,
     )
     config.load()

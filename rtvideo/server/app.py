@@ -192,7 +192,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_unavailable(request: Request, error: EngineDeadError) -> JSONResponse:
-        return engine_unavailable_response(error)
+        # A call the worker's death cut short names that death; a fresh worker may be on its way now.
+        return engine_unavailable_response(error, request.app.state.engine.unavailable())
 
     @app.exception_handler(StoreError)
     async def _storage_unavailable(request: Request, error: StoreError) -> JSONResponse:
@@ -202,6 +203,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         if isinstance(error.detail, dict):
             detail = error.detail
+        elif error.status_code == 404 and request.url.path == "/v1/realtime/video":
+            message = "/v1/realtime/video is a WebSocket: connect to it with a WebSocket client (ws:// or wss://)"
+            detail = {"code": "not_found", "message": message}
         elif error.status_code == 404:
             detail = {"code": "not_found", "message": f"no route {request.url.path!r}; the API is under /v1/"}
         elif error.status_code == 405:
@@ -576,7 +580,9 @@ def describe_body_errors(errors: list[dict], content_type: str | None = None) ->
             at = e["loc"][1] if len(e["loc"]) > 1 else "?"
             parts.append(f"body: not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}) at character {at}")
         elif where == "body" and e["type"] == "model_attributes_type":
-            if isinstance(e.get("input"), bytes | str):  # not parsed: the content type was not JSON
+            given = e.get("input")
+            unparsed = isinstance(given, bytes) or (isinstance(given, str) and "json" not in (content_type or ""))
+            if unparsed:  # not parsed: the content type was not JSON (a JSON string is a str too, parsed)
                 got = f"content-type {content_type}" if content_type else "no content-type"
                 parts.append(f"body: expected a JSON object with content-type: application/json, got {got}")
             else:
@@ -590,9 +596,12 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
-def engine_unavailable_response(error: EngineDeadError) -> JSONResponse:
-    """503 ``engine_unavailable``; with ``Retry-After`` while a fresh worker is starting."""
+def engine_unavailable_response(error: EngineDeadError, now: EngineDeadError | None = None) -> JSONResponse:
+    """503 ``engine_unavailable`` saying ``error``; with ``Retry-After`` while a fresh
+    worker is starting: by ``error``, or by ``now`` (what the engine says at the
+    answer: a call that failed as the worker died is answered once its restart began)."""
     headers = None
-    if isinstance(error, EngineRestartingError):
-        headers = {"Retry-After": str(math.ceil(error.retry_after_s))}
+    restarting = next((e for e in (error, now) if isinstance(e, EngineRestartingError)), None)
+    if restarting is not None:
+        headers = {"Retry-After": str(math.ceil(restarting.retry_after_s))}
     return _error(503, "engine_unavailable", str(error), headers)

@@ -38,6 +38,13 @@ DEFAULT_JOB_SECONDS = 4.0
 (the OpenAI API's default); a realtime session's is "until stopped"."""
 
 
+def _not_blank(prompt: str) -> str:
+    """A prompt's check beyond its length: not blank (a field validator's)."""
+    if not prompt.strip():
+        raise ValueError("must not be blank")
+    return prompt
+
+
 class _Strict(BaseModel):
     # Field docstrings become the descriptions in the OpenAPI schema (/docs).
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -50,6 +57,7 @@ class VideoRequest(_Strict):
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     """What the video shows at first (not blank)."""
+    _prompt_not_blank = field_validator("prompt")(_not_blank)
     model: str | None = None
     """The served model's id (GET /v1/models); another one is refused. Null: the served one."""
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
@@ -95,8 +103,6 @@ class VideoRequest(_Strict):
         given = [name for name in ("num_frames", "num_chunks", "seconds") if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of num_frames, num_chunks, seconds (got {', '.join(given)})")
-        if not self.prompt.strip():
-            raise ValueError("prompt must not be blank")
         return self
 
 
@@ -105,6 +111,7 @@ class ScheduledPrompt(_Strict):
     """The chunk the prompt takes effect at (less than the job's chunk count; one a chunk)."""
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     """The new prompt."""
+    _prompt_not_blank = field_validator("prompt")(_not_blank)
     transition_chunks: int | None = Field(None, ge=0, le=MAX_TRANSITION_CHUNKS)
     """Chunks to blend it in over; null: the request's transition_chunks."""
 
@@ -113,7 +120,17 @@ class JobRequest(VideoRequest):
     """``POST /v1/videos``: a finite request, with prompt changes fixed in advance."""
 
     interactions: list[ScheduledPrompt] = Field(default_factory=list, max_length=1000)
-    """Prompt changes fixed in advance; the job object says where each one landed."""
+    """Prompt changes fixed in advance, one a chunk at most; the job object says where each one landed."""
+
+    @field_validator("interactions")
+    @classmethod
+    def _one_a_chunk(cls, interactions: list[ScheduledPrompt]) -> list[ScheduledPrompt]:
+        first: dict[int, int] = {}
+        for i, item in enumerate(interactions):
+            if (earlier := first.setdefault(item.at_chunk, i)) != i:
+                raise ValueError(f"interactions[{earlier}] and [{i}] both change the prompt at chunk {item.at_chunk}")
+        return interactions
+
     exact: bool | None = None
     """Ignored: what a session.done replay body says of the session it came from
     (accepted so that body posts as it is)."""
@@ -193,13 +210,7 @@ class SessionStartEvent(VideoRequest):
 
 class InteractionBody(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_blank(cls, prompt: str) -> str:
-        if not prompt.strip():
-            raise ValueError("must not be blank")
-        return prompt
+    _prompt_not_blank = field_validator("prompt")(_not_blank)
 
 
 class InteractionPayload(_Strict):

@@ -87,6 +87,16 @@ async def test_delete_cancels_a_running_job_and_of_deletes_at_once_one_answers(m
         ({"prompt": "x", "num_chunks": 2, "interactions": [{"at_chunk": 9, "prompt": "y"}]}, "at_chunk"),
         ({"prompt": "x", "num_chunks": 2, "interactions": [{"at_chunk": 1}]}, "prompt"),
         ({"prompt": "x", "num_chunks": 2, "num_inference_steps": 9}, "num_inference_steps"),
+        ({"prompt": "  ", "num_chunks": 2}, "prompt: Value error, must not be blank"),
+        (
+            {"prompt": "x", "num_chunks": 3, "interactions": [{"at_chunk": 1, "prompt": "a"}] * 2},
+            "interactions: Value error, interactions[0] and [1] both change the prompt at chunk 1",
+        ),
+        (
+            {"prompt": "x", "num_chunks": 2, "interactions": [{"at_chunk": 1, "prompt": " "}]},
+            "interactions.0.prompt: Value error, must not be blank",
+        ),
+        ("a cat", "body: expected a JSON object, got str"),  # JSON, but not an object
     ],
 )
 def test_bad_job_requests_name_the_field(server, body, field):
@@ -261,6 +271,10 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(server):
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     gone = httpx.get(f"{server.http}/v1/videos/video_nope")
     assert gone.status_code == 404 and gone.json()["error"]["message"] == "no video 'video_nope'"
+    socket_path = httpx.get(f"{server.http}/v1/realtime/video")  # a WebSocket's path, asked for over plain HTTP
+    assert socket_path.status_code == 404 and socket_path.json()["error"]["message"].startswith(
+        "/v1/realtime/video is a WebSocket: connect to it with a WebSocket client"
+    )
 
 
 async def test_jobs_are_bounded_and_a_finished_one_is_kept_for_its_ttl(make_server):

@@ -4,10 +4,13 @@ body that is not a JSON object)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from rtvideo.engine.client.engine_client import EngineDeadError, EngineRestartingError
 from rtvideo.engine.messages import SessionGeometry
-from rtvideo.server.app import describe_body_errors
+from rtvideo.server.app import describe_body_errors, engine_unavailable_response
 from rtvideo.server.schemas import JobRequest, RequestError, resolve
 from rtvideo.server.settings import ServerSettings
 
@@ -72,3 +75,15 @@ def test_a_job_without_a_length_is_four_seconds_and_a_session_runs_until_stopped
     assert (session.num_frames, session.num_chunks) == (None, None)
     with pytest.raises(RequestError, match=r"^seconds: none of num_frames, num_chunks, seconds was given, so the job"):
         resolve(request, "job", TINY, ServerSettings(max_frames=50), "tiny", paced=False, default_seconds=4.0)
+
+
+def test_a_call_cut_short_by_a_death_is_told_to_retry_once_the_restart_began():
+    """The 503 names what failed the call; ``Retry-After`` comes from the error,
+    or from what the engine says at the answer (a fresh worker on its way)."""
+    died = EngineDeadError("worker process 41 died (SIGKILL)")
+    restarting = EngineRestartingError("the worker is restarting (it died); retry in 3 s", 2.2)
+    for now, retry in ((restarting, "3"), (None, None), (EngineDeadError("the restart budget is spent"), None)):
+        answer = engine_unavailable_response(died, now)
+        assert answer.status_code == 503 and answer.headers.get("retry-after") == retry
+        assert json.loads(answer.body)["error"] == {"code": "engine_unavailable", "message": str(died)}
+    assert engine_unavailable_response(restarting).headers["retry-after"] == "3"
