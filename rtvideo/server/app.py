@@ -31,6 +31,7 @@ from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError, E
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.server.auth import is_authorized
 from rtvideo.server.drain import Drainer
+from rtvideo.server.file_answers import HeadAsGet, VideoFile
 from rtvideo.server.job_forms import INPUT_REFERENCE, OPENAPI_FORMS, FormBodies
 from rtvideo.server.job_store import StoreError
 from rtvideo.server.jobs import JobManager, JobsFullError, UnknownJobError, open_job_store
@@ -182,6 +183,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     # Added first, so it sits inside BodyLimits: a form is bounded as a JSON body is, then read as one.
     app.add_middleware(FormBodies, paths=("/v1/videos", "/v1/videos/sync"))
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes, body_timeout_s=settings.header_timeout_s)
+    app.add_middleware(HeadAsGet)  # HEAD on every GET route: its answer without the body
     app.add_middleware(AnswersToGoneClients)  # outermost: it sees the disconnect the routes read
     redact_uvicorn_loggers()
 
@@ -423,7 +425,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         tags=["videos"],
         dependencies=[Depends(authorized)],
         response_class=Response,
-        responses={**VIDEO_CONTENT, **errors(401, 404, 409, 422, 503)},
+        responses={**VIDEO_CONTENT, **errors(401, 404, 409, 416, 422, 503)},
     )
     async def video_content(
         video_id: str,
@@ -538,7 +540,7 @@ def _content(video: VideoObject, path: Path, background: BackgroundTask | None =
     """The video's file as the answer (``Content-Disposition`` names it ID.mp4 or ID.bin)."""
     suffix = "mp4" if video.format == "fmp4" else "bin"
     headers = {"Content-Disposition": f'attachment; filename="{video.id}.{suffix}"'}
-    return FileResponse(path, media_type=CONTENT_TYPES[video.format], headers=headers, background=background)
+    return VideoFile(path, media_type=CONTENT_TYPES[video.format], headers=headers, background=background)
 
 
 ERROR_MEANINGS = {
@@ -547,6 +549,7 @@ ERROR_MEANINGS = {
     404: "no such video (not_found)",
     409: "the video is not completed yet (not_ready)",
     413: "the request body is over max_request_bytes (body_too_large)",
+    416: "a Range that starts past the video's end (range_not_satisfiable); Content-Range gives its size",
     422: "the request was refused; the message names the field (invalid_request)",
     429: "too many jobs kept or waiting (too_many_jobs, queue_full); see Retry-After",
     499: "the client left before the answer; the job was cancelled (client_closed)",
@@ -559,7 +562,11 @@ VIDEO_CONTENT = {
     200: {
         "description": "The video: MP4 for fmp4; for raw and jpeg the chunk payloads, concatenated",
         "content": {"video/mp4": {}, "application/octet-stream": {}},
-    }
+    },
+    206: {
+        "description": "The bytes a Range asked for (several ranges: multipart/byteranges)",
+        "content": {"video/mp4": {}, "application/octet-stream": {}, "multipart/byteranges": {}},
+    },
 }
 
 

@@ -43,6 +43,37 @@ def test_job_lifecycle_create_poll_content_list(server):
     assert httpx.get(f"{server.http}/v1/videos/{job['id']}").status_code == 404
 
 
+def test_a_videos_bytes_by_range_and_every_get_route_by_head(server):
+    """Ranges as RFC 9110 has them: a satisfiable one 206; a unit other than
+    bytes, or a range-set that does not parse, ignored (the whole video, 200);
+    one past the end 416 in the API's error shape. HEAD answers what GET would,
+    without the body, on every GET route."""
+    job = httpx.post(f"{server.http}/v1/videos", json={**JOB, "num_chunks": 2}).json()
+    poll(server, job["id"], "completed")
+    url = f"{server.http}/v1/videos/{job['id']}/content"
+    whole = httpx.get(url).content
+    size = len(whole)
+    first = httpx.get(url, headers={"range": "bytes=0-9"})
+    assert (first.status_code, first.content, first.headers["content-range"]) == (206, whole[:10], f"bytes 0-9/{size}")
+    assert httpx.get(url, headers={"range": "bytes=-5"}).content == whole[-5:]
+    for ignored in ("bytes=5-2", "items=0-5", "bytes=abc", "bytes"):
+        answer = httpx.get(url, headers={"range": ignored})
+        assert (answer.status_code, answer.content) == (200, whole), ignored
+    past = httpx.get(url, headers={"range": f"bytes={size}-"})
+    assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{size}"
+    assert past.json()["error"] == {
+        "code": "range_not_satisfiable",
+        "message": f"range: 'bytes={size}-' starts past the video's {size} bytes",
+    }
+    head = httpx.head(url)
+    assert (head.status_code, head.content, head.headers["content-length"]) == (200, b"", str(size))
+    for path in ("/health", "/health/live", "/v1/models", "/v1/videos", f"/v1/videos/{job['id']}"):
+        got, head = httpx.get(f"{server.http}{path}"), httpx.head(f"{server.http}{path}")
+        assert (head.status_code, head.content) == (got.status_code, b""), path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+    assert httpx.head(f"{server.http}/v1/videos/video_nope").status_code == 404
+
+
 def test_a_prompt_alone_makes_four_seconds(server):
     """All the schema requires is a prompt: a job that gives no length is 4 s of
     media, as the OpenAI API's default, and its answer says exactly what was made."""

@@ -1,0 +1,88 @@
+"""How the API answers HEAD requests and a video's byte ranges.
+
+API process. ``HeadAsGet`` is an ASGI middleware: a HEAD request to a route
+that takes GET is answered as that GET would be, its status and headers
+(``Content-Length`` included), without its body (RFC 9110, 9.3.2: a server
+that takes GET takes HEAD), so ``curl -I`` works on every GET route. The
+route sees a GET; ``HEAD_ONLY`` in its scope says the body will be dropped,
+and ``VideoFile`` reads it to send no file at all.
+
+``VideoFile`` is the file answer of ``/content``: Starlette's ``FileResponse``
+with its ``Range`` handling held to RFC 9110, 14.2, and errors in the API's
+one shape:
+
+- a range unit other than ``bytes``, or a range-set that does not parse
+  (``bytes=abc``, ``bytes=5-2``), is ignored: the whole video, 200 (the
+  server MAY ignore an invalid one, MUST ignore an unknown unit; Starlette
+  answered both 400 in plain text);
+- a range that starts past the end is 416 ``range_not_satisfiable`` with
+  ``Content-Range: bytes */SIZE``, in JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import anyio
+from starlette.responses import FileResponse, MalformedRangeHeader, RangeNotSatisfiable
+from starlette.types import Message, Receive, Scope, Send
+
+HEAD_ONLY = "rtvideo.head_only"
+"""Scope key: this GET answers a HEAD request, its body dropped."""
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD answered as GET without the body (the module's docstring)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] in ("http.response.body", "http.response.pathsend"):
+                if message.get("more_body", False):
+                    return  # a part of the body: dropped
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET", HEAD_ONLY: True}, receive, headers_only)
+
+
+class VideoFile(FileResponse):
+    """A stored video as the answer, ranges as the module's docstring says."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get(HEAD_ONLY):
+            scope = {**scope, "method": "HEAD"}  # Starlette's own HEAD: the headers, no file read
+        http_range = next((value for name, value in scope.get("headers", []) if name == b"range"), None)
+        if http_range is not None:
+            size = (await anyio.to_thread.run_sync(os.stat, self.path)).st_size
+            try:
+                self._parse_range_header(http_range.decode("latin-1"), size)
+            except RangeNotSatisfiable:
+                return await self._unsatisfiable(send, http_range.decode("latin-1"), size)
+        await super().__call__(scope, receive, send)
+
+    @classmethod
+    def _parse_range_header(cls, http_range: str, file_size: int) -> list[tuple[int, int]]:
+        try:
+            return super()._parse_range_header(http_range, file_size)
+        except MalformedRangeHeader:
+            return []  # ignored: the whole file
+
+    @staticmethod
+    async def _unsatisfiable(send: Send, http_range: str, size: int) -> None:
+        message = f"range: {http_range!r} starts past the video's {size} bytes"
+        body = json.dumps({"error": {"code": "range_not_satisfiable", "message": message}}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"content-range", f"bytes */{size}".encode()),
+        ]
+        await send({"type": "http.response.start", "status": 416, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
