@@ -19,6 +19,10 @@ arrives in pieces, and then answers a bare 400.
   the bound (a WebSocket URL included: the upgrade is an HTTP request), else
   431 ``headers_too_large``; then the connection is closed.
 
+A request h11 cannot parse at all (a malformed request line or header, two
+``Content-Length`` headers, bad chunk framing) is answered 400
+``bad_request``, where uvicorn answers in plain text.
+
 Each refusal is in the project's error shape and logged in one line naming the
 client and what was refused, never the request's URL (its query may carry a
 credential). After it the server stops writing, drops what the client still
@@ -47,7 +51,7 @@ LINGER_S = 1.0
 that the close does not reset the connection before the client read the answer."""
 
 _HEAD_END = re.compile(rb"\n\r?\n")  # where h11 finds a head's end
-_REASONS = {408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -117,7 +121,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` in the project's error shape, log it, and close."""
-        code = {408: "request_timeout", 414: "uri_too_long", 431: "headers_too_large"}[status]
+        code = {400: "bad_request", 408: "request_timeout", 414: "uri_too_long", 431: "headers_too_large"}[status]
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
         head = (
             f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
@@ -132,6 +136,15 @@ class GuardedH11Protocol(H11Protocol):
             self.loop.call_later(LINGER_S, self.transport.close)
         else:
             self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn answers a request h11 cannot parse, in the project's error
+        shape (uvicorn's own is plain text)."""
+        message = (
+            "the request is not valid HTTP/1.1: a malformed request line or header, "
+            "or a body whose length is not one (Content-Length or chunked framing)"
+        )
+        self._refuse(400, message)
 
     def _client(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"

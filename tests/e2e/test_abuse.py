@@ -484,6 +484,14 @@ async def test_an_over_long_websocket_url_is_answered_at_once_not_held(make_serv
     for sock in sockets:
         answer, _ = read_until_closed(sock, within=5)
         assert answer.startswith(b"HTTP/1.1 414 "), answer[:200]
+    for broken in (  # not HTTP/1.1 at all: 400 in the error shape
+        b"GET /v1/models HTTP/1.1 extra\r\nHost: rtvideo\r\n\r\n",
+        b"POST /v1/videos HTTP/1.1\r\nHost: rtvideo\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+    ):
+        sock = dial_raw(server)
+        sock.sendall(broken)
+        answer, _ = read_until_closed(sock, within=5)
+        assert answer.startswith(b"HTTP/1.1 400 ") and b'"code": "bad_request"' in answer, answer[:300]
     many = dial_raw(server)  # a head of many headers, each short: 431
     many.sendall(b"GET /v1/models HTTP/1.1\r\n" + b"".join(b"x-pad-%d: %s\r\n" % (i, b"a" * 100) for i in range(200)))
     answer, _ = read_until_closed(many, within=5)
