@@ -203,6 +203,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)  # ours, and the router's 404 / 405
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        unknown = error.status_code in (404, 405) and not isinstance(error.detail, dict)  # the router's
+        if unknown and request.url.path.startswith("/v1/") and not is_authorized(request, settings.api_key):
+            # Every /v1/ path needs the key, one that names no route too: no route is told apart without it.
+            detail = {"code": "unauthorized", "message": "a valid API key is required"}
+            return JSONResponse({"error": detail}, status_code=401)
         if isinstance(error.detail, dict):
             detail = error.detail
         elif error.status_code == 404 and request.url.path == "/v1/realtime/video":

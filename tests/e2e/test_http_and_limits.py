@@ -163,6 +163,9 @@ async def test_auth_refuses_a_missing_or_wrong_key_before_any_engine_work(make_s
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
     assert httpx.get(f"{server.http}/v1/videos", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert httpx.get(f"{server.http}/v1/models?api_key=s3cret").status_code == 200
+    for method, path in (("GET", "/v1/nothing"), ("PUT", "/v1/videos")):  # no route told apart without the key
+        assert httpx.request(method, f"{server.http}{path}").status_code == 401, path
+    assert httpx.get(f"{server.http}/v1/nothing", headers={"Authorization": "Bearer s3cret"}).status_code == 404
     bare = httpx.get(f"{server.http}/health")  # probes need no key, and learn nothing more than the status
     assert bare.status_code == 200 and bare.json() == {"status": "ok"}
     detailed = httpx.get(f"{server.http}/health", headers={"Authorization": "Bearer s3cret"}).json()
