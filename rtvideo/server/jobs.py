@@ -471,7 +471,9 @@ class JobManager:
         except UnknownCursorError:
             raise RequestError(f"after: no video {after!r} (deleted, expired, or never made)") from None
         data = [
-            self.live[row.id].public() if row.id in self.live else VideoObject.model_validate(row.body) for row in rows
+            self.live[row.id].public() if row.id in self.live else VideoObject.model_validate(row.body)
+            for row in rows
+            if row.id not in self._deleting  # going: not kept for anyone else (a page may come out shorter)
         ]
         first, last = (data[0].id, data[-1].id) if data else (None, None)
         return VideoList(object="list", data=data, first_id=first, last_id=last, has_more=has_more)
