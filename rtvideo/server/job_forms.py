@@ -32,7 +32,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
-from rtvideo.server.limits import JsonLimitError, parse_json_field
+from rtvideo.server.limits import MAX_JSON_INT_DIGITS, JsonLimitError, parse_json_field
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -120,6 +120,11 @@ def form_to_json(items: list[tuple[str, str | UploadFile]]) -> dict[str, Any]:
             except json.JSONDecodeError as error:
                 raise FormError(f"{name}: not valid JSON ({error.msg}) at character {error.pos}") from None
         else:
+            digits = value.strip().lstrip("+-")
+            if digits.isdigit() and len(digits) > MAX_JSON_INT_DIGITS:  # as a JSON body's integer is refused
+                raise FormError(
+                    f"{name}: an integer of {len(digits)} digits; at most {MAX_JSON_INT_DIGITS} are accepted"
+                )
             body[name] = value
     return body
 

@@ -312,6 +312,9 @@ def test_an_integer_of_thousands_of_digits_is_refused_naming_its_field(server):
             assert refused.json()["error"] == {"code": "invalid_request", "message": message}
     form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "num_chunks": HUGE})
     assert form.status_code == 422 and form.json()["error"]["message"].startswith("num_chunks: "), form.text
+    form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "width": "9" * 400})  # not echoed whole
+    message = "width: an integer of 400 digits; at most 100 are accepted"
+    assert form.status_code == 422 and form.json()["error"]["message"] == message, form.text
     scheduled = {"prompt": "p", "num_chunks": "2", "interactions": f'[{{"at_chunk": {HUGE}, "prompt": "q"}}]'}
     for route in ("/v1/videos", "/v1/videos/sync"):  # a form's JSON field: named within it, not a 500
         for sent in ({"data": scheduled}, {"files": {name: (None, value) for name, value in scheduled.items()}}):
