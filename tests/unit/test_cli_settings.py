@@ -241,7 +241,14 @@ def test_the_api_process_logs_its_own_lines_at_the_level_and_other_libraries_onl
     root = logging.getLogger()
     named = [
         logging.getLogger(name)
-        for name in ("rtvideo.server", "rtvideo.engine", "uvicorn", "uvicorn.error", "uvicorn.access")
+        for name in (
+            "rtvideo.server",
+            "rtvideo.engine",
+            "uvicorn",
+            "uvicorn.error",
+            "uvicorn.access",
+            "python_multipart",
+        )
     ]
     saved = root.handlers[:], root.level, [(one, one.handlers[:], one.level, one.propagate) for one in named]
     try:
@@ -250,6 +257,7 @@ def test_the_api_process_logs_its_own_lines_at_the_level_and_other_libraries_onl
         logging.getLogger("rtvideo.engine.client.engine_client").info("worker is ready")
         logging.getLogger("httpx").info("a dependency's detail")
         logging.getLogger("httpx").warning("a dependency's warning")
+        logging.getLogger("python_multipart.multipart").warning("Expected boundary character")  # a client's 422
         logging.config.dictConfig(logging_config("warning"))
         logging.getLogger("rtvideo.server.drain").info("draining: 0 sessions open")
         logging.getLogger("rtvideo.server.jobs").warning("job j1 failed")
