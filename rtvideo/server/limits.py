@@ -40,9 +40,14 @@ as ``\\uXXXX`` pairs, is under 100,000), so a longer one is refused unread."""
 TEXT_CHARS_PER_S = 262_144
 """Text a realtime connection may send a second, on average, before it is
 closed (``too_many_messages``): a flood of valid messages otherwise costs the
-API process's event loop their parsing, every session's time."""
+API process's event loop their parsing, every session's time. Every message
+counts at least ``MESSAGE_FLOOR_CHARS``, a binary one too, so a flood of
+empty ones is closed as well (512 messages a second on average)."""
 TEXT_BURST_CHARS = 1_048_576
 """...and at once: eight of the longest messages."""
+MESSAGE_FLOOR_CHARS = 512
+"""What a message counts against ``TEXT_CHARS_PER_S`` at least: its handling
+(a reply, an error) costs the server however short it is."""
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 _LONG_DIGITS = re.compile(rf"\d{{{MAX_JSON_INT_DIGITS + 1}}}")
@@ -198,7 +203,7 @@ class BodyLimits:
             if len(body) > self.max_bytes:
                 return await self._refuse(send, 413, "body_too_large", self._too_large(len(body), at_least=more))
         coding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
-        if coding != "identity":
+        if coding not in ("identity", ""):  # an empty list of codings is none
             message = f"content-encoding: {coding!r}: a body is read as it is sent; send it without a content coding"
             return await self._refuse(send, 422, "invalid_request", message)
         if b"json" in headers.get(b"content-type", b""):

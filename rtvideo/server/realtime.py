@@ -71,6 +71,7 @@ from rtvideo.server.drain import Drainer
 from rtvideo.server.events import SessionPong
 from rtvideo.server.limits import (
     MAX_TEXT_MESSAGE_CHARS,
+    MESSAGE_FLOOR_CHARS,
     TEXT_BURST_CHARS,
     TEXT_CHARS_PER_S,
     JsonLimitError,
@@ -504,11 +505,12 @@ class RealtimeConnection:
             message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
             raise _Closed(message.get("code"))
+        text = message.get("text") or ""
+        cost = max(MESSAGE_FLOOR_CHARS, min(len(text), MAX_TEXT_MESSAGE_CHARS))  # a binary message: the floor
+        if self._text.take(time.monotonic(), cost) is not None:
+            raise _TooMuchText()
         if message.get("bytes") is not None:
             return message["bytes"]
-        text = message.get("text") or ""
-        if self._text.take(time.monotonic(), min(len(text), MAX_TEXT_MESSAGE_CHARS)) is not None:
-            raise _TooMuchText()
         return parse_json(text)  # too long, too deep, or an integer too long: refused by name
 
     def _parse(self, data: Any) -> Any:
@@ -576,7 +578,7 @@ class RealtimeConnection:
             except _TooMuchText:
                 message = (
                     f"more than {TEXT_CHARS_PER_S} characters of text a second ({TEXT_BURST_CHARS} at once) "
-                    "from this connection"
+                    f"from this connection, each message counting at least {MESSAGE_FLOOR_CHARS}"
                 )
                 self._send(error_event("too_many_messages", message, request_id=rid, fatal=True))
                 return "too_many_messages"

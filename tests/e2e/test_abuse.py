@@ -27,6 +27,7 @@ ttl (``test_http_and_limits.py``). The whole file runs in under a minute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -39,7 +40,7 @@ import httpx
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.e2e.client import Realtime, interaction, open_realtime
 
@@ -315,6 +316,8 @@ def test_an_integer_of_thousands_of_digits_is_refused_naming_its_field(server):
     form = httpx.post(f"{server.http}/v1/videos", data={"prompt": "p", "width": "9" * 400})  # not echoed whole
     message = "width: an integer of 400 digits; at most 100 are accepted"
     assert form.status_code == 422 and form.json()["error"]["message"] == message, form.text
+    digits = {"prompt": "1" * 150, "num_chunks": "1", "format": "raw", "width": "32", "height": "32"}
+    assert httpx.post(f"{server.http}/v1/videos", data=digits).status_code == 202  # a prompt of digits is text
     scheduled = {"prompt": "p", "num_chunks": "2", "interactions": f'[{{"at_chunk": {HUGE}, "prompt": "q"}}]'}
     for route in ("/v1/videos", "/v1/videos/sync"):  # a form's JSON field: named within it, not a 500
         for sent in ({"data": scheduled}, {"files": {name: (None, value) for name, value in scheduled.items()}}):
@@ -405,6 +408,16 @@ async def test_text_past_the_length_or_the_connections_budget_is_refused_unread_
         [flood] = [event for event in got.of("error") if event["code"] == "too_many_messages"]
         assert flood["fatal"] and "262144 characters of text a second" in flood["message"]
         assert (got.close_code, got.close_reason) == (1008, "too many messages")
+        for empty in ("", "{}", b""):  # a flood of empty messages: each counts 512 characters
+            async with open_realtime(server.ws) as flooding:
+                flooder = Realtime(flooding)
+                await flooder.send(RAW)
+                await flooder.until("video.start")
+                with contextlib.suppress(ConnectionClosed):  # closed mid-flood
+                    for _ in range(4000):  # 2,048,000 counted: past the burst and what grows back meanwhile
+                        await flooder.send(empty)
+                got = await flooder.rest(timeout=15)
+            assert (got.close_code, got.close_reason) == (1008, "too many messages"), repr(empty)
         await neighbour.send(interaction("still here", "ok"))
         await neighbour.until("session.interaction.applied")
         await neighbour.send({"type": "session.stop"})
