@@ -15,8 +15,11 @@ one shape:
   (``bytes=abc``, ``bytes=5-2``), is ignored: the whole video, 200 (the
   server MAY ignore an invalid one, MUST ignore an unknown unit; Starlette
   answered both 400 in plain text);
-- a range that starts past the end is 416 ``range_not_satisfiable`` with
-  ``Content-Range: bytes */SIZE``, in JSON.
+- of several ranges, those that start past the end are dropped (the rest
+  are answered, 206); when none is left, 416 ``range_not_satisfiable`` with
+  ``Content-Range: bytes */SIZE``, in JSON;
+- an ``If-Range`` that does not match the file's validators makes the
+  ``Range`` ignored: the whole video, 200 (RFC 9110, 13.1.5).
 """
 
 from __future__ import annotations
@@ -59,25 +62,43 @@ class VideoFile(FileResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get(HEAD_ONLY):
             scope = {**scope, "method": "HEAD"}  # Starlette's own HEAD: the headers, no file read
-        http_range = next((value for name, value in scope.get("headers", []) if name == b"range"), None)
-        if http_range is not None:
-            size = (await anyio.to_thread.run_sync(os.stat, self.path)).st_size
+        if self.stat_result is None:  # once, here: the If-Range check needs the validators it sets
+            self.stat_result = await anyio.to_thread.run_sync(os.stat, self.path)
+            self.set_stat_headers(self.stat_result)
+        headers = {name: value.decode("latin-1") for name, value in scope.get("headers", [])}
+        http_range, if_range = headers.get(b"range"), headers.get(b"if-range")
+        if http_range is not None and (if_range is None or self._should_use_range(if_range)):
+            size = self.stat_result.st_size
             try:
-                self._parse_range_header(http_range.decode("latin-1"), size)
+                self._parse_range_header(http_range, size)
             except RangeNotSatisfiable:
-                return await self._unsatisfiable(send, http_range.decode("latin-1"), size)
+                return await self._unsatisfiable(send, http_range, size)
         await super().__call__(scope, receive, send)
 
     @classmethod
     def _parse_range_header(cls, http_range: str, file_size: int) -> list[tuple[int, int]]:
-        try:
-            return super()._parse_range_header(http_range, file_size)
+        """The byte ranges asked for that lie in the file (RFC 9110, 14.1.1: a
+        set is satisfiable if any of its ranges is, and only those are sent);
+        ``[]``: ignored, the whole file (another unit, a set that does not
+        parse, a range whose last byte comes before its first);
+        ``RangeNotSatisfiable`` when none lies in the file."""
+        units, equals, ranges = http_range.partition("=")
+        if not equals or units.strip().lower() != "bytes" or ranges.count(",") + 1 > cls.max_ranges:
+            return []
+        asked = cls._parse_ranges(ranges, file_size)  # (start, end) pairs; parts that do not parse are skipped
+        if not asked or any(start >= end for start, end in asked if start < file_size):
+            return []
+        kept = [(start, end) for start, end in asked if start < file_size]
+        if not kept:
+            raise RangeNotSatisfiable(file_size)
+        try:  # Starlette's own, on the ranges kept: it merges those that overlap
+            return super()._parse_range_header("bytes=" + ",".join(f"{s}-{e - 1}" for s, e in kept), file_size)
         except MalformedRangeHeader:
-            return []  # ignored: the whole file
+            return []
 
     @staticmethod
     async def _unsatisfiable(send: Send, http_range: str, size: int) -> None:
-        message = f"range: {http_range!r} starts past the video's {size} bytes"
+        message = f"range: {http_range!r}: no byte of it lies within the video's {size} bytes"
         body = json.dumps({"error": {"code": "range_not_satisfiable", "message": message}}).encode()
         headers = [
             (b"content-type", b"application/json"),

@@ -63,8 +63,17 @@ def test_a_videos_bytes_by_range_and_every_get_route_by_head(server):
     assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{size}"
     assert past.json()["error"] == {
         "code": "range_not_satisfiable",
-        "message": f"range: 'bytes={size}-' starts past the video's {size} bytes",
+        "message": f"range: 'bytes={size}-': no byte of it lies within the video's {size} bytes",
     }
+    assert httpx.get(url, headers={"range": "bytes=-0"}).status_code == 416
+    partly = httpx.get(url, headers={"range": f"bytes=0-9,{size}-"})  # the range that lies within: answered
+    assert (partly.status_code, partly.content) == (206, whole[:10])
+    etag = httpx.head(url).headers["etag"]
+    for validator, status in ((etag, 206), ('"another"', 200)):  # If-Range: the range only for this very file
+        answer = httpx.get(url, headers={"range": "bytes=0-9", "if-range": validator})
+        assert answer.status_code == status, validator
+    stale = httpx.get(url, headers={"range": f"bytes={size}-", "if-range": '"another"'})
+    assert (stale.status_code, stale.content) == (200, whole)
     head = httpx.head(url)
     assert (head.status_code, head.content, head.headers["content-length"]) == (200, b"", str(size))
     for path in ("/health", "/health/live", "/v1/models", "/v1/videos", f"/v1/videos/{job['id']}"):
