@@ -383,18 +383,18 @@ def create_app(settings: ServerSettings) -> FastAPI:
         left.cancel()
         if not finished.done():
             finished.cancel()
-            await jobs.delete(job.id)
+            await jobs.discard(job.id)
             return _error(499, "client_closed", "the client left before the video was ready; the job was cancelled")
         try:
             video, stored = await jobs.content(job.id)
         except UnknownJobError:  # deleted meanwhile by another client
             return _error(500, "failed", f"video {job.id} was deleted before it finished")
         if stored is None:
-            await jobs.delete(job.id)
+            await jobs.discard(job.id)
             code = video.error.code if video.error else "failed"
             status = 503 if code in ("engine_unavailable", "worker_died", "worker_wedged") else 500
             return _error(status, code, video.error.message if video.error else f"the job ended {video.status}")
-        return _content(video, stored.media, background=BackgroundTask(jobs.delete, job.id))
+        return _content(video, stored.media, background=BackgroundTask(jobs.discard, job.id))
 
     @app.get("/v1/videos", tags=["videos"], dependencies=[Depends(authorized)], responses=errors(401, 422, 503))
     async def list_videos(

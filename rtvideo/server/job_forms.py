@@ -33,6 +33,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from rtvideo.server.limits import MAX_JSON_INT_DIGITS, JsonLimitError, parse_json_field
+from rtvideo.server.schemas import JobRequest
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -40,6 +41,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 FORM_TYPES = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 JSON_FIELDS = ("interactions",)  # form fields whose text is JSON
+INT_FIELDS = frozenset(name for name, field in JobRequest.model_fields.items() if field.annotation in (int, int | None))
+"""Form fields whose text is an integer (a prompt of digits is text)."""
 REFERENCE = "input_reference"
 INPUT_REFERENCE = "rtvideo.input_reference"
 """The scope key under which a form's ``input_reference`` file reaches the route (its bytes)."""
@@ -121,7 +124,7 @@ def form_to_json(items: list[tuple[str, str | UploadFile]]) -> dict[str, Any]:
                 raise FormError(f"{name}: not valid JSON ({error.msg}) at character {error.pos}") from None
         else:
             digits = value.strip().lstrip("+-")
-            if digits.isdigit() and len(digits) > MAX_JSON_INT_DIGITS:  # as a JSON body's integer is refused
+            if name in INT_FIELDS and digits.isdigit() and len(digits) > MAX_JSON_INT_DIGITS:  # as in a JSON body
                 raise FormError(
                     f"{name}: an integer of {len(digits)} digits; at most {MAX_JSON_INT_DIGITS} are accepted"
                 )

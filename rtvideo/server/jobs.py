@@ -511,6 +511,12 @@ class JobManager:
             self._deleting.discard(job_id)
         return status
 
+    async def discard(self, job_id: str) -> None:
+        """``delete`` for a job its own request ends (``/sync``): one that another
+        client deleted already, or is deleting, is no error."""
+        with contextlib.suppress(UnknownJobError):
+            await self.delete(job_id)
+
     async def _run(self, job: Job, start: StartSession, handle: SessionHandle | None) -> None:
         try:
             await self._generate(job, start, handle)

@@ -159,17 +159,21 @@ def test_a_group_compiles_once_for_one_row_and_once_for_several_whatever_the_siz
 
 
 @torch.no_grad()
-def test_the_rotation_compiles_once_for_one_row_and_once_for_several_whatever_the_store():
+def test_the_rotation_compiles_once_for_any_rows_whatever_the_store():
     """One row's queries and keys, its held keys and the tail of its key buffer
     are views of stores of other lengths, at other offsets (other row strides):
     one compile serves them all, and every batch of rows, with one RoPE table
-    or one a row (``rope_any_size``; traced without code generation, ``aot_eager``)."""
-    rope = wan_block_forward.rope_any_size(
-        torch.compile(wan_block_forward.rope_into, fullgraph=True, backend="aot_eager")
-    )
+    or one a row (``rope_any_size``; traced without code generation, ``aot_eager``;
+    a function of this test's own, so that no other test's compile of
+    ``rope_into`` counts here, nor this one in theirs)."""
+
+    def rotate(x, cos, sin, out):
+        return wan_block_forward.rope_into(x, cos, sin, out)
+
+    rope = wan_block_forward.rope_any_size(torch.compile(rotate, fullgraph=True, backend="aot_eager"))
     compiles = []
 
-    def rotate(x, out, tables=1):
+    def check(x, out, tables=1):
         cos, sin = torch.randn(tables, x.shape[1], 1, 12), torch.randn(tables, x.shape[1], 1, 12)
         before = _compiled_graphs()
         assert rope(x, cos, sin, out) is out
@@ -178,9 +182,9 @@ def test_the_rotation_compiles_once_for_one_row_and_once_for_several_whatever_th
 
     for tokens, store, at in [(3, 3, 0), (12, 40, 0), (12, 40, 20), (7, 64, 50), (40, 40, 0)]:
         keys = torch.randn(1, store, 2, 12)
-        rotate(keys[:, at : at + tokens], torch.zeros(1, store, 2, 12)[:, at : at + tokens])
+        check(keys[:, at : at + tokens], torch.zeros(1, store, 2, 12)[:, at : at + tokens])
     for rows, tokens, tables in [(2, 12, 1), (4, 5, 1), (3, 5, 3)]:  # a table for every row, or one a row
-        rotate(torch.randn(rows, tokens, 2, 12), torch.empty(rows, tokens, 2, 12), tables)
+        check(torch.randn(rows, tokens, 2, 12), torch.empty(rows, tokens, 2, 12), tables)
     assert compiles == [1, 0, 0, 0, 0, 0, 0, 0]
 
 
