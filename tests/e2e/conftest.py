@@ -127,9 +127,12 @@ def start_server(
 
 def train_tiny_demo(out: Path) -> Path:
     """A demo model directory written by the real trainer (``rtvideo train-demo --tiny``,
-    one step: seconds): ``out/model``, whose ``rtvideo.json`` lists the prompts it knows."""
+    one step: seconds): ``out/model``, whose ``rtvideo.json`` lists the prompts it knows.
+    Its stderr is a pipe here, so no progress bar may reach it (README, "nothing is drawn"),
+    the model directory's export included."""
     command = [sys.executable, "-m", "rtvideo.cli", "train-demo", "--tiny", "--steps", "1", "--out", str(out)]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    result = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
+    assert "%|" not in result.stderr, result.stderr  # tqdm's bar: "Writing model shards: 100%|...|"
     return out / "model"
 
 

@@ -198,7 +198,13 @@ def save_directory(components: Components, path: str | Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     components.transformer.save_pretrained(root / "transformer")
     components.vae.save_pretrained(root / "vae")
-    components.text_encoder.save_pretrained(root / "text_encoder")
+    drawing = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers draws "Writing model shards" whatever stderr is
+    try:
+        components.text_encoder.save_pretrained(root / "text_encoder")
+    finally:
+        if drawing:
+            hf_logging.enable_progress_bar()
     components.tokenizer.save_pretrained(root / "tokenizer")
     write_rtvideo_json(
         root,
