@@ -57,6 +57,11 @@ def test_the_rules_let_a_forwards_own_work_through():
     assert torch.equal(rehearse(step), step())
 
 
+def _on_meta(make):
+    with torch.device("meta"):
+        return make()
+
+
 @pytest.mark.parametrize(
     "step",
     [
@@ -64,6 +69,8 @@ def test_the_rules_let_a_forwards_own_work_through():
         lambda: torch.empty((), device="meta").copy_(torch.tensor(3.0)),  # 0-d: CUDA refuses it too
         lambda: torch.ones(2, device="meta") * torch.tensor(0.5, device="meta"),  # made below the dispatcher
         lambda: torch.as_tensor([0.0, 1.0], device="meta"),
+        lambda: torch.ones(2, device="meta").new_tensor([1.0, 2.0]),  # on its tensor's device
+        lambda: _on_meta(lambda: torch.tensor([1.0, 2.0])),  # on the device a context sets
     ],
 )
 def test_a_copy_from_the_host_to_a_device_is_named(step):

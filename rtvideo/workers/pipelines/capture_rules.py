@@ -140,14 +140,16 @@ copy it there below the dispatcher, where ``CaptureRules`` cannot see it."""
 
 def _made_from_the_host(func: Any, args: tuple, kwargs: dict) -> bool:
     """``torch.tensor`` / ``as_tensor`` / ``asarray`` of host data (a number, a
-    list, a host tensor) onto a device: a copy from the host. Data already on
-    that device is no such copy."""
-    if func not in MAKERS:
+    list, a host tensor) onto a device, or a device tensor's ``new_tensor`` of
+    it: a copy from the host. Data already on that device is no such copy."""
+    if func is torch.Tensor.new_tensor:  # (self, data): on self's device unless told
+        device, data = kwargs.get("device", args[0].device), args[1] if len(args) > 1 else kwargs.get("data")
+    elif func in MAKERS:  # (data, *, device): ``with torch.device(...)`` passes its device as the keyword
+        device, data = kwargs.get("device"), args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    else:
         return False
-    device = kwargs.get("device")  # keyword-only in each of them
     if device is None or torch.device(device).type == "cpu":
         return False
-    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
     return not (isinstance(data, torch.Tensor) and data.device.type != "cpu")
 
 
