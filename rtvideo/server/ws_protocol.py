@@ -135,6 +135,16 @@ class RealtimeWebSocketProtocol(WebSocketsSansIOProtocol):
             self.scope["extensions"][SEND_MEDIA] = {"send_media": self.send_media}
             self.scope["extensions"][CLOSE_ANSWERED] = {"answered": self.close_answered}
 
+    async def send(self, message) -> None:
+        """As uvicorn's, but a message for a connection whose transport is closing
+        or lost raises ``ClientDisconnected`` at once: uvicorn learns of a reset
+        only a loop turn later, and meanwhile wrote each queued event to the dead
+        transport, which logs a warning for every write past its fifth."""
+        await self.writable.wait()
+        if message["type"] == "websocket.send" and self.transport.is_closing():
+            raise ClientDisconnected()
+        await super().send(message)
+
     async def send_media(self, text: bytes, parts: Sequence[bytes]) -> None:
         """Write the text message ``text`` (UTF-8) and the binary message of
         ``parts`` back to back, once the write buffer is below its high-water
