@@ -178,6 +178,8 @@ class LiveSession:
         self._delivered_s = 0.0  # the furthest media written to a controller's socket
         self._counted = -1  # the newest chunk counted as delivered on /metrics
         self._grace: asyncio.Task | None = None
+        self._abandoning = False  # the grace ran out: the session is being stopped as abandoned
+        self._end_to: Viewer | None = None  # a resume taking this ended session's end to its client
         # Interactions from all its controllers together (max_interactions_per_s, interaction_burst).
         self._interactions = TokenBucket(settings.max_interactions_per_s, settings.interaction_burst, time.monotonic())
         # What a session's handle yields, by type: one entry per result.
@@ -239,10 +241,14 @@ class LiveSession:
 
     def resume(self, viewer: Viewer, last_chunk_index: int) -> None:
         """Attach ``viewer`` as ``c1`` again, sending what it missed (and the end,
-        when the session has ended since); ``ResumeRefused`` when it cannot."""
+        when the session has ended since); ``ResumeRefused`` when it cannot: also
+        once the grace is over and the session is being abandoned, and while
+        another resume is taking an ended session's end to its client."""
         if self._forgotten:
             raise ResumeRefused("unknown_resume_token", "the session has ended")
-        if any(v.controller_id == PRIMARY for v in self.viewers):
+        if self._abandoning:
+            raise ResumeRefused("unknown_resume_token", "the session was abandoned: no resume within resume_grace_s")
+        if any(v.controller_id == PRIMARY for v in self.viewers) or self._end_to is not None:
             raise ResumeRefused(
                 "resume_token_in_use",
                 "another connection holds this session's resume_token (if it was yours and just dropped, "
@@ -267,6 +273,7 @@ class LiveSession:
             self._add(viewer)
             return
         event, close_code, reason = self._final  # it ended meanwhile: the end, and nothing after it
+        self._end_to = viewer  # c1 again until its connection is over (``connection_finished``)
         if event is not None:
             viewer.send_event(event)
         viewer.session_ended(close_code, reason)
@@ -364,6 +371,7 @@ class LiveSession:
             self._forget()
             return
         log.info("session %s abandoned: no resume within %g s", self.request_id, self.settings.resume_grace_s)
+        self._abandoning = True  # before the stop's wait: a resume meanwhile is refused, not let in to its end
         await self.stop("abandoned")
 
     def connection_finished(self, viewer: Viewer, end_reached: bool) -> None:
@@ -371,6 +379,8 @@ class LiveSession:
         the close reached its client). For ``c1`` of an ended session that is what
         it was owed: the session is forgotten; otherwise its end waits for a
         resume, ``resume_grace_s`` at most."""
+        if viewer is self._end_to:
+            self._end_to = None  # its resume is over: the end reached it, or a later resume may take it
         if viewer.controller_id != PRIMARY or not self.ended or self._forgotten:
             return
         if end_reached:

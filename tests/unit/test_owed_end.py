@@ -115,3 +115,39 @@ async def test_nothing_is_kept_when_c1_ended_the_session_itself_or_for_a_spectat
     assert spectator.events[-1]["type"] == "session.done" and spectator.closed is not None
     session.connection_finished(spectator, end_reached=False)  # a spectator is owed nothing
     assert session._grace is None
+
+
+async def test_of_two_resumes_of_an_ended_session_one_takes_its_end():
+    """The end goes to one resume at a time: a second while the first's
+    connection is still taking it is refused as ``resume_token_in_use``; once
+    that connection is over without the end reaching its client, a later
+    resume may take it."""
+    session, _, c1 = await session_with(resume_grace_s=30.0)
+    await session.leave(c1, "dropped")
+    await ended(session)
+    first = Connection()
+    session.resume(first, last_chunk_index=-1)
+    with pytest.raises(ResumeRefused) as refused:
+        session.resume(Connection(), last_chunk_index=-1)
+    assert refused.value.code == "resume_token_in_use"
+    session.connection_finished(first, end_reached=False)  # its socket went before the end reached it
+    again = Connection()
+    session.resume(again, last_chunk_index=-1)
+    assert [event["type"] for event in again.events] == ["video.start", "session.done"]
+
+
+async def test_a_resume_while_the_grace_has_run_out_and_the_session_is_being_abandoned_is_refused():
+    session, engine, c1 = await session_with(resume_grace_s=GRACE_S)
+    stopping, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_stop(session_id: str, reason: str) -> None:  # the engine's answer takes a while
+        stopping.set()
+        await release.wait()
+
+    engine.stop = slow_stop
+    await session.leave(c1, "dropped")
+    await stopping.wait()  # the grace is over: the stop is on its way
+    with pytest.raises(ResumeRefused, match="abandoned") as refused:
+        session.resume(Connection(), last_chunk_index=-1)
+    assert refused.value.code == "unknown_resume_token"
+    release.set()
