@@ -554,7 +554,7 @@ ERROR_MEANINGS = {
     404: "no such video (not_found)",
     409: "the video is not completed yet (not_ready)",
     413: "the request body is over max_request_bytes (body_too_large)",
-    416: "a Range that starts past the video's end (range_not_satisfiable); Content-Range gives its size",
+    416: "a Range none of whose ranges lies within the video (range_not_satisfiable); Content-Range gives its size",
     422: "the request was refused; the message names the field (invalid_request)",
     429: "too many jobs kept or waiting (too_many_jobs, queue_full); see Retry-After",
     499: "the client left before the answer; the job was cancelled (client_closed)",

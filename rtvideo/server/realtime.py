@@ -133,7 +133,8 @@ class _Closed(Exception):
 
 
 class _TooMuchText(Exception):
-    """The client sent more text than ``TEXT_CHARS_PER_S`` allows (its burst spent)."""
+    """The client sent more than its budget allows: ``TEXT_CHARS_PER_S``, each
+    message counting ``MESSAGE_FLOOR_CHARS`` at least (the burst spent)."""
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,12 @@ lost without one (the client dropped, or never answered within uvicorn's
 close timeout). That is how the server knows whether a session's end reached
 its controller, or is still owed to a resume.
 
+Two more departures from uvicorn's protocol: a text message that is not
+UTF-8 closes the connection 1007 with a reason saying so, in one log line
+(uvicorn logs an error with a traceback for each, and gives no reason); and a
+message for a connection whose transport is closing or lost is refused at
+once (``ClientDisconnected``), not written to the dead transport.
+
 ``rtvideo.server.realtime`` uses them when present and falls back to uvicorn's
 ordinary close and sends under another server (which then may wait on the
 client, and frames each viewer's media itself).
