@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
@@ -198,11 +199,42 @@ async def _parse(scope: Scope, body: bytes) -> tuple[dict[str, Any], bytes | Non
         raise FormError(f"body: not a valid form ({type(error).__name__}: {error})") from None
     try:
         items = list(form.multi_items())
+        not_text(scope, body, items)
         fields = form_to_json(items)
         files = [value for name, value in items if name == REFERENCE and not isinstance(value, str)]
         return fields, (await files[0].read() if files else None)
     finally:
         await form.close()
+
+
+def not_text(scope: Scope, body: bytes, items: list[tuple[str, str | UploadFile]]) -> None:
+    """``FormError`` naming the first field whose value is not text in the form's
+    charset (UTF-8 unless its content type names another). Starlette decodes
+    such a value anyway: a multipart one as latin-1, an urlencoded one with
+    U+FFFD for each byte it cannot read. An urlencoded field is decoded here
+    strictly; a multipart value read right is in the body as it encodes, and
+    one read as latin-1 from bytes that are not UTF-8 is not."""
+    headers = {name.lower(): value for name, value in scope.get("headers", [])}
+    content_type = headers.get(b"content-type", b"").decode("latin-1")
+    params = dict(part.strip().partition("=")[::2] for part in content_type.split(";")[1:])
+    charset = params.get("charset", "utf-8").strip('"') or "utf-8"
+    if content_type.split(";")[0].strip().lower() == "application/x-www-form-urlencoded":
+        for pair in body.split(b"&"):
+            name, _, value = pair.partition(b"=")
+            try:
+                unquote_to_bytes(value.replace(b"+", b" ")).decode(charset)
+            except (UnicodeDecodeError, LookupError):
+                field = unquote_to_bytes(name.replace(b"+", b" ")).decode("utf-8", errors="replace")
+                raise FormError(f"{field}: not {charset} text") from None
+        return
+    for name, value in items:
+        if isinstance(value, str):
+            try:
+                encoded = value.encode(charset)
+            except (UnicodeEncodeError, LookupError):
+                encoded = None
+            if encoded is None or encoded not in body:
+                raise FormError(f"{name}: not {charset} text")
 
 
 async def _refuse(send: Send, message: str) -> None:

@@ -35,6 +35,7 @@ import signal
 import socket
 import threading
 import time
+from urllib.parse import quote_from_bytes
 
 import httpx
 import psutil
@@ -318,6 +319,20 @@ def test_an_integer_of_thousands_of_digits_is_refused_naming_its_field(server):
     assert form.status_code == 422 and form.json()["error"]["message"] == message, form.text
     digits = {"prompt": "1" * 150, "num_chunks": "1", "format": "raw", "width": "32", "height": "32"}
     assert httpx.post(f"{server.http}/v1/videos", data=digits).status_code == 202  # a prompt of digits is text
+    fields = {"num_chunks": "1", "format": "raw", "width": "32", "height": "32"}
+    for prompt, status in ((b"caf\xc3\xa9", 202), (b"caf\xe9", 422)):  # UTF-8 text, then a latin-1 byte
+        multipart = {name: (None, value) for name, value in {**fields, "prompt": prompt}.items()}
+        urlencoded = "&".join(f"{n}={v}" for n, v in fields.items()) + "&prompt=" + quote_from_bytes(prompt)
+        form = {"content-type": "application/x-www-form-urlencoded"}
+        for answer in (
+            httpx.post(f"{server.http}/v1/videos", files=multipart),
+            httpx.post(f"{server.http}/v1/videos", content=urlencoded, headers=form),
+        ):
+            assert answer.status_code == status, answer.text
+            if status == 422:
+                assert answer.json()["error"]["message"] == "prompt: not utf-8 text", answer.text
+            else:
+                assert answer.json()["prompt"] == "café"
     scheduled = {"prompt": "p", "num_chunks": "2", "interactions": f'[{{"at_chunk": {HUGE}, "prompt": "q"}}]'}
     for route in ("/v1/videos", "/v1/videos/sync"):  # a form's JSON field: named within it, not a 500
         for sent in ({"data": scheduled}, {"files": {name: (None, value) for name, value in scheduled.items()}}):
