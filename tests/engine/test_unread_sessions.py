@@ -29,7 +29,9 @@ async def worker_holds(engine: EngineClient, session_id: str, wanted: bool, roun
 
 
 async def test_a_session_nobody_reads_to_its_end_is_closed_as_its_end_arrives(make_engine):
-    engine = await make_engine()
+    # Steps of 50 ms: the session's end cannot come before this test looks at it open (with
+    # instant steps, a loaded machine's pump could take its start and its end in one go).
+    engine = await make_engine(step_time_s=0.05)
     handle = await engine.start_session(StartSession(session_id="s", prompt="p", num_chunks=1))
     assert engine.open_sessions() == ("s",) and engine.held_state_bytes() > 0
 
