@@ -206,8 +206,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         unknown = error.status_code in (404, 405) and not isinstance(error.detail, dict)  # the router's
         if unknown and request.url.path.startswith("/v1/") and not is_authorized(request, settings.api_key):
             # Every /v1/ path needs the key, one that names no route too: no route is told apart without it.
-            detail = {"code": "unauthorized", "message": "a valid API key is required"}
-            return JSONResponse({"error": detail}, status_code=401)
+            return JSONResponse({"error": UNAUTHORIZED}, status_code=401)
         if isinstance(error.detail, dict):
             detail = error.detail
         elif error.status_code == 404 and request.url.path == "/v1/realtime/video":
@@ -224,7 +223,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     def authorized(request: Request) -> None:
         if not is_authorized(request, settings.api_key):
-            raise HTTPException(401, detail={"code": "unauthorized", "message": "a valid API key is required"})
+            raise HTTPException(401, detail=UNAUTHORIZED)
 
     def engine_of(request: Request) -> EngineClient:
         return request.app.state.engine
@@ -547,6 +546,9 @@ def _content(video: VideoObject, path: Path, background: BackgroundTask | None =
     headers = {"Content-Disposition": f'attachment; filename="{video.id}.{suffix}"'}
     return VideoFile(path, media_type=CONTENT_TYPES[video.format], headers=headers, background=background)
 
+
+UNAUTHORIZED = {"code": "unauthorized", "message": "a valid API key is required"}
+"""The error of a /v1/ request without the API key: a route's, or a path that names none."""
 
 ERROR_MEANINGS = {
     400: "the server's prompt policy refused one of its prompts; the message names the field (prompt_refused)",

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
@@ -215,10 +216,9 @@ def not_text(scope: Scope, body: bytes, items: list[tuple[str, str | UploadFile]
     strictly; a multipart value read right is in the body as it encodes, and
     one read as latin-1 from bytes that are not UTF-8 is not."""
     headers = {name.lower(): value for name, value in scope.get("headers", [])}
-    content_type = headers.get(b"content-type", b"").decode("latin-1")
-    params = dict(part.strip().partition("=")[::2] for part in content_type.split(";")[1:])
-    charset = params.get("charset", "utf-8").strip('"') or "utf-8"
-    if content_type.split(";")[0].strip().lower() == "application/x-www-form-urlencoded":
+    content_type, params = parse_options_header(headers.get(b"content-type", b""))  # as Starlette's parser reads it
+    charset = params.get(b"charset", b"utf-8").decode("latin-1") or "utf-8"
+    if content_type == b"application/x-www-form-urlencoded":
         for pair in body.split(b"&"):
             name, _, value = pair.partition(b"=")
             try:

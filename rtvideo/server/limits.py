@@ -208,13 +208,13 @@ class BodyLimits:
             return await self._refuse(send, 422, "invalid_request", message)
         if b"json" in headers.get(b"content-type", b""):
             try:
-                bytes(body).decode("utf-8")
+                text = body.decode("utf-8")  # once: both checks below read this text
             except UnicodeDecodeError as error:
                 message = f"body: not UTF-8 (byte {body[error.start]:#04x} at {error.start}); a JSON body is UTF-8"
                 return await self._refuse(send, 422, "invalid_request", message)
-            if (why := too_deep(bytes(body))) is not None:
+            if (why := too_deep(text)) is not None:
                 return await self._refuse(send, 422, "invalid_request", f"body: {why}")
-            if (why := long_integers(bytes(body))) is not None:
+            if (why := long_integers(text)) is not None:
                 return await self._refuse(send, 422, "invalid_request", why)
         replayed = False
 
