@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rtvideo.engine.client.engine_client import SessionHandle
+from rtvideo.engine.client.session_handle import SessionHandle
 from rtvideo.engine.messages import ChunkReady, ResultMessage, SessionDone, SessionFailed
 from rtvideo.workers.pipelines.conditioning import blend
 from rtvideo.workers.pipelines.stub import StubGate, conditioning_row, embed

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from rtvideo.bench.machine import this_machine
 from rtvideo.bench.stats import percentiles
-from rtvideo.engine.client.engine_client import EngineClient, SessionHandle
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.session_handle import SessionHandle
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import (
     ChunkReady,

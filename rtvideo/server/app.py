@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError, EngineRestartingError, EngineStartupError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import EngineDeadError, EngineRestartingError, EngineStartupError
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.server.auth import is_authorized
 from rtvideo.server.drain import Drainer

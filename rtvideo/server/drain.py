@@ -24,7 +24,8 @@ from types import FrameType
 
 import uvicorn
 
-from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError, UnknownSessionError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import EngineDeadError, UnknownSessionError
 
 log = logging.getLogger(__name__)
 

@@ -32,14 +32,14 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rtvideo.engine.client.engine_client import (
-    EngineClient,
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import (
     EngineDeadError,
     EngineRestartingError,
-    SessionHandle,
     SessionRejectedError,
     UnknownSessionError,
 )
+from rtvideo.engine.client.session_handle import SessionHandle
 from rtvideo.engine.messages import (
     ChunkReady,
     InteractionApplied,

@@ -66,7 +66,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError, SessionHandle, UnknownSessionError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import EngineDeadError, UnknownSessionError
+from rtvideo.engine.client.session_handle import SessionHandle
 from rtvideo.engine.messages import (
     ENDED_BEFORE_BOUNDARY,
     ChunkReady,

@@ -57,8 +57,8 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from rtvideo.engine.client.engine_client import (
-    EngineClient,
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import (
     EngineDeadError,
     EngineRestartingError,
     SessionRejectedError,

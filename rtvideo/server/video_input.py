@@ -46,7 +46,7 @@ from typing import Protocol
 import av
 import numpy as np
 
-from rtvideo.engine.client.engine_client import EngineError
+from rtvideo.engine.client.errors import EngineError
 from rtvideo.engine.messages import SessionGeometry, VideoInput
 from rtvideo.server.metrics import Metrics
 
@@ -228,7 +228,7 @@ class FrameGatherer:
 
 
 class InputSink(Protocol):
-    """Where a session's input goes: ``rtvideo.engine.client.engine_client.SessionHandle``."""
+    """Where a session's input goes: ``rtvideo.engine.client.session_handle.SessionHandle``."""
 
     geometry: SessionGeometry
 

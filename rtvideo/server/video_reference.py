@@ -35,7 +35,7 @@ from fractions import Fraction
 import av
 import numpy as np
 
-from rtvideo.engine.client.engine_client import EngineError
+from rtvideo.engine.client.errors import EngineError
 from rtvideo.server.schemas import RequestError
 from rtvideo.server.video_input import MAX_CHUNKS_AHEAD, InputSink, chunk_frames
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError, EngineStartupError, UnknownSessionError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import EngineDeadError, EngineStartupError, UnknownSessionError
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import (
     ChunkReady,

@@ -15,7 +15,8 @@ import sys
 import pytest
 import pytest_asyncio
 
-from rtvideo.engine.client.engine_client import EngineClient, SessionRejectedError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import SessionRejectedError
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import (
     ChunkReady,
@@ -361,7 +362,7 @@ async def test_a_rank_port_already_taken_fails_the_start_naming_it(rank):
     the start with its reason at once instead of waiting out the start-up)."""
     import socket
 
-    from rtvideo.engine.client.engine_client import EngineStartupError
+    from rtvideo.engine.client.errors import EngineStartupError
 
     base = free_ports(2)
     with socket.socket() as taken:

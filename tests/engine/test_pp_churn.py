@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from rtvideo.engine.client.engine_client import EngineClient, SessionHandle, UnknownSessionError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import UnknownSessionError
+from rtvideo.engine.client.session_handle import SessionHandle
 from rtvideo.engine.messages import (
     ChunkReady,
     Interaction,

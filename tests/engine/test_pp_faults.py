@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from rtvideo.engine.client.engine_client import EngineClient, EngineStartupError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import EngineStartupError
 from rtvideo.engine.client.spawned_worker import fork_server_pid
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import (

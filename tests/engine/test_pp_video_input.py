@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from rtvideo.engine.client.engine_client import EngineClient, SessionHandle, SessionRejectedError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import SessionRejectedError
+from rtvideo.engine.client.session_handle import SessionHandle
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import (
     ChunkReady,

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from rtvideo.engine.client.engine_client import EngineClient, SessionRejectedError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import SessionRejectedError
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import ChunkReady, StartSession
 from tests.support import Collected, collect, read_until

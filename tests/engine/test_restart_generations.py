@@ -13,7 +13,8 @@ import time
 import pytest
 import zmq
 
-from rtvideo.engine.client.engine_client import EngineClient, EngineDeadError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import EngineDeadError
 from rtvideo.engine.config import EngineConfig, PipelineSpec
 from rtvideo.engine.messages import ChunkReady, SessionDone, SessionFailed, StartSession
 from tests.conftest import PINNED_LIMITS

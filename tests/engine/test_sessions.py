@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from rtvideo.engine.client.engine_client import SessionRejectedError
+from rtvideo.engine.client.errors import SessionRejectedError
 from rtvideo.engine.limits import MAX_TRANSITION_CHUNKS
 from rtvideo.engine.messages import (
     ChunkReady,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rtvideo.engine.client.engine_client import EngineClient, UnknownSessionError
+from rtvideo.engine.client.engine_client import EngineClient
+from rtvideo.engine.client.errors import UnknownSessionError
 from rtvideo.engine.messages import ChunkReady, Interaction, ProbeReply, SessionDone, StartSession
 from rtvideo.server.drain import Drainer
 from rtvideo.server.job_store import JobStore

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from rtvideo.engine.client.engine_client import UnknownSessionError
+from rtvideo.engine.client.errors import UnknownSessionError
 from rtvideo.engine.mailbox import EVENT_ID_WINDOW, InteractionMailbox, OfferStatus
 from rtvideo.engine.messages import Interaction, InteractionQueued, InteractionSuperseded
 from rtvideo.server.live_session import JoinRefused, LiveSession

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rtvideo.engine.client.engine_client import EngineDeadError, EngineRestartingError
+from rtvideo.engine.client.errors import EngineDeadError, EngineRestartingError
 from rtvideo.engine.messages import SessionGeometry
 from rtvideo.server.app import describe_body_errors, engine_unavailable_response
 from rtvideo.server.schemas import JobRequest, RequestError, resolve

@@ -56,8 +56,18 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from rtvideo.engine.client.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineRestartingError,
+    EngineStartupError,
+    SessionRejectedError,
+    UnknownSessionError,
+)
 from rtvideo.engine.client.heartbeat import Heartbeat
 from rtvideo.engine.client.launched_worker import LaunchedWorker
+from rtvideo.engine.client.restart_budget import RestartBudget
+from rtvideo.engine.client.session_handle import TERMINAL, SessionHandle
 from rtvideo.engine.client.spawned_worker import SpawnedWorker, fork_server_pid
 from rtvideo.engine.config import EngineConfig, config_to_wire
 from rtvideo.engine.messages import (
@@ -72,9 +82,7 @@ from rtvideo.engine.messages import (
     Probe,
     ProbeReply,
     ResultMessage,
-    SessionDone,
     SessionFailed,
-    SessionGeometry,
     SessionRejected,
     SessionStarted,
     Shutdown,
@@ -91,83 +99,7 @@ from rtvideo.engine.transport import Endpoints, decode_result, encode_control
 
 log = logging.getLogger(__name__)
 
-TERMINAL = (SessionDone, SessionFailed)
 SEND_TIMEOUT_S = 5.0
-
-
-class EngineError(Exception):
-    """Base of the client's errors."""
-
-
-class EngineStartupError(EngineError):
-    """The worker did not come up (it failed, died, or never said READY)."""
-
-
-class EngineDeadError(EngineError):
-    """No worker can take work: it died and the restart budget is spent, the
-    client is shutting down, or (``EngineRestartingError``) a fresh worker is
-    on its way."""
-
-
-class EngineRestartingError(EngineDeadError):
-    """The worker died and a fresh one is starting: retry after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class SessionRejectedError(EngineError):
-    """The worker refused a start; ``code`` says why (e.g. ``server_full``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class UnknownSessionError(EngineError):
-    """No open session has this id on this client."""
-
-
-class SessionHandle:
-    """One session's result stream; iterate it until ``SessionDone`` / ``SessionFailed``."""
-
-    def __init__(self, client: EngineClient, started: SessionStarted, queue: asyncio.Queue) -> None:
-        self._client = client
-        self._queue = queue
-        self.session_id = started.session_id
-        self.geometry: SessionGeometry = started.geometry
-        self.finished = False
-
-    def __aiter__(self) -> SessionHandle:
-        return self
-
-    async def __anext__(self) -> ResultMessage:
-        if self.finished:
-            raise StopAsyncIteration
-        message = await self._queue.get()
-        if isinstance(message, TERMINAL):
-            self.finished = True  # the client closed the session as the message arrived
-        return message
-
-    async def next(self, timeout: float | None = None) -> ResultMessage:
-        """The next result, or ``TimeoutError`` after ``timeout`` seconds."""
-        async with asyncio.timeout(timeout):
-            return await self.__anext__()
-
-    async def interact(self, event_id: str, interaction: Interaction) -> None:
-        await self._client.interact(self.session_id, event_id, interaction)
-
-    async def send_input(self, chunk_index: int, frames: Any) -> None:
-        """Chunk ``chunk_index``'s input frames (a session opened with an ``input``):
-        a numpy array, uint8 ``[F, H, W, 3]`` at the session's size, F being
-        ``geometry.first_chunk_frames`` for chunk 0 and ``frames_per_chunk`` after;
-        chunks in order, each once. ``EngineClient.send_input``."""
-        await self._client.send_input(self.session_id, chunk_index, frames)
-
-    async def stop(self, reason: str = "stopped") -> None:
-        await self._client.stop(self.session_id, reason)
 
 
 @dataclass(frozen=True)
@@ -228,7 +160,7 @@ class EngineClient:
         self._control: zmq.asyncio.Socket | None = None  # the pipes of the latest worker (_bind)
         self._results: zmq.asyncio.Socket | None = None
         self._directory: str | None = None  # the private directory of their ipc endpoints
-        self._restart_times: list[float] = []  # every restart tried, failed ones too (the budget)
+        self._budget = RestartBudget(config.max_worker_restarts, config.worker_restart_window_s)
         self.restarts = 0  # workers restarted after a death that said READY
 
     # ------------------------------------------------------------------
@@ -410,7 +342,7 @@ class EngineClient:
         self._exited.set()
         if self.state is WorkerState.UP:  # a death during a handshake is the handshake's to report
             # Decided now, so no call in between sees the wrong state (or a reason-less one).
-            self.state = WorkerState.RESTARTING if self._may_restart() else WorkerState.DEAD
+            self.state = WorkerState.RESTARTING if self._budget.allows() else WorkerState.DEAD
             if self._killed is not None:
                 self._dead_reason = self._killed.reason
             self._death_task = asyncio.create_task(self._on_worker_death())
@@ -438,8 +370,8 @@ class EngineClient:
         if self.state is WorkerState.RESTARTING:
             await self._restart(death.reason)
         elif self.state is WorkerState.DEAD:
-            self._dead_reason = f"{death.reason}; {self._budget_spent()}"
-            log.error("the engine is dead: %s", self._budget_spent())
+            self._dead_reason = f"{death.reason}; {self._budget.spent_reason()}"
+            log.error("the engine is dead: %s", self._budget.spent_reason())
 
     async def settled(self) -> None:
         """Return once a worker death in progress has been handled: its sessions
@@ -450,28 +382,11 @@ class EngineClient:
         if self._death_task is not None:
             await asyncio.shield(self._death_task)
 
-    def _recent_restarts(self) -> list[float]:
-        now = time.monotonic()
-        return [t for t in self._restart_times if now - t < self.config.worker_restart_window_s]
-
-    def _may_restart(self) -> bool:
-        self._restart_times = self._recent_restarts()
-        return len(self._restart_times) < self.config.max_worker_restarts
-
     @property
     def restarts_left(self) -> int:
         """Restarts the budget still allows now: ``max_worker_restarts`` less those
         tried, failed or not, in the last ``worker_restart_window_s``."""
-        return max(0, self.config.max_worker_restarts - len(self._recent_restarts()))
-
-    def _budget_spent(self) -> str:
-        """Why no restart is tried, for the reason the engine is dead."""
-        if self.config.max_worker_restarts == 0:
-            return "restarts are off (max_worker_restarts is 0)"
-        return (
-            f"the restart budget is spent ({self.config.max_worker_restarts} restarts tried in "
-            f"the last {self.config.worker_restart_window_s:g} s, max_worker_restarts)"
-        )
+        return self._budget.left
 
     async def _restart(self, reason: str) -> None:
         """Fresh workers (a fresh device context each) on fresh pipes, until one
@@ -479,19 +394,15 @@ class EngineClient:
         tried uses one unit of the restart budget, and one that fails ends the
         engine only when that budget is spent."""
         while self.state is WorkerState.RESTARTING:
-            self._restart_times.append(time.monotonic())
-            log.warning(
-                "restarting the worker (%d in the last %g s)",
-                len(self._restart_times),
-                self.config.worker_restart_window_s,
-            )
+            tried = self._budget.spend()
+            log.warning("restarting the worker (%d in the last %g s)", tried, self._budget.window_s)
             try:
                 await self._spawn()
             except EngineStartupError as error:
                 log.error("restarting the worker failed: %s", error)
-                if self._may_restart():
+                if self._budget.allows():
                     continue
-                self._dead_reason = f"{reason}; restarting it failed: {error}; {self._budget_spent()}"
+                self._dead_reason = f"{reason}; restarting it failed: {error}; {self._budget.spent_reason()}"
                 log.error("the engine is dead: %s", self._dead_reason)
                 if self.state is WorkerState.RESTARTING:
                     self.state = WorkerState.DEAD
