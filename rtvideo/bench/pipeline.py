@@ -498,7 +498,9 @@ def _with_settings(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's options (``rtvideo bench pipeline --help``); parsing checks a
+    ``--versus`` variant and the ``--with`` settings by name."""
     parser = argparse.ArgumentParser(prog="rtvideo bench pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help="tiny | demo | wan2.1-1.3b | a model directory")
     parser.add_argument("--width", type=int, default=None)
@@ -547,7 +549,13 @@ def main(argv: list[str] | None = None) -> int:
         "else random weights)",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rtvideo.bench.versus import ALL  # it imports this module
+
+    args = build_parser().parse_args(argv)
     args.cudnn_benchmark = args.cudnn_benchmark or "cudnn-benchmark" in args.with_settings
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -54,7 +54,7 @@ if "--versus fp8 " in args:
     print("quantize fp8: refused here")
     sys.exit(3)
 print("a log line")
-print(json.dumps({{"args": args}}))
+print(json.dumps({{"args": args, "argv": sys.argv[1:]}}))
 """
 
 
@@ -133,3 +133,31 @@ def test_only_the_steps_named_run_and_a_rerun_into_the_same_folder_keeps_only_it
     summary = json.loads((machine / "out" / "summary.json").read_text())
     assert set(summary) == {"failed", "skipped_for_time", "wan-bf16", "tiny-gpu"}
     assert result.returncode == 0 and "to run them alone" not in result.stdout
+
+
+def test_every_bench_the_check_runs_is_one_the_bench_takes(machine):
+    """Each step's bench command, as the script writes it (the tiny decoder's file
+    named too), parses with ``rtvideo bench pipeline``'s own options: a renamed
+    option or variant fails here, not in a GPU lease."""
+    from rtvideo.bench.pipeline import build_parser
+
+    run_check(machine, "out", TINY_DECODER="/weights/taew2_1.safetensors")
+    summary = json.loads((machine / "out" / "summary.json").read_text())
+    benches = {
+        step: figures["argv"][2:]
+        for step, figures in summary.items()
+        if isinstance(figures, dict) and figures["argv"][:2] == ["-m", "rtvideo.bench.pipeline"]
+    }
+    assert {"wan-bf16", "wan-versus-combined", "wan-fastest-sessions", "tiny-gpu"} <= set(benches)
+    assert len(benches) == 4 + 11 - 1  # wan-versus-fp8 failed (the stand-in refuses it): no figures
+    parser = build_parser()
+    for step, argv in benches.items():
+        args = parser.parse_args(argv)
+        if step.startswith("wan-"):
+            assert (args.preset, args.width, args.height) == ("wan2.1-1.3b", 832, 480), step
+        if step.startswith(("wan-versus-", "wan-fastest-")):  # the default's bf16 run keeps the full decoder
+            assert args.tiny_decoder == "/weights/taew2_1.safetensors", step
+        if step.startswith("wan-versus-"):
+            assert args.versus == step.removeprefix("wan-versus-") and args.rounds == 2, step
+    assert benches["wan-fastest-sessions"][-4:-2] == ["--with", "tiny-decoder,cuda-graphs,fp8"]
+    assert parser.parse_args(benches["wan-fastest-sessions"]).sessions == (2, 3)
