@@ -82,7 +82,15 @@ from rtvideo.engine.messages import (
 from rtvideo.engine.pacing import Playhead, wait_seconds
 from rtvideo.engine.plan import BoundaryTask, ChunkOutput, DecodeResult, Executor, MicroStep, RowResult, StepResult
 from rtvideo.engine.scheduler import ChunkScheduler
-from rtvideo.engine.session import BoundaryTaken, ChunkInFlight, EngineSession, Phase, first_frame, passes_for
+from rtvideo.engine.session import (
+    BoundaryTaken,
+    ChunkInFlight,
+    EngineSession,
+    Phase,
+    first_frame,
+    output_fault,
+    passes_for,
+)
 from rtvideo.engine.slo import SloController, SloTarget, micro_step_budget
 from rtvideo.engine.stream_batch import StreamBatchScheduler
 
@@ -249,16 +257,18 @@ class EngineLoop:
         """The next micro-step: sessions to release and open, boundaries, and one
         row per scheduled session."""
         step = MicroStep(number=self._number + 1)
-        for sid, session in self.sessions.items():
-            if session.phase is Phase.FINISHING and not session.release_planned and self._idle(session):
-                step.release.append(sid)
-                session.release_planned = True
         self._end_faulted()
         held, wake_in = self._paced(playheads)
         waiting, input_wake = self._awaiting_input(held)
         held |= waiting
         if input_wake is not None:
             wake_in = input_wake if wake_in is None else min(wake_in, input_wake)
+        # After the faults and input waits above, so a session they just failed is released in this
+        # micro-step: nothing else may come to wake the loop for it.
+        for sid, session in self.sessions.items():
+            if session.phase is Phase.FINISHING and not session.release_planned and self._idle(session):
+                step.release.append(sid)
+                session.release_planned = True
         for session in self.scheduler.select(self.sessions.values(), held):
             sid = session.session_id
             finishing = self.scheduler.finishing_chunks(sid)
@@ -566,6 +576,14 @@ class EngineLoop:
             self._emit_chunk(session, chunk, result.chunk, result.decode_ms)
 
     def _emit_chunk(self, session: EngineSession, chunk: ChunkInFlight, output: ChunkOutput, decode_ms: float) -> None:
+        """Send a decoded chunk, once ``output_fault`` finds nothing wrong with it; a
+        malformed one fails the session, and neither it nor a later chunk is sent."""
+        if session.decodes_dropped:
+            return
+        if (fault := output_fault(output, session.geometry, chunk.index)) is not None:
+            session.decodes_dropped = True
+            self._fail(session, f"the decode of chunk {chunk.index} returned {fault}", code="pipeline_error")
+            return
         frame = first_frame(session.geometry, chunk.index)
         self.send(
             ChunkReady(

@@ -13,7 +13,7 @@ from enum import Enum
 
 from rtvideo.engine.mailbox import PendingInteraction
 from rtvideo.engine.messages import AppliedInteraction, SessionGeometry, StartSession
-from rtvideo.engine.plan import StepRow
+from rtvideo.engine.plan import ChunkOutput, StepRow
 
 
 class Phase(Enum):
@@ -35,6 +35,28 @@ def first_frame(geometry: SessionGeometry, index: int) -> int:
 def chunk_frames(geometry: SessionGeometry, index: int) -> int:
     """The frames chunk ``index`` decodes to."""
     return first_frame(geometry, index + 1) - first_frame(geometry, index)
+
+
+def output_fault(output: object, geometry: SessionGeometry, index: int) -> str | None:
+    """What is wrong with a decode's output for chunk ``index`` of a session of
+    ``geometry`` (None: nothing): it must be a ``ChunkOutput`` at the session's
+    size, of the chunk's frames (``chunk_frames``), whose payload is bytes of
+    exactly that many uint8 RGB frames. The engine checks every chunk before it
+    is sent, so a pipeline's fault fails its session instead of reaching the
+    wire (where it could not be encoded, or not be read)."""
+    frames = chunk_frames(geometry, index)
+    want = f"{frames} frames of {geometry.width}x{geometry.height}"
+    if not isinstance(output, ChunkOutput):
+        return f"a {type(output).__name__}, not a ChunkOutput of {want}"
+    got = (output.num_frames, output.width, output.height)
+    if got != (frames, geometry.width, geometry.height):
+        return f"{output.num_frames} frames of {output.width}x{output.height}, not {want}"
+    if not isinstance(output.payload, bytes):
+        return f"a payload of {type(output.payload).__name__}, not bytes"
+    size = frames * geometry.width * geometry.height * 3
+    if len(output.payload) != size:
+        return f"{len(output.payload)} payload bytes, not {size} ({want}, uint8 RGB)"
+    return None
 
 
 def _not_stopped() -> str | None:

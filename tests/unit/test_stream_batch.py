@@ -23,6 +23,7 @@ from rtvideo.engine.messages import (
 )
 from rtvideo.engine.pacing import Playhead
 from rtvideo.engine.plan import ChunkOutput, MicroStep, StepResult
+from rtvideo.engine.session import chunk_frames
 from rtvideo.engine.stream_batch import StreamBatchScheduler
 from rtvideo.workers.pipelines.stub import StubPipeline
 
@@ -30,11 +31,14 @@ from rtvideo.workers.pipelines.stub import StubPipeline
 class SimulatedRing:
     """An executor whose micro-steps finish at once, with the results a ring
     would give: the rows in ``returning`` come back (their sampler step ran,
-    or their commit finished and the chunk decoded)."""
+    or their commit finished and the chunk decoded: blank frames at the size
+    ``describe`` gives the session)."""
 
     depth = 1
 
-    def __init__(self) -> None:
+    def __init__(self, describe) -> None:
+        self.describe = describe
+        self.geometry: dict = {}
         self.plans: list[MicroStep] = []
         self._done: list[StepResult] = []
         self.open: set[str] = set()
@@ -48,6 +52,7 @@ class SimulatedRing:
             result.released.append(sid)
         for start in step.open:
             self.open.add(start.session_id)
+            self.geometry[start.session_id] = self.describe(start)
             result.row(start.session_id, 0)
         for task in step.boundaries:
             result.row(task.session_id, task.chunk_index)
@@ -55,7 +60,9 @@ class SimulatedRing:
             out = result.row(row.session_id, row.chunk_index)
             if row.commit:
                 out.committed = True
-                out.chunk = ChunkOutput(num_frames=1, width=2, height=2, payload=bytes(12))
+                g = self.geometry[row.session_id]
+                frames = chunk_frames(g, row.chunk_index)
+                out.chunk = ChunkOutput(frames, g.width, g.height, bytes(frames * g.width * g.height * 3))
             else:
                 out.stepped = True
         self._done.append(result)
@@ -85,8 +92,9 @@ def make_loop(ranks: int, max_rows: int, **options):
     # no client reports delivery here: an unbounded undelivered budget
     config = EngineConfig(max_sessions=8, pp=ranks, max_undelivered_seconds=1e9, **options)
     sent: list = []
-    control = ControlPlane(config, StubPipeline().describe, sent.append)
-    ring = SimulatedRing()
+    describe = StubPipeline().describe
+    control = ControlPlane(config, describe, sent.append)
+    ring = SimulatedRing(describe)
     ring.wake = control.wake
     loop = EngineLoop(config, control, ring, sent.append, grouping=True, max_rows=max_rows)
     return loop, control, ring, sent
