@@ -152,14 +152,30 @@ def calibrate(
 
         def probe(pixels: int) -> bool:
             """``repeats`` chunks measured at about ``pixels``; False (nothing measured)
-            when a session of that frame would not fit in the memory sessions may hold."""
+            when a session of that frame would not fit in the memory sessions may
+            hold, or its chunk failed (out of memory, most likely: the estimate
+            ``_fits`` goes by is not the device's word). A frame no session asked
+            for must not stop the worker: its failure is logged, and the frame
+            bound derived stays below it."""
+            nonlocal largest
             width, height = _frame(defaults, pixels, multiple, limits.max_size)
             if width * height in measured:
                 return True
             if not _fits(pipeline, width, height):
                 log.info("calibration: a %dx%d session would not fit in memory; not measured", width, height)
                 return False
-            measured[width * height] = _repeated(lambda: _scaled(measure(width, height, 1)[0], fill), repeats)
+            try:
+                measured[width * height] = _repeated(lambda: _scaled(measure(width, height, 1)[0], fill), repeats)
+            except Exception as error:
+                largest = min(largest, width * height - 1)
+                log.warning(
+                    "calibration: a %dx%d chunk failed (%s: %s); larger frames are not admitted",
+                    width,
+                    height,
+                    type(error).__name__,
+                    error,
+                )
+                return False
             return True
 
         def model(pick=_median) -> ChunkCostModel:

@@ -120,3 +120,33 @@ def test_a_configured_frame_bound_measures_no_larger_frame_than_the_default(pipe
     assert set(timings.sessions) == {32 * 32, 64 * 64}  # the default and, for the slope, half its sides
     assert [sample.pixels for sample in calibration.samples] == [32 * 32, 64 * 64]
     assert (calibration.realtime_pixels, calibration.spread) == (None, None)
+
+
+class FailingAbove(Timings):
+    """``Timings`` whose chunks of frames larger than ``pixels`` raise, as a device
+    out of memory does; the frames that failed are in ``failed``."""
+
+    def __init__(self, pixels: int) -> None:
+        super().__init__(1.0)
+        self.pixels = pixels
+        self.failed: list[int] = []
+
+    def __call__(self, width: int, height: int, chunks: int) -> list[ChunkCostSample]:
+        if width * height > self.pixels:
+            self.failed.append(width * height)
+            raise RuntimeError(f"out of memory at {width}x{height}")
+        return super().__call__(width, height, chunks)
+
+
+@pytest.mark.parametrize("fits", [64 * 64, 160 * 160], ids=["the first larger frame", "a later probe"])
+def test_a_larger_frame_whose_chunk_fails_is_not_measured_and_the_bound_stays_below_it(pipeline, fits, caplog):
+    """No session asked for the frames calibration tries: one that fails (out of
+    memory, where ``_fits``'s estimate was wrong) must not stop the worker's start."""
+    timings = FailingAbove(fits)
+    calibration = calibrate(pipeline, load_limit=0.9, measure=timings)
+    assert timings.failed, "no frame failed: the test measures nothing"
+    assert all(sample.pixels <= fits for sample in calibration.samples)
+    assert 64 * 64 <= calibration.realtime_pixels < min(timings.failed)
+    assert "calibration: a" in caplog.text and "chunk failed (RuntimeError: out of memory at" in caplog.text
+    # Without the failure, the same timings derive a larger frame: the bound is the failure's doing.
+    assert calibrate(pipeline, load_limit=0.9, measure=Timings(1.0)).realtime_pixels > min(timings.failed)
