@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -142,9 +143,16 @@ def _first_ephemeral_port() -> int:
         return 49152
 
 
-def video_file(frames: list[np.ndarray], fps: int, codec: str = "ffv1", container: str = "matroska") -> bytes:
+def video_file(
+    frames: list[np.ndarray],
+    fps: int,
+    codec: str = "ffv1",
+    container: str = "matroska",
+    times_ms: list[int] | None = None,
+) -> bytes:
     """``frames`` (uint8 RGB, one size) as a video file at ``fps``: lossless
-    (ffv1, RGB, in Matroska) unless told."""
+    (ffv1, RGB, in Matroska) unless told; ``times_ms``: each frame's timestamp
+    in milliseconds, in place of one every ``1 / fps`` s."""
     import av  # PyAV: only the tests that make a video load it
 
     out = io.BytesIO()
@@ -152,8 +160,13 @@ def video_file(frames: list[np.ndarray], fps: int, codec: str = "ffv1", containe
         stream = muxer.add_stream(codec, rate=fps)
         stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]
         stream.pix_fmt = "bgr0" if codec == "ffv1" else "yuv420p"
-        for image in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+        if times_ms is not None:
+            stream.time_base = Fraction(1, 1000)
+        for index, image in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            if times_ms is not None:
+                frame.pts, frame.time_base = times_ms[index], Fraction(1, 1000)
+            for packet in stream.encode(frame):
                 muxer.mux(packet)
         for packet in stream.encode():
             muxer.mux(packet)

@@ -68,7 +68,7 @@ from rtvideo.server.schemas import (
     resolve,
 )
 from rtvideo.server.settings import ServerSettings
-from rtvideo.server.video_reference import ReferenceFeeder, ReferenceVideo
+from rtvideo.server.video_reference import ReferenceDecoder, ReferenceFeeder, ReferenceVideo
 
 log = logging.getLogger(__name__)
 CAPACITY_RETRY_S = 1.0  # a queued job retries its start at least this often
@@ -293,6 +293,7 @@ class JobManager:
         self._closing = False
         self._deleting: set[str] = set()  # jobs a DELETE is ending: not kept for anyone else
         self._sweeper: asyncio.Task | None = None
+        self._decoder = ReferenceDecoder()  # input videos' decodes, on threads of their own
 
     async def open(self) -> None:
         """Once the server is ready: fail the jobs the previous process left
@@ -320,6 +321,7 @@ class JobManager:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        self._decoder.close()
         await self.store.close()
 
     async def _sweep(self) -> None:
@@ -412,16 +414,19 @@ class JobManager:
         ``RequestError`` naming ``input_reference`` for a file that does not decode or
         is too long or too short."""
         fps = config.fps
-        video = await asyncio.to_thread(ReferenceVideo.open, reference, config.width, config.height, fps)
+        given = any(getattr(request, name) is not None for name in ("num_frames", "num_chunks", "seconds"))
+        limit = config.num_frames if given else self.settings.max_frames  # frames past it are not counted
+        video = await self._decoder.open(reference, config.width, config.height, fps, limit)
         length = f"{video.count} frames at {fps:g} fps ({video.count / fps:g} s)"
-        if video.count == 1:
+        if video.still:
             pass  # a still image: every frame of the job is it (ReferenceFeeder repeats the last frame)
-        elif not any(getattr(request, name) is not None for name in ("num_frames", "num_chunks", "seconds")):
+        elif not given:
             if video.count > self.settings.max_frames:
                 most = self.settings.max_frames
                 raise RequestError(
-                    f"input_reference: the video is {length}, past this server's max_frames ({most} frames, "
-                    "rtvideo serve --max-frames); give a shorter length (num_frames, num_chunks or seconds)"
+                    f"input_reference: the video is longer than this server's max_frames ({most} frames at "
+                    f"{fps:g} fps, {most / fps:g} s; rtvideo serve --max-frames); give a shorter length "
+                    "(num_frames, num_chunks or seconds)"
                 )
             request = request.model_copy(update={"num_frames": video.count})
         elif config.num_frames > video.count:
@@ -568,7 +573,7 @@ class JobManager:
             await self.store.update(job.id, job.body())
             feeder = None
             if job.reference is not None:
-                feeder = ReferenceFeeder(job.reference, handle, job.config.num_chunks)
+                feeder = ReferenceFeeder(job.reference, handle, job.config.num_chunks, self._decoder)
                 feeding = asyncio.create_task(self._feed(job, feeder), name=f"job-input-{job.id}")
             run = JobRun(job, SessionOutput(job.id, job.config, self.metrics), self.store, feeder)
             try:

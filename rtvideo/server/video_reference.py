@@ -1,11 +1,19 @@
 """A job's input video (``POST /v1/videos`` with the file ``input_reference``).
 
-API process; PyAV decodes, always in a thread (``asyncio.to_thread``), never on
-the event loop. ``ReferenceVideo.open`` decodes the file once to check it and
-count its frames at the job's rate, so a file that does not decode, or is too
-short, is refused (``RequestError`` naming ``input_reference``) before the job
-exists; ``frames`` decodes it again as the job runs, one chunk at a time, so a
-long video is never held whole in memory.
+API process; PyAV decodes on threads of its own (``ReferenceDecoder``), never
+on the event loop, nor on the threads that encode sessions' chunks.
+``ReferenceVideo.open`` decodes the file once to check it and count its frames
+at the job's rate, so a file that does not decode, or is too short, is
+refused (``RequestError`` naming ``input_reference``) before the job exists;
+``frames`` decodes it again as the job runs, one chunk at a time, so a long
+video is never held whole in memory.
+
+**Bounds.** A file is untrusted and small files can describe a great deal:
+frames are counted no further than one past what the job may take (a frame
+rate of one frame a day repeats no frame a billion times), a frame of more
+than ``MAX_SOURCE_PIXELS`` is refused before it is decoded, and the check may
+decode for ``DECODE_BUDGET_S`` at most; a request that goes away stops its
+decode.
 
 **Resampling.** Frames are scaled to the job's ``width x height`` (stretched
 when the aspect differs: PyAV's scaler, bicubic) and retimed to its ``fps``:
@@ -28,9 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
+from time import monotonic as time_now
+from typing import Any, TypeVar
 
 import av
 import numpy as np
@@ -42,44 +55,100 @@ from rtvideo.server.video_input import MAX_CHUNKS_AHEAD, InputSink, chunk_frames
 log = logging.getLogger(__name__)
 
 FIELD = "input_reference"
+MAX_SOURCE_PIXELS = 4096 * 4096
+"""The largest input frame decoded, in pixels (4K UHD and DCI 4K pass, 8K does
+not): a frame is scaled down to the job's size, so more is a cost, not detail."""
+DECODE_BUDGET_S = 60.0
+"""The longest the check of an input video (``ReferenceVideo.open``) may decode."""
+T = TypeVar("T")
 
 
-def _retimed(data: bytes, fps: float) -> Iterator[av.VideoFrame]:
-    """The video in ``data`` as frames at ``fps`` (the module's resampling rule),
-    not yet scaled; ``RequestError`` naming the field when it does not decode."""
-    try:
-        container = av.open(io.BytesIO(data), mode="r")
-    except (av.FFmpegError, ValueError, OSError) as error:
-        raise RequestError(f"{FIELD}: not a video file that decodes ({error})") from None
-    with container:
-        if not container.streams.video:
+class _Decoding:
+    """One pass over a file's video stream, within bounds: a frame of more than
+    ``MAX_SOURCE_PIXELS`` is refused before FFmpeg allocates it (the stream's
+    header is read first; FFmpeg's ``max_pixels`` stops a frame that grows
+    mid-stream), and, with a ``deadline`` (``time.monotonic()``), so is a pass
+    that decodes past it, as is one whose ``stop`` is set (its request gone).
+    Every refusal is a ``RequestError`` naming the field."""
+
+    def __init__(self, data: bytes, deadline: float | None = None, stop: threading.Event | None = None) -> None:
+        self.deadline, self.stop = deadline, stop
+        try:
+            self.container = av.open(io.BytesIO(data), mode="r")
+        except (av.FFmpegError, ValueError, OSError) as error:
+            raise RequestError(f"{FIELD}: not a video file that decodes ({error})") from None
+        if not self.container.streams.video:
+            self.container.close()
             raise RequestError(f"{FIELD}: the file holds no video stream")
-        stream = container.streams.video[0]
-        rate = stream.average_rate or stream.guessed_rate or Fraction(25)
-        period = 1.0 / float(rate)
-        slack = min(period, 1.0 / fps) / 8  # container timestamps are rounded (Matroska: to the millisecond)
-        shown: av.VideoFrame | None = None  # the source frame shown now
+        self.stream = self.container.streams.video[0]
+        context = self.stream.codec_context
+        if context.width * context.height > MAX_SOURCE_PIXELS:
+            self.container.close()
+            raise RequestError(_too_large(context.width, context.height))
+        context.options = {"max_pixels": str(MAX_SOURCE_PIXELS)}
+        rate = self.stream.average_rate or self.stream.guessed_rate or Fraction(25)
+        self.period = 1.0 / float(rate)
+        self.decoded = 0  # source frames decoded
+
+    def __enter__(self) -> _Decoding:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.container.close()
+
+    def shown(self) -> Iterator[tuple[float, av.VideoFrame]]:
+        """The source frames shown, each with its time from the first frame's; a
+        frame not after the one before it is not shown."""
         first: float | None = None
         last_time = 0.0
-        j = 0
         try:
-            for index, frame in enumerate(container.decode(stream)):
-                time = frame.time if frame.time is not None else index * period
+            for frame in self.container.decode(self.stream):
+                self._check(frame)
+                time = frame.time if frame.time is not None else self.decoded * self.period
+                self.decoded += 1
                 first = time if first is None else first
                 time -= first
-                if shown is not None and time <= last_time:
-                    continue  # a frame not after the one before it: not shown
-                while shown is not None and j / fps + slack < time:
-                    yield shown
-                    j += 1
-                shown, last_time = frame, time
+                if self.decoded > 1 and time <= last_time:
+                    continue
+                last_time = time
+                yield time, frame
         except av.FFmpegError as error:
-            raise RequestError(f"{FIELD}: the video stopped decoding after {j} frames ({error})") from None
-        if shown is None:
+            raise RequestError(f"{FIELD}: the video stopped decoding after {self.decoded} frames ({error})") from None
+
+    def _check(self, frame: av.VideoFrame) -> None:
+        if frame.width * frame.height > MAX_SOURCE_PIXELS:
+            raise RequestError(_too_large(frame.width, frame.height))
+        if self.stop is not None and self.stop.is_set():
+            raise RequestError(f"{FIELD}: the decode was abandoned (the request ended)")
+        if self.deadline is not None and time_now() > self.deadline:
+            raise RequestError(
+                f"{FIELD}: the video took longer than {DECODE_BUDGET_S:g} s to decode "
+                f"({self.decoded} frames decoded); give a shorter or smaller video"
+            )
+
+    def retimed(self, shown: Iterable[tuple[float, av.VideoFrame]], fps: float) -> Iterator[av.VideoFrame]:
+        """``shown``'s frames at ``fps`` (the module's resampling rule), not yet scaled."""
+        slack = min(self.period, 1.0 / fps) / 8  # container timestamps are rounded (Matroska: to the millisecond)
+        frame: av.VideoFrame | None = None  # the source frame shown now
+        last_time = 0.0
+        j = 0
+        for time, following in shown:
+            while frame is not None and j / fps + slack < time:
+                yield frame
+                j += 1
+            frame, last_time = following, time
+        if frame is None:
             raise RequestError(f"{FIELD}: the video has no frame that decodes")
-        while j / fps + slack < last_time + period:
-            yield shown
+        while j / fps + slack < last_time + self.period:
+            yield frame
             j += 1
+
+
+def _too_large(width: int, height: int) -> str:
+    return (
+        f"{FIELD}: {width}x{height} frames; frames of at most {MAX_SOURCE_PIXELS} pixels "
+        "(4096x4096) are taken: scale the video down"
+    )
 
 
 class ReferenceVideo:
@@ -88,34 +157,85 @@ class ReferenceVideo:
     def __init__(self, data: bytes, width: int, height: int, fps: float, count: int) -> None:
         self.data = data
         self.width, self.height, self.fps = width, height, fps
-        self.count = count  # frames at ``fps``
+        self.count = count  # frames at ``fps`` (one: a still image), at most one past ``open``'s ``limit``
+
+    @property
+    def still(self) -> bool:
+        """One frame, standing for every frame of a job (a still image, or any file of one frame)."""
+        return self.count == 1
 
     @classmethod
-    def open(cls, data: bytes, width: int, height: int, fps: float) -> ReferenceVideo:
-        """Decode ``data`` once (call it in a thread): its frame count at ``fps``;
-        ``RequestError`` naming ``input_reference`` for a file that does not decode."""
+    def open(
+        cls, data: bytes, width: int, height: int, fps: float, limit: int, stop: threading.Event | None = None
+    ) -> ReferenceVideo:
+        """Decode ``data`` once (call it in a thread, ``ReferenceDecoder.open``): its
+        frame count at ``fps``, counted no further than ``limit + 1`` (a count past
+        ``limit`` is all a caller needs to refuse it); a file of one source frame
+        counts one, whatever its frame rate says (a still image). ``RequestError``
+        naming ``input_reference`` for a file that does not decode, or does not
+        within the bounds ``_Decoding`` keeps (``DECODE_BUDGET_S`` included)."""
         if not data:
             raise RequestError(f"{FIELD}: the file is empty")
-        count = sum(1 for _ in _retimed(data, fps))
+        with _Decoding(data, deadline=time_now() + DECODE_BUDGET_S, stop=stop) as decoding:
+            shown = decoding.shown()
+            firsts = list(itertools.islice(shown, 2))
+            if len(firsts) == 1:
+                count = 1
+            else:
+                frames = decoding.retimed(itertools.chain(firsts, shown), fps)
+                count = sum(1 for _ in itertools.islice(frames, limit + 1))
         return cls(data, width, height, fps, count)
 
     def frames(self) -> Iterator[np.ndarray]:
         """Its frames, uint8 RGB ``[height, width, 3]``, ``count`` of them, decoded as
         they are asked for (each ``next`` in a thread)."""
         converted: tuple[av.VideoFrame, np.ndarray] | None = None
-        for frame in _retimed(self.data, self.fps):
-            if converted is None or converted[0] is not frame:  # a repeated frame is converted once
-                image = frame.reformat(width=self.width, height=self.height, format="rgb24").to_ndarray()
-                converted = (frame, image)
-            yield converted[1]
+        with _Decoding(self.data) as decoding:
+            for frame in itertools.islice(decoding.retimed(decoding.shown(), self.fps), self.count):
+                if converted is None or converted[0] is not frame:  # a repeated frame is converted once
+                    image = frame.reformat(width=self.width, height=self.height, format="rgb24").to_ndarray()
+                    converted = (frame, image)
+                yield converted[1]
+
+
+class ReferenceDecoder:
+    """The threads that decode jobs' input videos, ``THREADS`` of them, apart from
+    the default executor the server encodes its chunks on: a costly input never
+    holds up another session's output. ``close`` at shutdown abandons what runs."""
+
+    THREADS = 2
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(self.THREADS, thread_name_prefix="input-reference")
+        self._stops: set[threading.Event] = set()
+
+    async def open(self, data: bytes, width: int, height: int, fps: float, limit: int) -> ReferenceVideo:
+        """``ReferenceVideo.open`` on these threads; a caller cancelled (its request
+        gone) stops the decode at its next frame."""
+        stop = threading.Event()
+        self._stops.add(stop)
+        try:
+            return await self.run(ReferenceVideo.open, data, width, height, fps, limit, stop)
+        finally:
+            stop.set()
+            self._stops.discard(stop)
+
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    def close(self) -> None:
+        for stop in self._stops:
+            stop.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class ReferenceFeeder:
     """Hands a job's input video to its engine session, chunk by chunk, in order,
     at most ``MAX_CHUNKS_AHEAD`` chunks ahead of what the engine made (``made``)."""
 
-    def __init__(self, video: ReferenceVideo, sink: InputSink, num_chunks: int) -> None:
+    def __init__(self, video: ReferenceVideo, sink: InputSink, num_chunks: int, decoder: ReferenceDecoder) -> None:
         self.video = video
+        self.decoder = decoder
         self.sink = sink
         self.num_chunks = num_chunks
         self.chunks_made = 0
@@ -143,7 +263,7 @@ class ReferenceFeeder:
             while chunk >= self.chunks_made + MAX_CHUNKS_AHEAD:
                 self._wake.clear()
                 await self._wake.wait()
-            images = await asyncio.to_thread(take, chunk_frames(chunk, self.sink.geometry))
+            images = await self.decoder.run(take, chunk_frames(chunk, self.sink.geometry))
             try:
                 await self.sink.send_input(chunk, images)
             except EngineError as error:

@@ -371,12 +371,18 @@ def test_with_no_length_the_videos_own_is_held_to_max_frames_not_the_four_second
     assert accepted.status_code == 202 and accepted.json()["num_frames"] == 24, accepted.text
     too_long = post_job(server, file=video_file([picture(i) for i in range(48)], 16))
     assert too_long.status_code == 422 and too_long.json()["error"]["message"].startswith(
-        "input_reference: the video is 48 frames at 16 fps (3 s), past this server's max_frames (40 frames"
+        "input_reference: the video is longer than this server's max_frames (40 frames at 16 fps, 2.5 s;"
     ), too_long.text
     still = post_job(server, file=jpeg(picture(3)))
     assert still.status_code == 422 and still.json()["error"]["message"].startswith(
         "seconds: none of num_frames, num_chunks, seconds was given, so the job is 4 s (64 frames at 16 fps)"
     ), still.text
+    # Two frames a day apart (2 KB): counted no further than max_frames, not 1.4 million frames one by one.
+    day = video_file([picture(0), picture(1)], 16, times_ms=[0, 86_400_000])
+    endless = post_job(server, file=day)
+    assert endless.status_code == 422 and "longer than this server's max_frames" in endless.text, endless.text
+    bounded = post_job(server, file=day, num_frames="20")
+    assert bounded.status_code == 202 and bounded.json()["num_frames"] == 20, bounded.text
 
 
 def completed(server, video_id: str, within: float = 30.0) -> dict:
