@@ -400,6 +400,8 @@ class LiveSession:
             self._grace = None
         self.kept.clear()
         self.buffer.clear()  # now, not when the cyclic collector gets to this object
+        if self.input is not None:
+            self.input.release()  # its frames waiting and its decoder's pictures, now too
 
     # ------------------------------------------------------------------
     # what controllers do

@@ -128,8 +128,10 @@ def jpeg_size(image: bytes) -> tuple[int, int] | None:
         return None
     at = 2
     while at + 4 <= len(image):
-        if image[at] != 0xFF:
-            return None
+        if image[at] != 0xFF:  # stray bytes before a marker: decoders pass over them, and so does this
+            at = image.find(b"\xff", at)
+            if at < 0 or at + 4 > len(image):
+                return None
         marker = image[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
@@ -155,17 +157,28 @@ def _wrong_size(index: int, size: tuple[int, int], spec: VideoInput) -> str:
 
 
 class JpegDecoder:
-    """A session's JPEG decoder (PyAV's mjpeg): used by one thread at a time."""
+    """A session's JPEG decoder (PyAV's mjpeg): used by one thread at a time. It
+    decodes no picture much larger than ``width x height`` (FFmpeg's own bound,
+    ``max_pixels``, checked before the picture is allocated): a frame of another
+    size is refused anyway (``decode_image``), and one that claims a huge size
+    must not cost its decode."""
 
-    def __init__(self) -> None:
-        self._codec = av.CodecContext.create("mjpeg", "r")
+    def __init__(self, width: int, height: int) -> None:
+        # FFmpeg checks the size it allocates, the width padded (to 64 here): the bound is padded alike.
+        self.max_pixels = -(-width // 64) * 64 * -(-height // 64) * 64
+        self._codec = self._fresh()
+
+    def _fresh(self) -> av.CodecContext:
+        codec = av.CodecContext.create("mjpeg", "r")
+        codec.options = {"max_pixels": str(self.max_pixels)}
+        return codec
 
     def decode(self, image: bytes) -> av.VideoFrame:
         """The one picture ``image`` holds; ``ValueError`` saying why when there is none."""
         try:
             pictures = self._codec.decode(av.Packet(image))
         except av.FFmpegError as error:
-            self._codec = av.CodecContext.create("mjpeg", "r")  # a fresh one after a failure
+            self._codec = self._fresh()  # a fresh one after a failure
             raise ValueError(str(error)) from None
         if not pictures:
             raise ValueError("no picture in it")
@@ -179,8 +192,10 @@ def decode_image(frame: InputFrame, spec: VideoInput, decoder: JpegDecoder | Non
     if spec.format == "raw":
         return np.frombuffer(frame.image, dtype=np.uint8).reshape(spec.height, spec.width, 3)
     try:
-        picture = (decoder or JpegDecoder()).decode(frame.image)
+        picture = (decoder or JpegDecoder(spec.width, spec.height)).decode(frame.image)
     except ValueError as error:
+        if (size := jpeg_size(frame.image)) is not None and size != (spec.width, spec.height):
+            raise FrameError(_wrong_size(frame.index, size, spec), frame.index) from None  # the decoder's bound
         raise FrameError(f"frame {frame.index}: not a JPEG image that decodes ({error})", frame.index) from None
     if (picture.width, picture.height) != (spec.width, spec.height):
         raise FrameError(_wrong_size(frame.index, (picture.width, picture.height), spec), frame.index)
@@ -270,9 +285,16 @@ class InputFeeder:
         self.chunks_made = 0  # chunks the engine has made (the newest index made + 1)
         self.sent: dict[int, ChunkInput] = {}  # chunk index -> its input, until its output is written
         self.invalid = 0  # frames refused, over the session
-        self._decoder = JpegDecoder() if spec.format == "jpeg" else None
+        self._decoder = JpegDecoder(spec.width, spec.height) if spec.format == "jpeg" else None
         self._wake = asyncio.Event()  # set by what may let the task go on (a frame, a chunk made)
         self._idle = asyncio.Event()  # set while the task waits with nothing it can do (``settled``)
+
+    def release(self) -> None:
+        """The session is over: the frames waiting and the decoder's pictures go now,
+        not when the last reference to this feeder does."""
+        self.gatherer.waiting.clear()
+        if self._decoder is not None:
+            self._decoder = JpegDecoder(self.spec.width, self.spec.height)
 
     @property
     def dropped(self) -> int:
@@ -343,7 +365,10 @@ class InputFeeder:
             try:
                 good.append((frame, decode_image(frame, self.spec, self._decoder)))
             except FrameError as error:
-                errors.append(error)
+                # Without its traceback: that holds the decode's frames (a picture as large as the
+                # image claimed) and this one's, whose list holds the error: a cycle only a full
+                # collection would free.
+                errors.append(error.with_traceback(None))
         return good, errors
 
     async def run(self) -> None:

@@ -27,6 +27,7 @@ from rtvideo.server.video_input import (
     FrameGatherer,
     InputFeeder,
     InputFrame,
+    JpegDecoder,
     decode_image,
     jpeg_size,
     parse_frame,
@@ -121,6 +122,39 @@ def test_a_jpegs_size_is_read_from_its_frame_header_without_decoding_it():
     with pytest.raises(FrameError, match=r"^frame 4: a 16x12 image; the session's input is 8x6") as refused:
         parse_frame(HEADER.pack(4, 0) + jpeg_image(16, 12), JPEG, last_index=3, received_at=0.0)
     assert refused.value.frame_index == 4
+
+
+def claiming(width: int, height: int, stray: bytes = b"\x00") -> bytes:
+    """A small JPEG whose frame header claims ``width x height``, with ``stray``
+    bytes between its start marker and its first segment (which decoders pass over)."""
+    image = bytearray(jpeg_image(16, 16))
+    at = next(i for i in range(2, len(image) - 1) if image[i] == 0xFF and image[i + 1] in (0xC0, 0xC2))
+    image[at + 5 : at + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(image[:2] + stray + image[2:])
+
+
+def test_a_jpeg_claiming_a_huge_size_is_refused_by_its_size_without_being_decoded():
+    bomb = claiming(8000, 8000)  # 8000x8000 would decode to 96 MB of RGB
+    assert jpeg_size(bomb) == (8000, 8000)  # read past the stray byte, as a decoder reads
+    with pytest.raises(FrameError, match=r"^frame 5: a 8000x8000 image; the session's input is 8x6"):
+        parse_frame(HEADER.pack(5, 0) + bomb, JPEG, last_index=None, received_at=0.0)
+    # What the size check cannot read, the decoder's own bound refuses before allocating a picture.
+    assert JpegDecoder(W, H).decode(jpeg_image()).width == W
+    with pytest.raises(ValueError):
+        JpegDecoder(W, H).decode(claiming(200, 200, stray=b""))
+    past_it = InputFrame(index=6, capture_us=0, image=claiming(8000, 8000, stray=b""), received_at=0.0)
+    with pytest.raises(FrameError, match=r"^frame 6: a 8000x8000 image; the session's input is 8x6"):
+        decode_image(past_it, JPEG, JpegDecoder(W, H))
+
+
+def test_a_frame_refused_while_decoding_keeps_no_traceback(metrics):
+    """Its traceback would hold the decode's frames, a picture as large as the image
+    claimed among them, in a cycle through the list of errors: freed only by a full
+    collection, which a server rarely runs (each such session held its pictures)."""
+    feeder = InputFeeder(JPEG, Sink(), metrics, on_error=lambda error: None)
+    garbage = InputFrame(index=1, capture_us=0, image=b"\xff\xd8not a jpeg at all" * 4, received_at=0.0)
+    good, errors = feeder._decode([garbage])
+    assert good == [] and len(errors) == 1 and errors[0].__traceback__ is None
 
 
 def test_a_raw_image_is_its_bytes():
