@@ -68,6 +68,17 @@ def test_strength_maps_to_the_nearest_level_of_the_schedule():
         input_start_step(1.5, four)
 
 
+def test_a_size_or_rate_taken_from_the_input_is_refused_naming_the_inputs_field(pipeline):
+    odd = VideoInput(strength=0.5, format="raw", width=24, height=64, fps=16.0)
+    with pytest.raises(ValueError, match=r"^input.width must be a multiple of 16 up to"):
+        pipeline.describe(StartSession(session_id="w", prompt="p", input=odd))
+    slow = VideoInput(strength=0.5, format="raw", width=64, height=64, fps=0.5)
+    with pytest.raises(ValueError, match=r"^input.fps must be between 1 and 60, got 0.5"):
+        pipeline.describe(StartSession(session_id="f", prompt="p", input=slow))
+    with pytest.raises(ValueError, match=r"^width must be a multiple of 16"):  # the request's own
+        pipeline.describe(StartSession(session_id="r", prompt="p", width=24))
+
+
 @pytest.mark.parametrize(("strength", "steps"), [(1.0, 4), (0.9, 3), (0.8, 2), (0.5, 1), (0.0, 0)])
 def test_the_geometry_says_the_steps_each_chunk_runs(pipeline, strength, steps):
     geometry = pipeline.describe(video_start("g", strength))

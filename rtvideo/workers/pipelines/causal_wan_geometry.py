@@ -82,12 +82,13 @@ class CausalWanGeometry:
         height = start.height if start.height is not None else given.height if given else self.default_size[1]
         for name, value in (("width", width), ("height", height)):
             if value % self.spatial or not self.spatial <= value <= self.max_size:
-                raise ValueError(f"{name} must be a multiple of {self.spatial} up to {self.max_size}, got {value}")
+                field = _named(name, start)
+                raise ValueError(f"{field} must be a multiple of {self.spatial} up to {self.max_size}, got {value}")
         steps = start.num_inference_steps if start.num_inference_steps is not None else 4
         timesteps = self_forcing_timesteps(steps)  # raises naming num_inference_steps
         fps = start.fps if start.fps is not None else given.fps if given else self.fps
         if not 1.0 <= fps <= 60.0:
-            raise ValueError(f"fps must be between 1 and 60, got {fps}")
+            raise ValueError(f"{_named('fps', start)} must be between 1 and 60, got {fps}")
         if given is not None:  # the chunks run the steps left from the input's start step
             steps -= self._check_input(given, width, height, fps, timesteps)
         decoder = self.decoders[chosen_decoder(start, self.default_decoder, self.decoders, self.name)]
@@ -189,3 +190,9 @@ class CausalWanGeometry:
         if self.cuda_graphs is True:  # at most one full batch's activations, in the graphs' pool
             transient *= 2
         return max(0, free + unused - transient - 2**30 - self.kept_room())
+
+
+def _named(name: str, start: StartSession) -> str:
+    """The field a session's ``width``, ``height`` or ``fps`` came from: the
+    request's own, or, where it gave none, its input video's (``input.width`` ...)."""
+    return f"input.{name}" if getattr(start, name) is None and start.input is not None else name
