@@ -215,7 +215,7 @@ def run_worker(
     finally:
         receiver.stop()
         if group is not None:
-            group.close()
+            group.close(broken=exit_code != 0)
         if launched:
             sender.send(WorkerExiting(code=exit_code, reason=why))
         sender.close()

@@ -574,7 +574,11 @@ class EngineClient:
     def unavailable(self) -> EngineDeadError | None:
         """Why a call would be refused now (``EngineRestartingError`` while a fresh
         worker is on its way), or None when a worker is up."""
-        if self.state is WorkerState.RESTARTING:
+        restarting = self.state is WorkerState.RESTARTING
+        # A worker that said its engine is dead (EngineDead) is exiting: a restart follows its exit
+        # where the budget allows one, so callers wait it out as they would the restart itself.
+        dying = self.state is WorkerState.UP and self._dead_reason is not None and self._budget.allows()
+        if restarting or dying:
             return EngineRestartingError(
                 f"the worker is restarting ({self._dead_reason or 'it died'}); retry in {self.retry_after_s:.0f} s",
                 self.retry_after_s,

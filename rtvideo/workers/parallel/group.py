@@ -292,13 +292,16 @@ class RankGroup:
             return [int(self._store.get(f"pid/{rank}")) for rank in range(1, self.world)]
         return [process.pid for process in self._processes]
 
-    def close(self) -> None:
-        """Stop the followers (they finish the plan in hand), then leave the group."""
+    def close(self, broken: bool = False) -> None:
+        """Stop the followers (they finish the plan in hand), then leave the group.
+        ``broken``: the ring failed (a rank died, or a link timed out): a follower
+        may be stopped or wedged, and nothing of theirs is needed any more, so
+        they are killed at once rather than waited for (the restart waits on it)."""
         self._closing.set()
         if self.link is not None:
             self.sockets.send_stop()
         for process in self._processes:
-            if self.link is not None:  # joined: it stops at the plans' stop; else it waits for blocks
+            if self.link is not None and not broken:  # joined: it stops at the plans' stop; else it waits for blocks
                 process.join(self.config.shutdown_timeout_s)
             if process.is_alive():
                 process.kill()
