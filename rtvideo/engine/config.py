@@ -190,10 +190,8 @@ class EngineConfig:
         nice = self.decode_nice
         _check(nice is None or 0 <= nice <= 19, "decode_nice", "must be 0 to 19")
         _check(self.orphan_after_s > 0, "orphan_after_s", "must be > 0")
-        if self.worker_listen is not None:
-            host, _, port = self.worker_listen.rpartition(":")
-            ok = bool(host) and port.isdigit() and 0 < int(port) < 65535
-            _check(ok, "worker_listen", f"must look like HOST:PORT with PORT below 65535, got {self.worker_listen!r}")
+        if self.worker_listen is not None and (why := worker_listen_fault(self.worker_listen)) is not None:
+            _check(False, "worker_listen", why)
 
     @property
     def worker_modules(self) -> tuple[str, ...]:
@@ -232,6 +230,14 @@ def config_from_wire(data: dict) -> EngineConfig:
         return EngineConfig(pipeline=PipelineSpec(**pipeline), **fields)
     except TypeError as error:
         raise ValueError(f"EngineConfig from the API process: {error}") from None
+
+
+def worker_listen_fault(value: str) -> str | None:
+    """What is wrong with a ``worker_listen`` address (None: nothing)."""
+    host, _, port = value.rpartition(":")
+    if host and port.isdigit() and 0 < int(port) < 65535:
+        return None
+    return f"must look like HOST:PORT with PORT below 65535, got {value!r}"
 
 
 def _check(ok: bool, name: str, rule: str) -> None:

@@ -12,7 +12,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from rtvideo.engine.config import LOG_LEVELS, PP_DECODES, PP_TRANSPORTS
+from rtvideo.engine.config import LOG_LEVELS, PP_DECODES, PP_TRANSPORTS, worker_listen_fault
 from rtvideo.engine.limits import DECODERS
 
 GROUPS = {
@@ -269,8 +269,12 @@ class ServerSettings:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, got {self.port}")
+        if not self.host:  # an empty host binds every interface: never what an empty variable meant
+            raise ValueError("host must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface)")
         if not self.data_dir:
             raise ValueError("data_dir must not be empty")
+        if self.worker_listen is not None and (why := worker_listen_fault(self.worker_listen)) is not None:
+            raise ValueError(f"worker_listen {why}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.pp_transport not in PP_TRANSPORTS:

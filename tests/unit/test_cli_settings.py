@@ -36,6 +36,9 @@ def test_environment_then_flags():
         (("--session-memory-gib", "inf"), {}, "session_memory_gib must be a finite number, got inf"),
         ((), {"RTVIDEO_SLO_FIRST_CHUNK_S": "nan"}, "slo_first_chunk_s must be a finite number, got nan"),
         ((), {"RTVIDEO_MAX_REALTIME_LOAD": "-inf"}, "max_realtime_load must be a finite number"),
+        ((), {"RTVIDEO_HOST": ""}, "host must not be empty"),  # '' would bind every interface
+        (("--host", ""), {}, "host must not be empty"),
+        (("--worker-listen", "abc"), {}, "worker_listen must look like HOST:PORT"),  # one line, not a traceback
     ],
 )
 def test_bad_values_exit_naming_the_option(argv, env, names):
