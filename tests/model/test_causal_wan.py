@@ -415,8 +415,12 @@ def test_the_default_attention_span_is_the_weights_trained_span(tmp_path, monkey
         ({"seed": 2**70}, r"^seed must be between 0 and 9223372036854775807, got 1180591620717411303424$"),
         ({"seed": -1}, r"^seed must be between 0 and"),
         ({"vae_dtype": "x"}, r"^vae_dtype must be auto, bfloat16 or float32, got 'x'$"),
-        ({"compile": "yes"}, r"^compile must be true or false, got 'yes'$"),
-        ({"fused_elementwise": 1}, r"^fused_elementwise must be true or false, got 1$"),
+        ({"compile": "yes"}, r"^pipeline option compile: Expected `bool`, got `str` \('yes'\)$"),
+        ({"fused_elementwise": 1}, r"^pipeline option fused_elementwise: Expected `bool`, got `int` \(1\)$"),
+        ({"window_frames": 9.0}, r"^pipeline option window_frames: Expected `int \| null`, got `float` \(9.0\)$"),
+        ({"fps": "16"}, r"^pipeline option fps: Expected `float`, got `str` \('16'\)$"),
+        ({"name": "x"}, r"^pipeline option name: set by the model's preset or directory, not an option$"),
+        ({"warm_up_chunks": -1}, r"^warm_up_chunks must be >= 0, got -1$"),
     ],
 )
 def test_options_out_of_range_are_refused_naming_the_option_and_its_value(options, refusal):

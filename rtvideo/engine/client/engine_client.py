@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -290,7 +291,10 @@ class EngineClient:
             if isinstance(self._process, LaunchedWorker) and self._process.hello is None:
                 raise EngineStartupError(f"no launched worker group connected to {self.config.worker_listen} {within}")
             raise EngineStartupError(f"worker sent no READY {within}")
-        return decode_result(receive.result())
+        try:
+            return decode_result(receive.result())
+        except msgspec.DecodeError as error:  # a worker of another version, or a describe gone wrong
+            raise EngineStartupError(f"the worker sent a message the API process cannot read: {error}") from None
 
     async def shutdown(self) -> None:
         """End every session (``SessionDone(reason="shutdown")``) and stop the worker.

@@ -63,6 +63,7 @@ from rtvideo.workers.pipelines.causal_wan_weights import cast, resolve_dtype
 from rtvideo.workers.pipelines.causal_wan_weights import own_aligned_memory as _own_aligned_memory  # noqa: F401  (tests)
 from rtvideo.workers.pipelines.conditioning import PromptBlend, nearest_known
 from rtvideo.workers.pipelines.kv_cache import SessionKVCache
+from rtvideo.workers.pipelines.options import check_option_types
 from rtvideo.workers.pipelines.presets import Components, build_tiny, load_directory
 from rtvideo.workers.pipelines.quantize import QUANTIZE, quantize_fp8
 from rtvideo.workers.pipelines.step_graphs import CudaGraphsOption, step_graphs_for
@@ -242,6 +243,8 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
         self.sink_frames, self.window_frames = sink_frames, window_frames
         self.fps = fps
         self.max_size = max_size
+        if warm_up_chunks < 0:
+            raise ValueError(f"warm_up_chunks must be >= 0, got {warm_up_chunks}")
         self.warm_up_chunks = warm_up_chunks  # the first chunk and a cached one: both kernel paths
         self.spatial = 8 * self.transformer.config.patch_size[1]  # VAE 8x, then the patch
         self.kept = self._kept_caches(kept_caches)  # None: a released session's cache is freed
@@ -732,9 +735,14 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
             self._blocks(caches, activations, range(self.num_blocks), commit=True)
 
 
+NOT_OPTIONS = ("components", "name")
+"""Arguments of ``CausalWanPipeline`` the factories give, not the user."""
+
+
 def build(preset: str = "tiny", model_dir: str | None = None, device: str | None = None, **options: Any):
     """The pipeline registry's factory: a preset (``tiny``: random weights;
     ``demo``: the shipped demo model), or a model directory."""
+    check_option_types(CausalWanPipeline.__init__, options, NOT_OPTIONS)
     if model_dir is not None:
         target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(options.get("dtype"), target)
@@ -753,6 +761,7 @@ def build_demo(device: str | None = None, **options: Any):
     offline. Small enough to warm up at start on a CPU like the tiny preset."""
     from rtvideo.workers.demo import WEIGHTS
 
+    check_option_types(CausalWanPipeline.__init__, options, NOT_OPTIONS)
     options.setdefault("warm_up_chunks", 2)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     components = load_directory(WEIGHTS, resolve_dtype(options.get("dtype"), target))
