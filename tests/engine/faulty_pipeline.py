@@ -40,3 +40,32 @@ def build_gated(*, gate, **options):
 
     pipeline.forward = gated_forward
     return pipeline
+
+
+def build_bad_later_decode(*, bad_prompt: str, bad_chunk: int, **options):
+    """The ``tiny`` preset whose decode on a later rank returns what cannot be a
+    chunk (an empty ``ChunkOutput``) for the ``bad_chunk``-th chunk of sessions
+    started with ``bad_prompt`` (a batch holding one raises: each decodes alone)."""
+    from rtvideo.engine.plan import ChunkOutput
+
+    pipeline = build_tiny(**options)
+    decode_latent, decode_latents = pipeline.decode_latent, pipeline.decode_latents
+    decoded: dict[str, int] = {}
+
+    def later_and_bad(session) -> bool:
+        return pipeline.owned.start > 0 and session.start.prompt == bad_prompt
+
+    def bad_decode_latent(session, clean):
+        if later_and_bad(session):
+            count = decoded[session.session_id] = decoded.get(session.session_id, 0) + 1
+            if count - 1 == bad_chunk:
+                return ChunkOutput(0, 0, 0, b"")
+        return decode_latent(session, clean)
+
+    def bad_decode_latents(sessions, cleans):
+        if any(later_and_bad(session) for session in sessions):
+            raise RuntimeError("a batch holding the bad session")
+        return decode_latents(sessions, cleans)
+
+    pipeline.decode_latent, pipeline.decode_latents = bad_decode_latent, bad_decode_latents
+    return pipeline

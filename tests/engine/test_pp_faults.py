@@ -53,6 +53,31 @@ async def test_a_boundary_that_fails_on_a_later_rank_fails_its_session_and_no_ot
     assert isinstance(again.end, SessionDone) and len(again.chunks) == 3
 
 
+async def test_a_decode_on_a_later_rank_that_returns_no_chunk_fails_its_session_not_the_group():
+    """The first session decodes on rank 1 (a follower takes a tie). A decode there
+    whose output cannot travel as frames is that session's decode error, as on
+    rank 0: it used to end rank 1's decode thread, and so the whole group."""
+    options = {"device": "cpu", "warm_up_chunks": 1, "bad_prompt": "doomed", "bad_chunk": 1}
+    spec = PipelineSpec("tests.engine.faulty_pipeline:build_bad_later_decode", options)
+    engine = EngineClient(EngineConfig(pipeline=spec, pp=2, max_batch_rows=2, startup_timeout_s=120, **PINNED_LIMITS))
+    await engine.start()
+    try:
+        worker = engine.worker_pid
+        doomed = await engine.start_session(StartSession(session_id="d", prompt="doomed", num_chunks=4, **SIZE))
+        healthy = await engine.start_session(StartSession(session_id="h", prompt="fine", num_chunks=4, **SIZE))
+        doomed_seen, healthy_seen = await asyncio.gather(collect(doomed, timeout=120), collect(healthy, timeout=120))
+        assert engine.worker_pid == worker and engine.restarts == 0  # the group lives on
+        probe = await engine.probe()
+    finally:
+        await engine.shutdown()
+    end = doomed_seen.end
+    assert isinstance(end, SessionFailed) and end.code == "pipeline_error", end
+    assert end.message == "rank 1: decode returned an empty payload", end.message
+    assert [c.generation_chunk_index for c in doomed_seen.chunks] == [0]
+    assert isinstance(healthy_seen.end, SessionDone) and len(healthy_seen.chunks) == 4
+    assert probe.sessions == probe.runner_sessions == probe.pipeline_sessions == ()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for GPUs where none is visible")
 async def test_ranks_with_no_device_to_run_on_fail_the_start_in_one_line_naming_why():
     """Pipeline ranks asked onto GPUs this host does not have: the start fails at

@@ -140,7 +140,7 @@ class DecodeServer:
         wanted: list[int] = []
         for row, (sid, chunk_index, _) in enumerate(batch):
             if sid in self._cancelled or self._cancel_arrived(sid):
-                replies[row] = _reply(sid, chunk_index, None, 0.0, None, True)
+                replies[row] = self._reply(sid, chunk_index, None, 0.0, None, True)
             elif sid in self._states:
                 wanted.append(row)
         if len(wanted) > 1:
@@ -159,11 +159,14 @@ class DecodeServer:
             except Exception:
                 log.warning("a batched decode of %d chunks failed; decoding each alone", len(wanted), exc_info=True)
                 chunks = None
+            if chunks is not None and len(chunks) != len(wanted):
+                log.warning("a batched decode of %d chunks returned %d; decoding each alone", len(wanted), len(chunks))
+                chunks = None
             if chunks is not None:
                 share = (time.perf_counter() - began) * 1000.0 / len(wanted)
                 for row, chunk in zip(wanted, chunks, strict=True):
                     sid, chunk_index, _ = batch[row]
-                    replies[row] = _reply(sid, chunk_index, chunk, share, None, chunk is None)
+                    replies[row] = self._reply(sid, chunk_index, chunk, share, None, chunk is None)
         for row, (sid, chunk_index, clean) in enumerate(batch):
             if row not in replies:
                 replies[row] = self._decode(sid, chunk_index, clean)
@@ -180,7 +183,7 @@ class DecodeServer:
             cancelled = True
         except Exception as failure:
             error = self._failed(failure)
-        return _reply(sid, chunk_index, chunk, (time.perf_counter() - began) * 1000.0, error, cancelled)
+        return self._reply(sid, chunk_index, chunk, (time.perf_counter() - began) * 1000.0, error, cancelled)
 
     def _split_part(self, message: Message) -> Message | None:
         """One part of a split chunk (``DecodeFront``): a latent frame's back
@@ -205,7 +208,7 @@ class DecodeServer:
                 except Exception as failure:
                     error = self._failed(failure)
             ms = chunk.back_ms + header.front_ms + (time.perf_counter() - began) * 1000.0
-            return _reply(sid, chunk_index, output, ms, error, cancelled)
+            return self._reply(sid, chunk_index, output, ms, error, cancelled)
         if chunk.error is not None or chunk.cancelled:
             return None
         began = time.perf_counter()
@@ -253,7 +256,7 @@ class DecodeServer:
             replies = []
             for (sid, chunk_index), output in zip(rows, outputs, strict=True):
                 cancelled = abandoned or sid in self._cancelled
-                replies.append(_reply(sid, chunk_index, None if cancelled else output, ms, error, cancelled))
+                replies.append(self._reply(sid, chunk_index, None if cancelled else output, ms, error, cancelled))
             return replies
         if batch.error is not None or batch.cancelled:
             return []
@@ -269,6 +272,9 @@ class DecodeServer:
             batch.error = self._failed(failure)
         batch.back_ms += (time.perf_counter() - began) * 1000.0
         return []
+
+    def _reply(self, sid: str, chunk_index: int, chunk, ms: float, error: str | None, cancelled: bool) -> Message:
+        return _reply(sid, chunk_index, chunk, ms, error, cancelled, self._sockets.rank)
 
     def _held(self, sid: str):
         """This rank's copy of ``sid``; ``RuntimeError`` naming it when it has none."""
@@ -330,8 +336,16 @@ class _SplitChunk:
         self.cancelled = False  # a part was abandoned here (a cancel came)
 
 
-def _reply(sid: str, chunk_index: int, chunk: ChunkOutput | None, ms: float, error: str | None, cancelled: bool):
-    """A ``DECODED`` frame (``Decoded``): the chunk's frames, or why there are none."""
+def _reply(
+    sid: str, chunk_index: int, chunk: ChunkOutput | None, ms: float, error: str | None, cancelled: bool, rank: int
+):
+    """A ``DECODED`` frame (``Decoded``): the chunk's frames, or why there are none.
+    A pipeline's output that cannot travel as frames (not a ``ChunkOutput`` of
+    integer sizes and a non-empty bytes payload) is answered as the session's
+    decode error: it must fail that session, never the thread that serves every
+    session's decodes. Rank 0 checks what travels against the session's size."""
+    if chunk is not None and (fault := _unsendable(chunk)) is not None:
+        chunk, error = None, error or f"rank {rank}: decode returned {fault}"
     frames = None if chunk is None else (chunk.num_frames, chunk.width, chunk.height)
     header = Decoded(session_id=sid, chunk_index=chunk_index, ms=ms, frames=frames, error=error, cancelled=cancelled)
     tensors: list[torch.Tensor] = []
@@ -340,3 +354,16 @@ def _reply(sid: str, chunk_index: int, chunk: ChunkOutput | None, ms: float, err
             warnings.simplefilter("ignore", UserWarning)
             tensors = [torch.frombuffer(chunk.payload, dtype=torch.uint8)]
     return Message(header, tensors)
+
+
+def _unsendable(chunk: object) -> str | None:
+    """What keeps a decode's output from travelling as frames (None: nothing)."""
+    if not isinstance(chunk, ChunkOutput):
+        return f"a {type(chunk).__name__}, not a ChunkOutput"
+    sizes = (chunk.num_frames, chunk.width, chunk.height)
+    if not all(type(size) is int for size in sizes):
+        return f"sizes {sizes!r}, not integers"
+    if not isinstance(chunk.payload, bytes) or not chunk.payload:
+        kind = type(chunk.payload).__name__
+        return "an empty payload" if isinstance(chunk.payload, bytes) else f"a payload of {kind}, not bytes"
+    return None
