@@ -69,3 +69,31 @@ def build_bad_later_decode(*, bad_prompt: str, bad_chunk: int, **options):
 
     pipeline.decode_latent, pipeline.decode_latents = bad_decode_latent, bad_decode_latents
     return pipeline
+
+
+def build_hung_later_decode(*, hang_prompt: str, hang_chunk: int, **options):
+    """The ``tiny`` preset whose decode on a later rank never ends (an hour's
+    sleep) for the ``hang_chunk``-th chunk of sessions started with ``hang_prompt``."""
+    import time
+
+    pipeline = build_tiny(**options)
+    decode_latent, decode_latents = pipeline.decode_latent, pipeline.decode_latents
+    decoded: dict[str, int] = {}
+
+    def later_and_hung(session) -> bool:
+        return pipeline.owned.start > 0 and session.start.prompt == hang_prompt
+
+    def hung_decode_latent(session, clean):
+        if later_and_hung(session):
+            count = decoded[session.session_id] = decoded.get(session.session_id, 0) + 1
+            if count - 1 == hang_chunk:
+                time.sleep(3600)
+        return decode_latent(session, clean)
+
+    def hung_decode_latents(sessions, cleans):
+        if any(later_and_hung(session) for session in sessions):
+            raise RuntimeError("a batch holding the session whose decode hangs")
+        return decode_latents(sessions, cleans)
+
+    pipeline.decode_latent, pipeline.decode_latents = hung_decode_latent, hung_decode_latents
+    return pipeline

@@ -78,6 +78,31 @@ async def test_a_decode_on_a_later_rank_that_returns_no_chunk_fails_its_session_
     assert probe.sessions == probe.runner_sessions == probe.pipeline_sessions == ()
 
 
+async def test_a_decode_that_never_ends_on_a_later_rank_ends_the_group_within_pp_timeout_s():
+    """Rank 1 decodes its sessions' chunks one after another: one that never ends
+    would hold every session decoding there for ever, unseen by the heartbeat
+    (the loop is idle, waiting). Rank 0 counts how long the rank has owed a
+    decode: past pp_timeout_s the group ends, its sessions fail as the worker's
+    death, and a fresh group serves the next session."""
+    options = {"device": "cpu", "warm_up_chunks": 1, "hang_prompt": "doomed", "hang_chunk": 1}
+    spec = PipelineSpec("tests.engine.faulty_pipeline:build_hung_later_decode", options)
+    config = EngineConfig(pipeline=spec, pp=2, pp_timeout_s=3.0, startup_timeout_s=120, **PINNED_LIMITS)
+    engine = EngineClient(config)
+    await engine.start()
+    try:
+        doomed = await engine.start_session(StartSession(session_id="d", prompt="doomed", num_chunks=4, **SIZE))
+        seen = await collect(doomed, timeout=60)
+        await engine.settled()
+        after = await engine.start_session(StartSession(session_id="n", prompt="fine", num_chunks=2, **SIZE))
+        again = await collect(after, timeout=60)
+    finally:
+        await engine.shutdown()
+    assert isinstance(seen.end, SessionFailed) and seen.end.code == "worker_died", seen.end
+    assert "pipeline rank 1 lost: TimeoutError: no decode came back in" in seen.end.message, seen.end.message
+    assert [c.generation_chunk_index for c in seen.chunks] == [0]
+    assert engine.restarts == 1 and isinstance(again.end, SessionDone) and len(again.chunks) == 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for GPUs where none is visible")
 async def test_ranks_with_no_device_to_run_on_fail_the_start_in_one_line_naming_why():
     """Pipeline ranks asked onto GPUs this host does not have: the start fails at

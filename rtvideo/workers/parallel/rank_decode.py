@@ -156,7 +156,10 @@ class RankDecodeStage:
         self._local = None if split else DecodeStage(sessions, on_done, lanes=1, batch=rows, nice=nice)
         self._rank_of: dict[str, int] = {}  # session -> the rank decoding it (the submitting thread's)
         self._lock = threading.Lock()
-        self._out: dict[int, dict[str, deque[int]]] = {rank: {} for rank in range(1, group.world)}  # chunks out
+        # chunks out on each follower, per session in order: (chunk index, when it was handed off)
+        self._out: dict[int, dict[str, deque[tuple[int, float]]]] = {rank: {} for rank in range(1, group.world)}
+        self._answered = [0.0] * group.world  # when each follower last sent a decoded chunk back
+        self._timeout_s = group.sockets.timeout_s  # pp_timeout_s
         self._cancelled: set[str] = set()  # sessions a CANCEL went out for
         self._closing = threading.Event()
         self._decoded = [0] * group.world  # chunks the followers decoded, per rank (rank 0's: its lane counts)
@@ -349,7 +352,7 @@ class RankDecodeStage:
             self._on_done(value)
             return None
         with self._lock:
-            self._out[rank].setdefault(session_id, deque()).append(chunk_index)
+            self._out[rank].setdefault(session_id, deque()).append((chunk_index, time.monotonic()))
         return value
 
     def _came_back(self, rank: int, session_id: str) -> None:
@@ -368,11 +371,15 @@ class RankDecodeStage:
                 _, message = self._sockets.take(rank, (DECODED,), None, POLL_S, "decoded chunk")
             except LinkTimeout:
                 self._cancel_stopping(rank)
+                if (silent := self._silent_s(rank)) > self._timeout_s:
+                    self._lost(rank, TimeoutError(f"no decode came back in {silent:.0f} s (pp_timeout_s)"))
+                    return
                 continue
             except Exception as error:
                 if not self._closing.is_set() and not self._group.closing:
                     self._lost(rank, error)
                 return
+            self._answered[rank] = time.monotonic()
             header = message.header  # a Decoded (RankSockets.take)
             sid, chunk_index = header.session_id, header.chunk_index
             chunk = None
@@ -382,6 +389,18 @@ class RankDecodeStage:
             self._came_back(rank, sid)
             self._decoded[rank] += chunk is not None
             self._on_done(DecodeResult(sid, chunk_index, chunk, header.ms, header.error, header.cancelled))
+
+    def _silent_s(self, rank: int) -> float:
+        """How long ``rank`` has owed a decode and sent none back: since its last
+        answer, or since the oldest chunk out was handed off where that came
+        later (0 with nothing out). A follower decodes what it is sent in order,
+        so past ``pp_timeout_s`` its decode thread is wedged (or the rank is
+        stopped), and every session decoding there would wait for ever."""
+        with self._lock:
+            oldest = min((out[0][1] for out in self._out[rank].values()), default=None)
+        if oldest is None:
+            return 0.0
+        return time.monotonic() - max(oldest, self._answered[rank])
 
     def _cancel_stopping(self, rank: int) -> None:
         is_stopping = self._sessions.is_stopping
