@@ -91,6 +91,10 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a signal handler: hand over to the loop, never re-raise the signal
         # afterwards (uvicorn would, and the process would not exit 0).
+        if not self.started and self._loop is not None:  # still starting: nothing to drain, the start is given up
+            self.should_exit = True
+            self._loop.call_soon_threadsafe(self._abort_start, sig)
+            return
         if self._draining or self._loop is None:
             if self._draining and not self.should_exit:
                 self._loop.call_soon_threadsafe(log.info, "a second signal: stopping now, without waiting")
@@ -99,6 +103,13 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _abort_start(self, sig: int) -> None:
+        """The lifespan's start, if it can be given up (``OneLineLifespan.abort``),
+        is: a model that loads for minutes does not hold an exit signal that long."""
+        abort = getattr(getattr(self, "lifespan", None), "abort", None)
+        if abort is not None:
+            abort(f"stopped by {signal.Signals(sig).name} before the server was ready")
 
     def _start_drain(self) -> None:
         # The loop keeps only a weak reference to a task: hold this one until it is done.

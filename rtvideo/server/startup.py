@@ -37,9 +37,21 @@ class OneLineLifespan(LifespanOn):
         super().__init__(config)
         self._failure = failure
         self._main: asyncio.Task | None = None
+        self._aborted: str | None = None  # why the start was given up (``abort``)
+
+    def abort(self, reason: str) -> None:
+        """Give up a start still under way (an exit signal while the model loads):
+        the application's start is cancelled, which stops its worker, and the
+        start fails with ``reason`` as its one line. A no-op once it is over."""
+        if self._main is not None and not self._main.done() and not self.startup_event.is_set():
+            self._aborted = reason
+            self._main.cancel()
+
+    def _why(self) -> str | None:
+        return self._aborted or self._failure()
 
     async def send(self, message: Any) -> None:
-        if message["type"] == "lifespan.startup.failed" and self._failure() is not None:
+        if message["type"] == "lifespan.startup.failed" and self._why() is not None:
             message = {**message, "message": ""}  # starlette's traceback; the one line says it (startup)
         await super().send(message)
 
@@ -50,7 +62,7 @@ class OneLineLifespan(LifespanOn):
         await self.receive_queue.put({"type": "lifespan.startup"})
         await self.startup_event.wait()
         if self.startup_failed or (self.error_occurred and self.config.lifespan == "on"):
-            failure = self._failure()
+            failure = self._why()
             self.logger.error(f"rtvideo serve: {failure}" if failure else "Application startup failed. Exiting.")
             self.should_exit = True
         else:

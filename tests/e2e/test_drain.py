@@ -4,14 +4,17 @@ new work is refused, the process exits 0, and no worker is left."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
+import sys
+import time
 
 import httpx
 import pytest
 
 from tests.e2e.client import Realtime, open_realtime
-from tests.engine.test_lifecycle import wait_gone
+from tests.engine.test_lifecycle import process_gone, wait_gone
 
 
 def exit_code(server, within: float = 30.0) -> int:
@@ -89,3 +92,51 @@ async def test_a_session_stopped_while_draining_hears_its_end_before_the_exit(ma
     done = got.of("session.done")
     assert done and done[0]["reason"] == "stopped" and got.close_code == 1000
     assert exit_code(server) == 0
+
+
+def loading_server(tmp_path) -> tuple[subprocess.Popen, int]:
+    """``rtvideo serve`` on a model whose build never ends (``tests/e2e/slow_start.py``),
+    once its worker is building; and the worker's pid."""
+    from tests.conftest import PINNED_LIMITS
+    from tests.e2e.conftest import ROOT
+
+    marker = tmp_path / "building"
+    command = [
+        *(sys.executable, "-m", "rtvideo.cli", "serve", "--port", "0", "--log-level", "info"),
+        *("--model", "tests.e2e.slow_start:build", "--pipeline-options", json.dumps({"marker": str(marker)})),
+        *("--data-dir", str(tmp_path / "data"), "--max-pixels", str(PINNED_LIMITS["max_pixels"])),
+    ]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() or not marker.read_text():  # the worker is building its pipeline
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the worker never began building: {process.communicate()[0]}")
+        time.sleep(0.05)
+    return process, int(marker.read_text())
+
+
+def test_an_exit_signal_while_the_model_loads_ends_the_start_at_once_in_one_line(tmp_path):
+    """Nothing is served yet, so there is nothing to drain: the start is given up,
+    its worker stopped, and the server exits (uvicorn's failed start, 3) saying
+    why in one line. It used to wait for the model to load (minutes, for a real
+    one) and log an AttributeError's traceback from the drain."""
+    process, worker = loading_server(tmp_path)
+    try:
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    assert process.returncode == 3, out
+    assert "api ERROR rtvideo serve: stopped by SIGTERM before the server was ready" in out, out
+    assert "Traceback" not in out and "Application startup complete" not in out, out
+    assert process_gone(worker)
+
+
+def test_a_worker_still_loading_its_model_ends_when_the_api_process_is_killed(tmp_path):
+    """The worker watches the liveness pipe from its first moment, not only once it
+    serves: killed meanwhile, the API process left it loading a model for nobody."""
+    process, worker = loading_server(tmp_path)
+    process.kill()
+    process.communicate(timeout=20)
+    wait_gone(worker, within=10)

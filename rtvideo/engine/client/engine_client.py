@@ -233,7 +233,9 @@ class EngineClient:
             self._process.watch()
             try:
                 self.ready = await self._handshake()
-            except BaseException:
+            except BaseException as error:
+                if isinstance(error, asyncio.CancelledError):  # the start was given up: nothing to wait for
+                    self._process.kill()
                 await self._stop_process()
                 raise
         except BaseException:
