@@ -51,6 +51,7 @@ from rtvideo.workers.executor import LocalExecutor
 from rtvideo.workers.os_threads import decode_nice
 from rtvideo.workers.parallel.group import decode_placement
 from rtvideo.workers.parallel.ring import RingRunner
+from rtvideo.workers.parent_watch import ParentWatch
 from rtvideo.workers.pipelines import DEFAULT_START, build_pipeline, known_prompts
 from rtvideo.workers.pipelines.capabilities import device_type
 from rtvideo.workers.runner import ModelRunner
@@ -71,6 +72,7 @@ def run_worker(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     process_log.configure(f"worker[{rank}]", config.log_level)
     followers = _start_followers(config, site)  # before this process's first thread
+    watch = None if parent_alive is None else ParentWatch(parent_alive)  # until the receiver watches the pipe
     context = zmq.Context()
     sender = ResultSender(endpoints.results)
     group = None
@@ -168,6 +170,8 @@ def run_worker(
         sender.send(WorkerExiting(code=4, reason=f"terminated by the API process: {reason}"))
         sender.close(timeout=2.0)
 
+    if watch is not None:
+        watch.stop()
     receiver = ControlReceiver(
         context,
         endpoints.control,
