@@ -46,6 +46,7 @@ class Drainer:
 
     async def drain(self) -> None:
         self.draining = True
+        self.engine.no_more_restarts("the server is shutting down")  # a worker lost now is not replaced
         loop = asyncio.get_running_loop()
         began = loop.time()
         deadline = began + self.grace_s

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.client import Realtime, open_realtime
+from tests.e2e.client import Chunk, Realtime, open_realtime
 from tests.engine.test_lifecycle import process_gone, wait_gone
 
 
@@ -140,3 +142,54 @@ def test_a_worker_still_loading_its_model_ends_when_the_api_process_is_killed(tm
     process.kill()
     process.communicate(timeout=20)
     wait_gone(worker, within=10)
+
+
+async def test_a_sigterm_to_the_whole_process_group_drains_and_leaves_the_worker_serving_to_the_end(make_server):
+    """systemd (KillMode=control-group) and ``timeout`` send SIGTERM to every
+    process of the server at once. The fork server, the workers' parent, follows
+    the API process as the workers do: it ignores the signal, so the worker is
+    not killed under the drain (its sessions would fail worker_died, and a fresh
+    worker would be started during the shutdown). Here the fork server gets its
+    SIGTERM first; the session then ends with the drain, as with SIGTERM alone."""
+    server = make_server("--shutdown-grace-s", "1.0", pipeline={"step_time_s": 0.005})
+    worker = server.health()["workers"][0]["pid"]
+    fork_server = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "endless", "format": "raw"})
+        await client.until("video.start")
+        await client.next()
+        os.kill(fork_server, signal.SIGTERM)
+        os.kill(worker, signal.SIGTERM)  # as the group's signal reaches every process: the worker ignores it too
+        for _ in range(3):  # still chunks: the worker serves on
+            assert isinstance(await client.next(), Chunk)
+        server.process.send_signal(signal.SIGTERM)
+        got = await client.rest(timeout=30)
+    done = got.of("session.done")
+    assert done and done[0]["reason"] == "shutdown", got.events
+    assert exit_code(server) == 0
+    assert "was killed with it" not in "".join(server.log) and "restarting the worker" not in "".join(server.log)
+    wait_gone(worker, within=10)
+    wait_gone(fork_server, within=10)
+
+
+async def test_a_worker_lost_while_the_server_drains_is_not_replaced(make_server):
+    """A fresh worker would load its model only to be shut down: the server says
+    the engine is dead for the shutdown, and exits as the drain ends."""
+    server = make_server("--shutdown-grace-s", "30", pipeline={"step_time_s": 0.005})
+    worker = server.health()["workers"][0]["pid"]
+    async with open_realtime(server.ws) as ws:
+        client = Realtime(ws)
+        await client.send({"type": "session.start", "prompt": "endless", "format": "raw"})
+        await client.until("video.start")
+        server.process.send_signal(signal.SIGTERM)
+        for _ in range(100):  # the drain has begun
+            if httpx.get(f"{server.http}/health").status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        os.kill(worker, signal.SIGKILL)
+        got = await client.rest(timeout=30)
+    assert got.of("error")[0]["code"] == "worker_died", got.events
+    assert exit_code(server) == 0
+    log = "".join(server.log)
+    assert "the engine is dead: the server is shutting down" in log and "restarting the worker" not in log, log

@@ -32,3 +32,12 @@ def test_a_worker_whose_engine_died_is_restarting_while_the_budget_allows_one():
 def test_with_the_budget_spent_it_is_dead_at_once():
     refused = dying_client(max_worker_restarts=0).unavailable()
     assert type(refused) is EngineDeadError and str(refused) == REASON
+
+
+def test_once_the_server_drains_a_worker_lost_is_not_replaced():
+    client = EngineClient(EngineConfig(pipeline=PipelineSpec("stub", {}), max_worker_restarts=3))
+    client.state = WorkerState.UP
+    client.no_more_restarts("the server is shutting down")
+    client._route(EngineDead(reason="pipeline rank 1 lost"))
+    refused = client.unavailable()
+    assert type(refused) is EngineDeadError and "pipeline rank 1 lost" in str(refused)

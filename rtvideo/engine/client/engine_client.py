@@ -162,6 +162,7 @@ class EngineClient:
         self._results: zmq.asyncio.Socket | None = None
         self._directory: str | None = None  # the private directory of their ipc endpoints
         self._budget = RestartBudget(config.max_worker_restarts, config.worker_restart_window_s)
+        self._no_restart: str | None = None  # why a worker lost now is not replaced (no_more_restarts)
         self.restarts = 0  # workers restarted after a death that said READY
 
     # ------------------------------------------------------------------
@@ -344,11 +345,20 @@ class EngineClient:
         self._unbind()
         self._context.term()
 
+    def no_more_restarts(self, why: str) -> None:
+        """A worker that dies from now on is not replaced (the server is draining:
+        a fresh worker would load its model only to be shut down); ``why`` ends
+        the reason the engine is then dead."""
+        self._no_restart = why
+
+    def _restart_allowed(self) -> bool:
+        return self._no_restart is None and self._budget.allows()
+
     def _on_worker_exit(self) -> None:
         self._exited.set()
         if self.state is WorkerState.UP:  # a death during a handshake is the handshake's to report
             # Decided now, so no call in between sees the wrong state (or a reason-less one).
-            self.state = WorkerState.RESTARTING if self._budget.allows() else WorkerState.DEAD
+            self.state = WorkerState.RESTARTING if self._restart_allowed() else WorkerState.DEAD
             if self._killed is not None:
                 self._dead_reason = self._killed.reason
             self._death_task = asyncio.create_task(self._on_worker_death())
@@ -376,8 +386,9 @@ class EngineClient:
         if self.state is WorkerState.RESTARTING:
             await self._restart(death.reason)
         elif self.state is WorkerState.DEAD:
-            self._dead_reason = f"{death.reason}; {self._budget.spent_reason()}"
-            log.error("the engine is dead: %s", self._budget.spent_reason())
+            why = self._no_restart or self._budget.spent_reason()
+            self._dead_reason = f"{death.reason}; {why}"
+            log.error("the engine is dead: %s", why)
 
     async def settled(self) -> None:
         """Return once a worker death in progress has been handled: its sessions
@@ -406,9 +417,10 @@ class EngineClient:
                 await self._spawn()
             except EngineStartupError as error:
                 log.error("restarting the worker failed: %s", error)
-                if self._budget.allows():
+                if self._restart_allowed():
                     continue
-                self._dead_reason = f"{reason}; restarting it failed: {error}; {self._budget.spent_reason()}"
+                why = self._no_restart or self._budget.spent_reason()
+                self._dead_reason = f"{reason}; restarting it failed: {error}; {why}"
                 log.error("the engine is dead: %s", self._dead_reason)
                 if self.state is WorkerState.RESTARTING:
                     self.state = WorkerState.DEAD
@@ -583,7 +595,7 @@ class EngineClient:
         restarting = self.state is WorkerState.RESTARTING
         # A worker that said its engine is dead (EngineDead) is exiting: a restart follows its exit
         # where the budget allows one, so callers wait it out as they would the restart itself.
-        dying = self.state is WorkerState.UP and self._dead_reason is not None and self._budget.allows()
+        dying = self.state is WorkerState.UP and self._dead_reason is not None and self._restart_allowed()
         if restarting or dying:
             return EngineRestartingError(
                 f"the worker is restarting ({self._dead_reason or 'it died'}); retry in {self.retry_after_s:.0f} s",

@@ -34,6 +34,11 @@ from typing import Any
 from rtvideo.engine.config import EngineConfig
 from rtvideo.engine.transport import Endpoints
 
+FORK_SERVER_SETUP = "rtvideo.workers.fork_server"
+"""The fork server's first import: it ignores SIGTERM, following its parent (the
+API process) as the workers do. Named, never imported here: the API process
+imports nothing of the workers."""
+
 
 def worker_context(config: EngineConfig) -> Any:
     """The start method of worker rank 0: ``forkserver``, preloading what a worker
@@ -45,7 +50,8 @@ def worker_context(config: EngineConfig) -> Any:
     endpoints, the liveness pipe). Its environment is this process's when it
     started: what a worker needs is in its config, not in environment variables."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(config.worker_modules))  # no effect once the server runs
+    preload = [FORK_SERVER_SETUP, *config.worker_modules]
+    context.set_forkserver_preload(preload)  # no effect once the server runs
     return context
 
 
