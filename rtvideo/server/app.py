@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rtvideo.engine.client.engine_client import EngineClient
 from rtvideo.engine.client.errors import EngineDeadError, EngineRestartingError, EngineStartupError
 from rtvideo.engine.config import EngineConfig, PipelineSpec
+from rtvideo.engine.messages import SessionGeometry
 from rtvideo.server.auth import is_authorized
 from rtvideo.server.drain import Drainer
 from rtvideo.server.file_answers import HeadAsGet, VideoFile
@@ -120,6 +121,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except EngineStartupError as error:  # the worker was stopped; its traceback is in its log at debug
             await store.close()
             raise _cannot_start(app, error) from None
+        if (why := _default_refused(engine.ready.defaults, settings)) is not None:
+            await engine.shutdown()
+            await store.close()
+            raise _cannot_start(app, why)
         app.state.engine = engine
         app.state.capacity = asyncio.Condition()
         app.state.metrics = Metrics(
@@ -511,7 +516,23 @@ def _not_implemented(method: str, path: str, call: str):
     return answer
 
 
-def _cannot_start(app: FastAPI, error: Exception) -> StartupFailed:
+def _default_refused(defaults: SessionGeometry, settings: ServerSettings) -> str | None:
+    """Why every request that gives no size would be refused by this server's
+    own frame bounds (``max_width``, ``max_height``: the model's default session
+    past one), else None: such a server is refused at start, in one line."""
+    for name, bound, value in (
+        ("max_width", settings.max_width, defaults.width),
+        ("max_height", settings.max_height, defaults.height),
+    ):
+        if value > bound:
+            return (
+                f"{name} {bound} is below the model's default session, {defaults.width}x{defaults.height}: "
+                "every session that gives no size would be refused"
+            )
+    return None
+
+
+def _cannot_start(app: FastAPI, error: Exception | str) -> StartupFailed:
     """The start fails for ``error``'s reason, which ``rtvideo serve`` says in one line (rtvideo/server/startup.py)."""
     app.state.start_failure = str(error)
     return StartupFailed(str(error))

@@ -37,6 +37,7 @@ from rtvideo.engine.messages import (
     ChunkReady,
     EngineDead,
     ModelLimits,
+    SessionGeometry,
     WorkerExiting,
     WorkerReady,
     WorkerStartupFailed,
@@ -91,6 +92,8 @@ def run_worker(
         budget = config.session_memory_bytes
         if budget is None:
             budget = pipeline.session_memory_budget()
+        limits = _served_limits(config, pipeline, calibration)
+        _check_default_admitted(pipeline.describe(DEFAULT_START), limits, budget)
         placement, decoder_split = "first", 0  # with one rank, it decodes every chunk
         if group is not None:
             placement = decode_placement(config, pipeline)
@@ -114,7 +117,6 @@ def run_worker(
     grouping = config.group_chunk_steps and pipeline.supports_chunk_step_grouping
     if budget is not None:
         log.info("open sessions may hold %.2f GiB of memory", budget / 2**30)
-    limits = _served_limits(config, pipeline, calibration)
     costs = ChunkCostModel(calibration.samples)
     control = ControlPlane(
         config,
@@ -316,6 +318,25 @@ def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> 
         return msgspec.structs.replace(limits, max_pixels=config.max_pixels, max_pixels_derived=False)
     derived = calibration.realtime_pixels
     return msgspec.structs.replace(limits, max_pixels=derived, max_pixels_derived=derived is not None)
+
+
+def _check_default_admitted(defaults: SessionGeometry, limits: ModelLimits, budget: int | None) -> None:
+    """``ValueError`` naming the setting when this worker's own admission would
+    refuse the session that asks for nothing (the model's default): a
+    configured ``max_pixels`` below its area, or less memory for sessions than
+    it holds. Every request that gives no size would be refused; the start is,
+    in one line, instead. (A measured ``max_pixels`` is never below it.)"""
+    w, h = defaults.width, defaults.height
+    if limits.max_pixels is not None and not limits.max_pixels_derived and w * h > limits.max_pixels:
+        raise ValueError(
+            f"max_pixels {limits.max_pixels} is below the model's default session, {w}x{h} ({w * h} pixels): "
+            "every session that gives no size would be refused"
+        )
+    if budget is not None and defaults.state_bytes > budget:
+        raise ValueError(
+            f"session_memory_gib: the model's default {w}x{h} session needs {defaults.state_bytes / 2**20:.2f} MiB "
+            f"of memory, and sessions may hold {budget / 2**20:.2f} MiB: every session would be refused"
+        )
 
 
 def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None:

@@ -170,6 +170,23 @@ async def test_a_pipeline_that_cannot_warm_up_is_a_clear_startup_error():
         await client.start()
 
 
+@pytest.mark.parametrize(
+    ("limits", "refusal"),
+    [
+        ({"max_pixels": 1}, r"max_pixels 1 is below the model's default session, 32x32 \(1024 pixels\)"),
+        ({"max_pixels": None, "session_memory_bytes": 100}, r"session_memory_gib: the model's default 32x32 session"),
+    ],
+)
+async def test_limits_that_would_refuse_the_default_session_refuse_the_start_naming_them(limits, refusal):
+    """Every request that gives no size would be refused: the worker says so at
+    start, in one line, instead of starting a server that serves nothing."""
+    config = EngineConfig(startup_timeout_s=60, **{**PINNED_LIMITS, **limits})
+    client = EngineClient(config)
+    with pytest.raises(EngineStartupError, match=refusal):
+        await client.start()
+    await client.shutdown()
+
+
 async def test_batch_rows_have_one_knob(make_engine):
     """The worker builds its pipeline for EngineConfig.max_batch_rows; the same
     option given to the pipeline is refused at startup, naming the server's flag."""

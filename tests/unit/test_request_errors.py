@@ -87,3 +87,13 @@ def test_a_call_cut_short_by_a_death_is_told_to_retry_once_the_restart_began():
         assert answer.status_code == 503 and answer.headers.get("retry-after") == retry
         assert json.loads(answer.body)["error"] == {"code": "engine_unavailable", "message": str(died)}
     assert engine_unavailable_response(restarting).headers["retry-after"] == "3"
+
+
+def test_frame_bounds_below_the_models_default_session_are_named_at_start():
+    from rtvideo.server.app import _default_refused
+
+    assert _default_refused(TINY, ServerSettings()) is None
+    assert _default_refused(TINY, ServerSettings(max_width=2)) == (
+        "max_width 2 is below the model's default session, 64x64: every session that gives no size would be refused"
+    )
+    assert _default_refused(TINY, ServerSettings(max_height=48)).startswith("max_height 48 is below")
