@@ -48,6 +48,23 @@ MAX_CHUNK_S = 2.0  # a warm-up chunk slower than this: not measured
 SESSION = "rtvideo.cpu-threads"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the system says it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def oversubscribed(threads: int, cores: int) -> str | None:
+    """A warning when a configured ``cpu_threads`` is more than the cores there
+    are (each kernel's threads then wait on one another: on 2 cores, 64 threads
+    made a chunk 40x slower), else None."""
+    if threads <= cores:
+        return None
+    return (
+        f"--cpu-threads {threads} is more than the {cores} cores this worker may run on: its kernels' threads "
+        "will wait on one another; leave it unset for the worker to measure the best count"
+    )
+
+
 def candidates(cores: int) -> list[int]:
     """The thread counts worth measuring on ``cores`` cores: 1, the powers of
     two below ``cores``, and ``cores``."""

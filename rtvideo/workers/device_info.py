@@ -12,12 +12,12 @@ the CPU and the torch installed, and asks torch nothing (no CUDA version).
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 import sys
 from pathlib import Path
 
 from rtvideo.engine.messages import DeviceInfo
+from rtvideo.workers.cpu_threads import usable_cores
 
 
 def cpu_model() -> str:
@@ -54,7 +54,7 @@ def describe_device(device: object | None = None) -> DeviceInfo:
     CUDA device is named by torch (``NVIDIA H200``), with its memory and compute
     capability; a CPU by its model, with the host's memory."""
     torch = sys.modules.get("torch")  # never imported here: a stub worker has none
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     version, cuda = getattr(torch, "__version__", None), getattr(getattr(torch, "version", None), "cuda", None)
     versions = {  # plain strings: torch's version is a str subclass the wire cannot encode
         "torch": str(version) if version else _torch_installed(),  # installed, where not imported

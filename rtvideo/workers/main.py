@@ -46,6 +46,7 @@ from rtvideo.engine.receiver import ControlReceiver
 from rtvideo.engine.transport import Endpoints, ResultSender
 from rtvideo.workers import process_log
 from rtvideo.workers.calibrate import Calibration, calibrate
+from rtvideo.workers.cpu_threads import oversubscribed, usable_cores
 from rtvideo.workers.decode_stage import decode_batch_rows
 from rtvideo.workers.device_info import describe_device
 from rtvideo.workers.executor import LocalExecutor
@@ -356,6 +357,8 @@ def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None
 
         return rank_threads(config.pp)
     if config.cpu_threads is not None:
+        if (warning := oversubscribed(config.cpu_threads, usable_cores())) is not None:
+            log.warning("%s", warning)
         return config.cpu_threads
     chunks = pipeline.warm_up_chunks
     if chunks <= 0 or os.environ.get("OMP_NUM_THREADS"):

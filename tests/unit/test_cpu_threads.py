@@ -38,3 +38,11 @@ def test_a_count_far_behind_after_a_round_is_not_measured_again():
     assert contenders_of({1: [0.07], 2: [0.19]}) == [1]
     assert contenders_of({1: [0.10], 2: [0.14], 4: [0.16]}) == [1, 2]
     assert contenders_of({1: [0.30, 0.10], 2: [0.12]}) == [1, 2]
+
+
+def test_more_threads_than_cores_is_warned_of_naming_both():
+    from rtvideo.workers.cpu_threads import oversubscribed, usable_cores
+
+    assert oversubscribed(2, 2) is None and oversubscribed(1, 16) is None
+    assert oversubscribed(64, 2).startswith("--cpu-threads 64 is more than the 2 cores this worker may run on")
+    assert usable_cores() >= 1
