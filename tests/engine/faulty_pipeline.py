@@ -97,3 +97,34 @@ def build_hung_later_decode(*, hang_prompt: str, hang_chunk: int, **options):
 
     pipeline.decode_latent, pipeline.decode_latents = hung_decode_latent, hung_decode_latents
     return pipeline
+
+
+def build_failing_back(*, bad_prompt: str, **options):
+    """The ``tiny`` preset whose split decode's back half, on the rank that
+    finishes it, fails for sessions started with ``bad_prompt``: a batch of
+    rows holding one fails, and so does that session's chunk alone."""
+    pipeline = build_tiny(**options)
+    back_rows, decode_back = pipeline.back_rows, pipeline.decode_back
+
+    def bad(sessions) -> bool:
+        return pipeline.owned.start > 0 and any(session.start.prompt == bad_prompt for session in sessions)
+
+    class FailingBack:
+        def __init__(self, sessions) -> None:
+            self.inner, self.sessions = back_rows(sessions), sessions
+
+        def decode(self, header, activation, split):
+            if bad(self.sessions):
+                raise RuntimeError(f"injected back failure ({len(self.sessions)} rows)")
+            return self.inner.decode(header, activation, split)
+
+        def frames(self):
+            return self.inner.frames()
+
+    def failing_decode_back(session, header, activation, split):
+        if bad([session]):
+            raise RuntimeError("injected back failure (alone)")
+        return decode_back(session, header, activation, split)
+
+    pipeline.back_rows, pipeline.decode_back = FailingBack, failing_decode_back
+    return pipeline

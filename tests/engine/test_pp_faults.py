@@ -103,6 +103,35 @@ async def test_a_decode_that_never_ends_on_a_later_rank_ends_the_group_within_pp
     assert engine.restarts == 1 and isinstance(again.end, SessionDone) and len(again.chunks) == 2
 
 
+async def test_a_split_decode_batch_whose_back_fails_for_one_session_fails_that_session_alone():
+    """pp_decode split, four sessions: their chunks' back halves go through rank 1
+    in batches. A batch that fails there has changed no session's cache, so each
+    of its rows goes through the back alone, and only the session that fails on
+    its own fails; the batch's failure used to fail every row in it."""
+    spec = PipelineSpec("tests.engine.faulty_pipeline:build_failing_back", {"device": "cpu", "bad_prompt": "doomed"})
+    config = EngineConfig(
+        pipeline=spec, pp=2, pp_decode="split", max_batch_rows=2, max_sessions=6, startup_timeout_s=120, **PINNED_LIMITS
+    )
+    engine = EngineClient(config)
+    await engine.start()
+    try:
+        ids = ["d", "h0", "h1", "h2"]
+        handles = [
+            await engine.start_session(
+                StartSession(session_id=sid, prompt="doomed" if sid == "d" else f"fine {sid}", num_chunks=4, **SIZE)
+            )
+            for sid in ids
+        ]
+        doomed, *healthy = await asyncio.gather(*(collect(handle, timeout=120) for handle in handles))
+        probe = await engine.probe()
+    finally:
+        await engine.shutdown()
+    assert isinstance(doomed.end, SessionFailed) and "injected back failure (alone)" in doomed.end.message, doomed.end
+    for seen in healthy:
+        assert isinstance(seen.end, SessionDone) and len(seen.chunks) == 4, seen.end
+    assert probe.sessions == probe.runner_sessions == probe.pipeline_sessions == ()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for GPUs where none is visible")
 async def test_ranks_with_no_device_to_run_on_fail_the_start_in_one_line_naming_why():
     """Pipeline ranks asked onto GPUs this host does not have: the start fails at

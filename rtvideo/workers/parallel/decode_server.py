@@ -233,7 +233,11 @@ class DecodeServer:
         last frame that says ``retry`` is answered by nothing: rank 0 sends
         each chunk again alone, and the sessions' caches here are as they were
         before the batch. The batch is abandoned once every session in it is
-        cancelled; after a failure or once abandoned, parts are only counted off."""
+        cancelled; once abandoned, parts are only counted off. When the batch
+        fails here, its parts are kept, and at its last frame each row goes
+        through the back alone (``_rows_alone``: the sessions' caches change only
+        once a batch's frames are made, so a failed batch left them as they
+        were): only a row that fails on its own gets an error."""
         header = message.header
         rows = list(header.rows)
         key = tuple(rows)
@@ -245,20 +249,26 @@ class DecodeServer:
                 return []
             error, abandoned = batch.error, batch.cancelled or header.cancelled
             outputs: list[ChunkOutput | None] = [None] * len(rows)
+            errors: list[str | None] = [error] * len(rows)
             began = time.perf_counter()
             if error is None and not abandoned and batch.back is not None:
                 try:  # the back's kernels waited for, as a single chunk's are
                     outputs = batch.back.frames()
                 except Exception as failure:
                     error = self._failed(failure)
+            if error is not None and not abandoned:  # failed here: each row alone
+                outputs, errors = self._rows_alone(rows, batch.parts)
             ms = (batch.back_ms + header.front_ms + (time.perf_counter() - began) * 1000.0) / len(rows)
             self._cancel_arrived(ids[0])  # take the cancels that came
             replies = []
-            for (sid, chunk_index), output in zip(rows, outputs, strict=True):
+            for (sid, chunk_index), output, why in zip(rows, outputs, errors, strict=True):
                 cancelled = abandoned or sid in self._cancelled
-                replies.append(self._reply(sid, chunk_index, None if cancelled else output, ms, error, cancelled))
+                replies.append(self._reply(sid, chunk_index, None if cancelled else output, ms, why, cancelled))
             return replies
-        if batch.error is not None or batch.cancelled:
+        if batch.cancelled:
+            return []
+        batch.parts.append((header.meta, message.tensors[0], header.split))  # for each row alone, should it fail
+        if batch.error is not None:
             return []
         began = time.perf_counter()
         try:
@@ -275,6 +285,28 @@ class DecodeServer:
 
     def _reply(self, sid: str, chunk_index: int, chunk, ms: float, error: str | None, cancelled: bool) -> Message:
         return _reply(sid, chunk_index, chunk, ms, error, cancelled, self._sockets.rank)
+
+    def _rows_alone(
+        self, rows: list[tuple[str, int]], parts: list[tuple[dict, torch.Tensor, int]]
+    ) -> tuple[list[ChunkOutput | None], list[str | None]]:
+        """A failed batch's rows, each through the back alone over its own rows of
+        the batch's parts: each row's chunk, or its own error."""
+        outputs: list[ChunkOutput | None] = []
+        errors: list[str | None] = []
+        for row, (sid, _) in enumerate(rows):
+            try:
+                session = self._session(sid)
+                back = self._pipeline.decode_back
+                pixels = [back(session, meta, activation[row : row + 1], split) for meta, activation, split in parts]
+                outputs.append(self._pipeline.frames_of(pixels))
+                errors.append(None)
+            except Abandoned:  # its cancel came: answered cancelled
+                outputs.append(None)
+                errors.append(None)
+            except Exception as failure:
+                outputs.append(None)
+                errors.append(self._failed(failure))
+        return outputs, errors
 
     def _held(self, sid: str):
         """This rank's copy of ``sid``; ``RuntimeError`` naming it when it has none."""
@@ -321,6 +353,7 @@ class _SplitBatch:
 
     def __init__(self) -> None:
         self.back = None  # the pipeline's BackRows, from the first part
+        self.parts: list[tuple[dict, torch.Tensor, int]] = []  # each part's header, activation and split
         self.back_ms = 0.0
         self.error: str | None = None  # a part failed here
         self.cancelled = False  # a part was abandoned here (every session's cancel came)
