@@ -10,11 +10,15 @@ from rtvideo.server.drain import Drainer
 
 
 class _Engine:
-    """The two calls the drainer makes of the engine client."""
+    """The calls the drainer makes of the engine client."""
 
     def __init__(self, open_sessions: list[str]) -> None:
         self.sessions = open_sessions
         self.stopped: list[tuple[str, str]] = []
+        self.restarts_stopped_for: str | None = None
+
+    def no_more_restarts(self, why: str) -> None:
+        self.restarts_stopped_for = why
 
     def open_sessions(self) -> list[str]:
         return list(self.sessions)
@@ -50,3 +54,4 @@ async def test_at_the_deadline_the_sessions_left_are_stopped_as_shutdown():
     drainer = Drainer(engine, capacity, grace_s=0.0)
     await asyncio.wait_for(drainer.drain(), 15)
     assert engine.stopped == [("a", "shutdown"), ("b", "shutdown")]
+    assert engine.restarts_stopped_for == "the server is shutting down"  # a worker lost now is not replaced
