@@ -199,34 +199,42 @@ class ReferenceVideo:
 
 
 class ReferenceDecoder:
-    """The threads that decode jobs' input videos, ``THREADS`` of them, apart from
-    the default executor the server encodes its chunks on: a costly input never
-    holds up another session's output. ``close`` at shutdown abandons what runs."""
+    """The threads that decode jobs' input videos, apart from the default executor
+    the server encodes its chunks on, so a costly input never holds up another
+    session's output: ``CHECK_THREADS`` for the checks of new inputs (``open``,
+    up to ``DECODE_BUDGET_S`` each), and ``FEED_THREADS`` of their own for
+    running jobs' chunks (``run``), so that checks, however slow, never hold up
+    a running job's input either. ``close`` at shutdown abandons what runs."""
 
-    THREADS = 2
+    CHECK_THREADS = 2
+    FEED_THREADS = 2
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(self.THREADS, thread_name_prefix="input-reference")
+        self._checks = ThreadPoolExecutor(self.CHECK_THREADS, thread_name_prefix="input-check")
+        self._feeds = ThreadPoolExecutor(self.FEED_THREADS, thread_name_prefix="input-feed")
         self._stops: set[threading.Event] = set()
 
     async def open(self, data: bytes, width: int, height: int, fps: float, limit: int) -> ReferenceVideo:
-        """``ReferenceVideo.open`` on these threads; a caller cancelled (its request
-        gone) stops the decode at its next frame."""
+        """``ReferenceVideo.open`` on the checks' threads; a caller cancelled (its
+        request gone) stops the decode at its next frame."""
         stop = threading.Event()
         self._stops.add(stop)
         try:
-            return await self.run(ReferenceVideo.open, data, width, height, fps, limit, stop)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._checks, ReferenceVideo.open, data, width, height, fps, limit, stop)
         finally:
             stop.set()
             self._stops.discard(stop)
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        """``function(*args)`` on the feeding threads: a running job's next chunk."""
+        return await asyncio.get_running_loop().run_in_executor(self._feeds, function, *args)
 
     def close(self) -> None:
         for stop in self._stops:
             stop.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._checks, self._feeds):
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 class ReferenceFeeder:

@@ -153,13 +153,24 @@ def test_the_check_stops_past_its_time_budget_or_once_its_request_is_gone(monkey
         ReferenceVideo.open(video_file(SOURCE, 8), W, H, 8.0, LIMIT)
 
 
-async def test_input_videos_decode_on_threads_of_their_own():
-    """Not on the default executor, which encodes every session's chunks."""
+async def test_input_videos_decode_on_threads_of_their_own_and_checks_never_hold_up_a_running_jobs_input():
+    """Not on the default executor, which encodes every session's chunks; and the
+    checks of new inputs (up to a minute each) on threads apart from a running
+    job's chunks: here both check threads are held, and a chunk still decodes."""
     decoder = ReferenceDecoder()
+    held = threading.Event()
     try:
         names = await asyncio.gather(*(decoder.run(lambda: threading.current_thread().name) for _ in range(4)))
-        assert all(name.startswith("input-reference") for name in names), names
+        assert all(name.startswith("input-feed") for name in names), names
         video = await decoder.open(video_file(SOURCE, 8), W, H, 8.0, LIMIT)
         assert video.count == 8
+        checks = [
+            asyncio.get_running_loop().run_in_executor(decoder._checks, held.wait, 60)
+            for _ in range(ReferenceDecoder.CHECK_THREADS)
+        ]
+        frames = video.frames()
+        assert which(await asyncio.wait_for(decoder.run(next, frames), 10)) == 0
     finally:
+        held.set()
         decoder.close()
+    await asyncio.gather(*checks)
