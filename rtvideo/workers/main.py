@@ -93,13 +93,14 @@ def run_worker(
         budget = config.session_memory_bytes
         if budget is None:
             budget = pipeline.session_memory_budget()
-        limits = _served_limits(config, pipeline, calibration)
-        _check_default_admitted(pipeline.describe(DEFAULT_START), limits, budget)
         placement, decoder_split = "first", 0  # with one rank, it decodes every chunk
         if group is not None:
             placement = decode_placement(config, pipeline)
             inline = not _overlap_decode(config, pipeline)
             decoder_split = _start_ranks(config, pipeline, group, decode_inline=inline, split=placement == "split")
+        limits = _served_limits(config, pipeline, calibration)
+        # After the ranks took their blocks: a session's state is then what one rank's device holds of it.
+        _check_default_admitted(pipeline.describe(DEFAULT_START), limits, budget)
     except Exception as error:
         # The API process says why in one line (the reason travels in WorkerStartupFailed); the traceback at debug.
         log.debug("could not build or warm up pipeline %r", config.pipeline.name, exc_info=True)
