@@ -164,16 +164,21 @@ def calibrate(
             if not _fits(pipeline, width, height):
                 log.info("calibration: a %dx%d session would not fit in memory; not measured", width, height)
                 return False
+            mark = pipeline.memory_mark() if hasattr(pipeline, "memory_mark") else None
             try:
                 measured[width * height] = _repeated(lambda: _scaled(measure(width, height, 1)[0], fill), repeats)
             except Exception as error:
+                if not out_of_memory(error):  # anything else (a device fault, a bug) is the start's to report
+                    raise
+                if hasattr(pipeline, "after_out_of_memory"):
+                    pipeline.after_out_of_memory(mark)  # the full device's peak is not the sessions' transient
                 largest = min(largest, width * height - 1)
                 log.warning(
-                    "calibration: a %dx%d chunk failed (%s: %s); larger frames are not admitted",
+                    "calibration: a %dx%d chunk ran out of memory (%s); frames of %d pixels or more are not admitted",
                     width,
                     height,
-                    type(error).__name__,
                     error,
+                    width * height,
                 )
                 return False
             return True
@@ -208,6 +213,12 @@ def calibrate(
     figures = [realtime_pixels(model(pick), defaults, load_limit, largest) for pick in (_slowest, _fastest)]
     spread = None if decided is None else (min(decided, *figures), decided, max(decided, *figures))
     return Calibration(ordered, decided, time.perf_counter() - began, spread, repeats)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a device or host running out of memory (torch's
+    ``OutOfMemoryError``, by name: this module imports no torch; or ``MemoryError``)."""
+    return isinstance(error, MemoryError) or any(kind.__name__ == "OutOfMemoryError" for kind in type(error).__mro__)
 
 
 def _repeated(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from rtvideo.engine.messages import ChunkCostSample, StartSession
 from rtvideo.workers.calibrate import REPEATS, calibrate
@@ -123,30 +124,44 @@ def test_a_configured_frame_bound_measures_no_larger_frame_than_the_default(pipe
 
 
 class FailingAbove(Timings):
-    """``Timings`` whose chunks of frames larger than ``pixels`` raise, as a device
-    out of memory does; the frames that failed are in ``failed``."""
+    """``Timings`` whose chunks of frames larger than ``pixels`` raise ``error``
+    (a device out of memory, unless told); the frames that failed are in ``failed``."""
 
-    def __init__(self, pixels: int) -> None:
+    def __init__(self, pixels: int, error: type[Exception] = torch.cuda.OutOfMemoryError) -> None:
         super().__init__(1.0)
-        self.pixels = pixels
+        self.pixels, self.error = pixels, error
         self.failed: list[int] = []
 
     def __call__(self, width: int, height: int, chunks: int) -> list[ChunkCostSample]:
         if width * height > self.pixels:
             self.failed.append(width * height)
-            raise RuntimeError(f"out of memory at {width}x{height}")
+            raise self.error(f"out of memory at {width}x{height}")
         return super().__call__(width, height, chunks)
 
 
 @pytest.mark.parametrize("fits", [64 * 64, 160 * 160], ids=["the first larger frame", "a later probe"])
-def test_a_larger_frame_whose_chunk_fails_is_not_measured_and_the_bound_stays_below_it(pipeline, fits, caplog):
-    """No session asked for the frames calibration tries: one that fails (out of
-    memory, where ``_fits``'s estimate was wrong) must not stop the worker's start."""
+def test_a_larger_frame_that_runs_out_of_memory_is_not_measured_and_the_bound_stays_below_it(
+    pipeline, fits, caplog, monkeypatch
+):
+    """No session asked for the frames calibration tries: one that runs out of
+    memory (where ``_fits``'s estimate was wrong) must not stop the worker's
+    start, nor leave its full device's peak as the sessions' transient: the
+    pipeline is told, with the peak from before the measurement."""
+    told = []
+    monkeypatch.setattr(pipeline, "memory_mark", lambda: 12345, raising=False)
+    monkeypatch.setattr(pipeline, "after_out_of_memory", told.append, raising=False)
     timings = FailingAbove(fits)
     calibration = calibrate(pipeline, load_limit=0.9, measure=timings)
     assert timings.failed, "no frame failed: the test measures nothing"
+    assert told == [12345] * len(timings.failed)
     assert all(sample.pixels <= fits for sample in calibration.samples)
     assert 64 * 64 <= calibration.realtime_pixels < min(timings.failed)
-    assert "calibration: a" in caplog.text and "chunk failed (RuntimeError: out of memory at" in caplog.text
+    assert "chunk ran out of memory (out of memory at" in caplog.text
     # Without the failure, the same timings derive a larger frame: the bound is the failure's doing.
     assert calibrate(pipeline, load_limit=0.9, measure=Timings(1.0)).realtime_pixels > min(timings.failed)
+
+
+def test_a_probe_that_fails_for_another_reason_fails_the_start(pipeline):
+    """A device fault or a bug is no frame that does not fit: it is reported."""
+    with pytest.raises(RuntimeError, match="out of memory at 128x128"):
+        calibrate(pipeline, load_limit=0.9, measure=FailingAbove(64 * 64, error=RuntimeError))

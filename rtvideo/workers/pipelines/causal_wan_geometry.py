@@ -164,6 +164,21 @@ class CausalWanGeometry:
     def limits(self) -> ModelLimits:
         return ModelLimits(size_multiple=self.spatial, max_size=self.max_size, max_inference_steps=4, max_fps=60.0)
 
+    def memory_mark(self) -> int | None:
+        """The device's peak allocation so far (None off CUDA): taken before a
+        measurement that may run out of memory (``rtvideo.workers.calibrate``)."""
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def after_out_of_memory(self, mark: int | None) -> None:
+        """A measurement ran out of memory: its cached blocks are freed, and the
+        peak it left (the device full) is forgotten for ``mark``, the peak before
+        it, which ``session_memory_budget`` reads in its place."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak_floor = max(getattr(self, "_peak_floor", 0), mark or 0)
+
     def session_memory_budget(self) -> int | None:
         """On a GPU: the memory free after the warm-up (the device's free memory
         and what torch's allocator holds unused), less the warm-up's transient
@@ -185,7 +200,7 @@ class CausalWanGeometry:
         allocated = torch.cuda.memory_allocated(self.device)
         unused = torch.cuda.memory_reserved(self.device) - allocated
         g = self.describe(StartSession(session_id="budget", prompt="budget"))
-        peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        peak = max(getattr(self, "_peak_floor", 0), torch.cuda.max_memory_allocated(self.device)) - allocated
         transient = max(0, peak - g.state_bytes * self.max_batch_rows)
         if self.cuda_graphs is True:  # at most one full batch's activations, in the graphs' pool
             transient *= 2
