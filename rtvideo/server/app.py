@@ -35,7 +35,7 @@ from rtvideo.server.auth import is_authorized
 from rtvideo.server.drain import Drainer
 from rtvideo.server.file_answers import HeadAsGet, VideoFile
 from rtvideo.server.job_forms import INPUT_REFERENCE, OPENAPI_FORMS, FormBodies
-from rtvideo.server.job_store import StoreError
+from rtvideo.server.job_store import JobStore, StoreError
 from rtvideo.server.jobs import JobManager, JobsFullError, UnknownJobError, open_job_store
 from rtvideo.server.limits import BodyLimits
 from rtvideo.server.logs import AnswersToGoneClients, redact_uvicorn_loggers
@@ -118,33 +118,20 @@ def create_app(settings: ServerSettings) -> FastAPI:
         engine = EngineClient(engine_config(settings))
         try:
             await engine.start()
-        except EngineStartupError as error:  # the worker was stopped; its traceback is in its log at debug
+        except BaseException as error:  # the worker was stopped (also for a start given up: cancelled)
             await store.close()
-            raise _cannot_start(app, error) from None
-        if (why := _default_refused(engine.ready.defaults, settings)) is not None:
+            if isinstance(error, EngineStartupError):  # its traceback is in the worker's log at debug
+                raise _cannot_start(app, error) from None
+            raise
+        try:
+            if (why := _default_refused(engine.ready.defaults, settings)) is not None:
+                raise _cannot_start(app, why)
+            _serve_with(app, engine, store, settings)
+            await app.state.jobs.open()
+        except BaseException:  # refused, or given up, once the worker was up: nothing of it is left running
             await engine.shutdown()
             await store.close()
-            raise _cannot_start(app, why)
-        app.state.engine = engine
-        app.state.capacity = asyncio.Condition()
-        app.state.metrics = Metrics(
-            worker_up=lambda: engine.alive,
-            memory=lambda: (engine.ready.session_memory_bytes if engine.ready else None, engine.held_state_bytes()),
-            engine_stats=lambda: engine.stats,
-            worker_pid=lambda: engine.worker_pid,
-        )
-        app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
-        app.state.jobs = JobManager(
-            engine,
-            settings,
-            engine.ready.pipeline,
-            app.state.capacity,
-            app.state.metrics,
-            app.state.drainer,
-            store,
-            prompt_policy=app.state.prompt_policy,
-        )
-        await app.state.jobs.open()
+            raise
         try:
             yield
         finally:
@@ -514,6 +501,30 @@ def _not_implemented(method: str, path: str, call: str):
         return _error(501, "not_implemented", message, headers={"x-should-retry": "false"})
 
     return answer
+
+
+def _serve_with(app: FastAPI, engine: EngineClient, store: JobStore, settings: ServerSettings) -> None:
+    """What the routes use, once the engine is up: its client, the capacity
+    condition, the metrics, the drainer and the jobs (``app.state``)."""
+    app.state.engine = engine
+    app.state.capacity = asyncio.Condition()
+    app.state.metrics = Metrics(
+        worker_up=lambda: engine.alive,
+        memory=lambda: (engine.ready.session_memory_bytes if engine.ready else None, engine.held_state_bytes()),
+        engine_stats=lambda: engine.stats,
+        worker_pid=lambda: engine.worker_pid,
+    )
+    app.state.drainer = Drainer(engine, app.state.capacity, settings.shutdown_grace_s)
+    app.state.jobs = JobManager(
+        engine,
+        settings,
+        engine.ready.pipeline,
+        app.state.capacity,
+        app.state.metrics,
+        app.state.drainer,
+        store,
+        prompt_policy=app.state.prompt_policy,
+    )
 
 
 def _default_refused(defaults: SessionGeometry, settings: ServerSettings) -> str | None:
