@@ -737,12 +737,14 @@ class CausalWanPipeline(CausalWanGeometry, CapturedSteps, CausalWanRanks, Causal
 
 NOT_OPTIONS = ("components", "name")
 """Arguments of ``CausalWanPipeline`` the factories give, not the user."""
+NAMED_CHOICES = ("attention", "cuda_graphs")
+"""Options ``CausalWanPipeline`` refuses naming the values it takes."""
 
 
 def build(preset: str = "tiny", model_dir: str | None = None, device: str | None = None, **options: Any):
     """The pipeline registry's factory: a preset (``tiny``: random weights;
     ``demo``: the shipped demo model), or a model directory."""
-    check_option_types(CausalWanPipeline.__init__, options, NOT_OPTIONS)
+    check_option_types(CausalWanPipeline.__init__, options, NOT_OPTIONS, NAMED_CHOICES)
     if model_dir is not None:
         target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(options.get("dtype"), target)
@@ -761,7 +763,7 @@ def build_demo(device: str | None = None, **options: Any):
     offline. Small enough to warm up at start on a CPU like the tiny preset."""
     from rtvideo.workers.demo import WEIGHTS
 
-    check_option_types(CausalWanPipeline.__init__, options, NOT_OPTIONS)
+    check_option_types(CausalWanPipeline.__init__, options, NOT_OPTIONS, NAMED_CHOICES)
     options.setdefault("warm_up_chunks", 2)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     components = load_directory(WEIGHTS, resolve_dtype(options.get("dtype"), target))
