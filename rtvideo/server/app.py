@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.resources
+import logging
 import math
 import re
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rtvideo.engine.client.engine_client import EngineClient
 from rtvideo.engine.client.errors import EngineDeadError, EngineRestartingError, EngineStartupError
 from rtvideo.engine.config import EngineConfig, PipelineSpec
-from rtvideo.engine.messages import SessionGeometry
+from rtvideo.engine.messages import ModelLimits, SessionGeometry
 from rtvideo.server.auth import is_authorized
 from rtvideo.server.drain import Drainer
 from rtvideo.server.file_answers import HeadAsGet, VideoFile
@@ -56,6 +57,8 @@ from rtvideo.server.schemas import (
 from rtvideo.server.session_registry import SessionRegistry
 from rtvideo.server.settings import ServerSettings
 from rtvideo.server.startup import StartupFailed
+
+log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 SWAGGER_UI = str(importlib.resources.files("swagger_ui") / "static")  # Swagger UI 5's files, from swagger-ui-py
@@ -124,7 +127,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 raise _cannot_start(app, error) from None
             raise
         try:
-            if (why := _default_refused(engine.ready.defaults, settings)) is not None:
+            if (why := _default_refused(engine.ready.defaults, engine.ready.limits, settings)) is not None:
                 raise _cannot_start(app, why)
             _serve_with(app, engine, store, settings)
             await app.state.jobs.open()
@@ -527,18 +530,28 @@ def _serve_with(app: FastAPI, engine: EngineClient, store: JobStore, settings: S
     )
 
 
-def _default_refused(defaults: SessionGeometry, settings: ServerSettings) -> str | None:
-    """Why every request that gives no size would be refused by this server's
-    own frame bounds (``max_width``, ``max_height``: the model's default session
-    past one), else None: such a server is refused at start, in one line."""
+def _default_refused(defaults: SessionGeometry, limits: ModelLimits, settings: ServerSettings) -> str | None:
+    """Why this server's frame bounds (``max_width``, ``max_height``) admit no
+    session at all (below the smallest frame the model makes), else None: such
+    a server is refused at start, in one line. Bounds below the model's default
+    session only are logged: every request that gives no size is refused, which
+    a server may mean (its sessions asking for smaller frames)."""
+    side = limits.size_multiple
     for name, bound, value in (
         ("max_width", settings.max_width, defaults.width),
         ("max_height", settings.max_height, defaults.height),
     ):
-        if value > bound:
+        if bound < side:
             return (
-                f"{name} {bound} is below the model's default session, {defaults.width}x{defaults.height}: "
-                "every session that gives no size would be refused"
+                f"{name} {bound} is below the smallest frame the model makes, {side}x{side}: no session could be served"
+            )
+        if value > bound:
+            log.warning(
+                "%s %d is below the model's default session, %dx%d: sessions must ask for a smaller size",
+                name,
+                bound,
+                defaults.width,
+                defaults.height,
             )
     return None
 

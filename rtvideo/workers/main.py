@@ -37,7 +37,7 @@ from rtvideo.engine.messages import (
     ChunkReady,
     EngineDead,
     ModelLimits,
-    SessionGeometry,
+    StartSession,
     WorkerExiting,
     WorkerReady,
     WorkerStartupFailed,
@@ -100,7 +100,7 @@ def run_worker(
             decoder_split = _start_ranks(config, pipeline, group, decode_inline=inline, split=placement == "split")
         limits = _served_limits(config, pipeline, calibration)
         # After the ranks took their blocks: a session's state is then what one rank's device holds of it.
-        _check_default_admitted(pipeline.describe(DEFAULT_START), limits, budget)
+        _check_default_admitted(pipeline, limits, budget)
     except Exception as error:
         # The API process says why in one line (the reason travels in WorkerStartupFailed); the traceback at debug.
         log.debug("could not build or warm up pipeline %r", config.pipeline.name, exc_info=True)
@@ -322,23 +322,45 @@ def _served_limits(config: EngineConfig, pipeline, calibration: Calibration) -> 
     return msgspec.structs.replace(limits, max_pixels=derived, max_pixels_derived=derived is not None)
 
 
-def _check_default_admitted(defaults: SessionGeometry, limits: ModelLimits, budget: int | None) -> None:
-    """``ValueError`` naming the setting when this worker's own admission would
-    refuse the session that asks for nothing (the model's default): a
-    configured ``max_pixels`` below its area, or less memory for sessions than
-    it holds. Every request that gives no size would be refused; the start is,
-    in one line, instead. (A measured ``max_pixels`` is never below it.)"""
+def _check_default_admitted(pipeline, limits: ModelLimits, budget: int | None) -> None:
+    """This worker's own admission (a configured ``max_pixels``, the memory for
+    sessions) against the sessions the model makes: ``ValueError`` naming the
+    setting when it would admit none (not even the smallest frame), a warning
+    when it would refuse the default (every request that gives no size is then
+    refused: a server may mean that, its sessions asking for smaller frames).
+    A measured ``max_pixels`` is never below the default."""
+    defaults = pipeline.describe(DEFAULT_START)
+    side = limits.size_multiple
+    smallest = pipeline.describe(StartSession(session_id="smallest", prompt="smallest", width=side, height=side))
     w, h = defaults.width, defaults.height
-    if limits.max_pixels is not None and not limits.max_pixels_derived and w * h > limits.max_pixels:
-        raise ValueError(
-            f"max_pixels {limits.max_pixels} is below the model's default session, {w}x{h} ({w * h} pixels): "
-            "every session that gives no size would be refused"
-        )
-    if budget is not None and defaults.state_bytes > budget:
-        raise ValueError(
-            f"session_memory_gib: the model's default {w}x{h} session needs {defaults.state_bytes / 2**20:.2f} MiB "
-            f"of memory, and sessions may hold {budget / 2**20:.2f} MiB: every session would be refused"
-        )
+    if limits.max_pixels is not None and not limits.max_pixels_derived:
+        if side * side > limits.max_pixels:
+            raise ValueError(
+                f"max_pixels {limits.max_pixels} is below the smallest frame the model makes, {side}x{side}: "
+                "no session could be admitted"
+            )
+        if w * h > limits.max_pixels:
+            log.warning(
+                "max_pixels %d is below the model's default session, %dx%d: sessions must ask for a smaller size",
+                limits.max_pixels,
+                w,
+                h,
+            )
+    if budget is not None:
+        if smallest.state_bytes > budget:
+            raise ValueError(
+                f"session_memory_gib: sessions may hold {budget / 2**20:.2f} MiB of memory, and the smallest "
+                f"session, {side}x{side}, needs {smallest.state_bytes / 2**20:.2f} MiB: no session could be admitted"
+            )
+        if defaults.state_bytes > budget:
+            log.warning(
+                "session memory: the model's default %dx%d session needs %.2f MiB and sessions may hold %.2f MiB: "
+                "sessions must ask for a smaller size",
+                w,
+                h,
+                defaults.state_bytes / 2**20,
+                budget / 2**20,
+            )
 
 
 def _cpu_threads(config: EngineConfig, pipeline, warm_up_s: float) -> int | None:

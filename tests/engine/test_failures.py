@@ -173,13 +173,17 @@ async def test_a_pipeline_that_cannot_warm_up_is_a_clear_startup_error():
 @pytest.mark.parametrize(
     ("limits", "refusal"),
     [
-        ({"max_pixels": 1}, r"max_pixels 1 is below the model's default session, 32x32 \(1024 pixels\)"),
-        ({"max_pixels": None, "session_memory_bytes": 100}, r"session_memory_gib: the model's default 32x32 session"),
+        ({"max_pixels": 3}, r"max_pixels 3 is below the smallest frame the model makes, 2x2: no session could be"),
+        (
+            {"max_pixels": None, "session_memory_bytes": 8},
+            r"session_memory_gib: sessions may hold 0.00 MiB of memory, and the smallest session, 2x2, needs",
+        ),
     ],
 )
-async def test_limits_that_would_refuse_the_default_session_refuse_the_start_naming_them(limits, refusal):
-    """Every request that gives no size would be refused: the worker says so at
-    start, in one line, instead of starting a server that serves nothing."""
+async def test_limits_that_would_admit_no_session_refuse_the_start_naming_them(limits, refusal):
+    """No request could be served: the worker says so at start, in one line,
+    instead of starting a server that serves nothing (limits below the default
+    session only are warned of: tests/engine/test_realtime_limits.py serves one)."""
     config = EngineConfig(startup_timeout_s=60, **{**PINNED_LIMITS, **limits})
     client = EngineClient(config)
     with pytest.raises(EngineStartupError, match=refusal):

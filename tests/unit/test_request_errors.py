@@ -89,11 +89,16 @@ def test_a_call_cut_short_by_a_death_is_told_to_retry_once_the_restart_began():
     assert engine_unavailable_response(restarting).headers["retry-after"] == "3"
 
 
-def test_frame_bounds_below_the_models_default_session_are_named_at_start():
+def test_frame_bounds_that_admit_no_session_refuse_the_start_and_below_the_default_are_warned_of(caplog):
+    from rtvideo.engine.messages import ModelLimits
     from rtvideo.server.app import _default_refused
 
-    assert _default_refused(TINY, ServerSettings()) is None
-    assert _default_refused(TINY, ServerSettings(max_width=2)) == (
-        "max_width 2 is below the model's default session, 64x64: every session that gives no size would be refused"
+    limits = ModelLimits(size_multiple=16, max_size=1280, max_inference_steps=4, max_fps=60.0)
+    assert _default_refused(TINY, limits, ServerSettings()) is None and not caplog.records
+    assert _default_refused(TINY, limits, ServerSettings(max_width=2)) == (
+        "max_width 2 is below the smallest frame the model makes, 16x16: no session could be served"
     )
-    assert _default_refused(TINY, ServerSettings(max_height=48)).startswith("max_height 48 is below")
+    assert _default_refused(TINY, limits, ServerSettings(max_height=48)) is None  # a 48-row server: sizes asked for
+    assert "max_height 48 is below the model's default session, 64x64: sessions must ask for a smaller size" in (
+        caplog.text
+    )
