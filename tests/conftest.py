@@ -36,7 +36,8 @@ ENGINE_KEYS = {
 def fork_server_with_the_models_modules():
     """The fork server the in-process engines' workers come from, started once a
     test process with the model's modules preloaded (``EngineConfig.worker_modules``
-    of a model: diffusers and the causal Wan pipeline). Each engine's own
+    of a model: diffusers and the causal Wan pipeline), as the server preloads
+    them (``worker_context``: the fork server's own setup first). Each engine's own
     preload list takes effect only where it starts the server, so one of the
     stub model started first would leave every later model worker of the
     process importing diffusers itself (about 3 s a start on two cores, in
@@ -44,8 +45,9 @@ def fork_server_with_the_models_modules():
     as well."""
     import multiprocessing.forkserver
 
-    model = EngineConfig(pipeline=PipelineSpec("tiny", {}), pp=2)  # pipeline ranks' modules too
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(model.worker_modules))
+    from rtvideo.engine.client.spawned_worker import worker_context
+
+    worker_context(EngineConfig(pipeline=PipelineSpec("tiny", {}), pp=2))  # its preload, pipeline ranks' modules too
     multiprocessing.forkserver.ensure_running()
     yield
 

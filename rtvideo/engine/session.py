@@ -37,22 +37,37 @@ def chunk_frames(geometry: SessionGeometry, index: int) -> int:
     return first_frame(geometry, index + 1) - first_frame(geometry, index)
 
 
+def unsendable(output: object) -> str | None:
+    """What keeps a decode's output from travelling as frames (None: nothing): it
+    must be a ``ChunkOutput`` of integer sizes and a non-empty bytes payload.
+    What a follower rank checks before it replies (``DecodeServer``); rank 0
+    checks the rest against the session (``output_fault``)."""
+    if not isinstance(output, ChunkOutput):
+        return f"a {type(output).__name__}, not a ChunkOutput"
+    sizes = (output.num_frames, output.width, output.height)
+    if not all(type(size) is int for size in sizes):
+        return f"sizes {sizes!r}, not integers"
+    if not isinstance(output.payload, bytes):
+        return f"a payload of {type(output.payload).__name__}, not bytes"
+    if not output.payload:
+        return "an empty payload"
+    return None
+
+
 def output_fault(output: object, geometry: SessionGeometry, index: int) -> str | None:
     """What is wrong with a decode's output for chunk ``index`` of a session of
-    ``geometry`` (None: nothing): it must be a ``ChunkOutput`` at the session's
-    size, of the chunk's frames (``chunk_frames``), whose payload is bytes of
+    ``geometry`` (None: nothing): it must travel as frames (``unsendable``), at
+    the session's size, of the chunk's frames (``chunk_frames``), its payload
     exactly that many uint8 RGB frames. The engine checks every chunk before it
     is sent, so a pipeline's fault fails its session instead of reaching the
     wire (where it could not be encoded, or not be read)."""
     frames = chunk_frames(geometry, index)
     want = f"{frames} frames of {geometry.width}x{geometry.height}"
-    if not isinstance(output, ChunkOutput):
-        return f"a {type(output).__name__}, not a ChunkOutput of {want}"
+    if (fault := unsendable(output)) is not None:
+        return f"{fault} ({want})" if isinstance(output, ChunkOutput) else f"{fault} of {want}"
     got = (output.num_frames, output.width, output.height)
     if got != (frames, geometry.width, geometry.height):
         return f"{output.num_frames} frames of {output.width}x{output.height}, not {want}"
-    if not isinstance(output.payload, bytes):
-        return f"a payload of {type(output.payload).__name__}, not bytes"
     size = frames * geometry.width * geometry.height * 3
     if len(output.payload) != size:
         return f"{len(output.payload)} payload bytes, not {size} ({want}, uint8 RGB)"

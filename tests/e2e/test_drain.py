@@ -183,10 +183,12 @@ async def test_a_worker_lost_while_the_server_drains_is_not_replaced(make_server
         await client.send({"type": "session.start", "prompt": "endless", "format": "raw"})
         await client.until("video.start")
         server.process.send_signal(signal.SIGTERM)
-        for _ in range(100):  # the drain has begun
+        for _ in range(500):  # the drain has begun
             if httpx.get(f"{server.http}/health").status_code == 503:
                 break
             await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the server did not begin to drain within 10 s of its SIGTERM")
         os.kill(worker, signal.SIGKILL)
         got = await client.rest(timeout=30)
     assert got.of("error")[0]["code"] == "worker_died", got.events

@@ -26,6 +26,7 @@ import torch
 
 from rtvideo.engine.messages import DecodeCancel, Decoded, DecodeFront, DecodeFronts, DecodeFrontsEnd, DecodeWhole
 from rtvideo.engine.plan import ChunkOutput
+from rtvideo.engine.session import unsendable
 from rtvideo.workers.decode_stage import batch_rounds, decode_batch_rows
 from rtvideo.workers.os_threads import lower_this_thread, name_this_thread
 from rtvideo.workers.parallel.link import LinkTimeout, Message
@@ -233,11 +234,13 @@ class DecodeServer:
         last frame that says ``retry`` is answered by nothing: rank 0 sends
         each chunk again alone, and the sessions' caches here are as they were
         before the batch. The batch is abandoned once every session in it is
-        cancelled; once abandoned, parts are only counted off. When the batch
-        fails here, its parts are kept, and at its last frame each row goes
-        through the back alone (``_rows_alone``: the sessions' caches change only
-        once a batch's frames are made, so a failed batch left them as they
-        were): only a row that fails on its own gets an error."""
+        cancelled; once abandoned, parts are only counted off. Its parts are
+        kept until its last frame: when one failed here, each row then goes
+        through the back alone over them (``_rows_alone``: the sessions' caches
+        change only once a batch's frames are made, so the failed batch left
+        them as they were), and only a row that fails on its own gets an error.
+        A failure while the frames are made, which may have written some
+        caches, fails every row."""
         header = message.header
         rows = list(header.rows)
         key = tuple(rows)
@@ -254,9 +257,9 @@ class DecodeServer:
             if error is None and not abandoned and batch.back is not None:
                 try:  # the back's kernels waited for, as a single chunk's are
                     outputs = batch.back.frames()
-                except Exception as failure:
-                    error = self._failed(failure)
-            if error is not None and not abandoned:  # failed here: each row alone
+                except Exception as failure:  # the caches may be part-written: no row is run again on them
+                    errors = [self._failed(failure)] * len(rows)
+            elif error is not None and not abandoned:  # a part failed here, the caches untouched: each row alone
                 outputs, errors = self._rows_alone(rows, batch.parts)
             ms = (batch.back_ms + header.front_ms + (time.perf_counter() - began) * 1000.0) / len(rows)
             self._cancel_arrived(ids[0])  # take the cancels that came
@@ -377,7 +380,7 @@ def _reply(
     integer sizes and a non-empty bytes payload) is answered as the session's
     decode error: it must fail that session, never the thread that serves every
     session's decodes. Rank 0 checks what travels against the session's size."""
-    if chunk is not None and (fault := _unsendable(chunk)) is not None:
+    if chunk is not None and (fault := unsendable(chunk)) is not None:
         chunk, error = None, error or f"rank {rank}: decode returned {fault}"
     frames = None if chunk is None else (chunk.num_frames, chunk.width, chunk.height)
     header = Decoded(session_id=sid, chunk_index=chunk_index, ms=ms, frames=frames, error=error, cancelled=cancelled)
@@ -387,16 +390,3 @@ def _reply(
             warnings.simplefilter("ignore", UserWarning)
             tensors = [torch.frombuffer(chunk.payload, dtype=torch.uint8)]
     return Message(header, tensors)
-
-
-def _unsendable(chunk: object) -> str | None:
-    """What keeps a decode's output from travelling as frames (None: nothing)."""
-    if not isinstance(chunk, ChunkOutput):
-        return f"a {type(chunk).__name__}, not a ChunkOutput"
-    sizes = (chunk.num_frames, chunk.width, chunk.height)
-    if not all(type(size) is int for size in sizes):
-        return f"sizes {sizes!r}, not integers"
-    if not isinstance(chunk.payload, bytes) or not chunk.payload:
-        kind = type(chunk.payload).__name__
-        return "an empty payload" if isinstance(chunk.payload, bytes) else f"a payload of {kind}, not bytes"
-    return None

@@ -295,6 +295,7 @@ class RankDecodeStage:
             front_ms = (time.perf_counter() - began) * 1000.0
             end = DecodeFrontsEnd(rows=keys, split=self._split, front_ms=front_ms, cancelled=cancelled, retry=retry)
             self._sockets.post(rank, DECODE, number, Message(end, []))
+            self._sent(rank, list(keys))
         except Exception as error:
             for sid, chunk_index, _, _ in rows:
                 self._not_sent(rank, sid, chunk_index, error)
@@ -323,6 +324,7 @@ class RankDecodeStage:
             front_ms = (time.perf_counter() - began) * 1000.0
             end = DecodeFrontEnd(**key, front_ms=front_ms, error=failure, cancelled=cancelled)
             self._sockets.post(rank, DECODE, chunk_index, Message(end, []))
+            self._sent(rank, [(session_id, chunk_index)])
         except Exception as error:
             self._not_sent(rank, session_id, chunk_index, error)
 
@@ -389,6 +391,18 @@ class RankDecodeStage:
             self._came_back(rank, sid)
             self._decoded[rank] += chunk is not None
             self._on_done(DecodeResult(sid, chunk_index, chunk, header.ms, header.error, header.cancelled))
+
+    def _sent(self, rank: int, keys: list[tuple[str, int]]) -> None:
+        """The split chunks of ``keys`` (session, chunk) went out whole to ``rank``
+        now: the follower owes their decode from here, not from their hand-off
+        (rank 0's own front stages ran in between)."""
+        now = time.monotonic()
+        with self._lock:
+            for session_id, chunk_index in keys:
+                out = self._out[rank].get(session_id, ())
+                for position, (index, _) in enumerate(out):
+                    if index == chunk_index:
+                        out[position] = (index, now)
 
     def _silent_s(self, rank: int) -> float:
         """How long ``rank`` has owed a decode and sent none back: since its last
